@@ -1,0 +1,5 @@
+"""Configurations of the mnemo model families, each validating itself on construction."""
+
+from .configuration_mom import MoMConfig
+
+__all__ = ["MoMConfig"]

@@ -1,0 +1,32 @@
+"""Helpers that make every config reject impossible values with a ``ValueError`` naming the field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+def check(condition: bool, field: str, message: str, value: Any) -> None:
+    """Raise ``ValueError("<field>=<value>: <message>")`` unless ``condition`` holds."""
+    if not condition:
+        raise ValueError(f"{field}={value!r}: {message}")
+
+
+def check_positive_int(field: str, value: Any) -> None:
+    check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, field, "must be an integer >= 1", value)
+
+
+def check_choice(field: str, value: Any, choices: Iterable[str]) -> None:
+    choices = tuple(choices)
+    check(value in choices, field, f"must be one of {choices}", value)
+
+
+def check_layer_indices(field: str, value: Any, num_layers: int) -> None:
+    check(
+        isinstance(value, (list, tuple))
+        and all(isinstance(i, int) and 0 <= i < num_layers for i in value)
+        and len(set(value)) == len(value),
+        field,
+        f"must be a list of distinct layer indices in [0, {num_layers})",
+        value,
+    )

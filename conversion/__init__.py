@@ -1,0 +1,1 @@
+"""Hub export, checkpoint imports (flash-linear-attention, Llama) and RNN -> Memory Caching conversion."""

@@ -1,0 +1,250 @@
+"""The gated delta rule: the memory of every MoM memory (FAMILIES.md §1).
+
+Per head, with a state ``S`` of shape ``(d_k, d_v)`` kept in float32::
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+    o_t = S_t^T q_t                     (the output reads the state after the write)
+
+``q`` and ``k`` are L2-normalised per head (``use_qk_l2norm``) and ``q`` is scaled
+by ``scale`` (default ``d_k ** -0.5``). ``g`` is the log-decay (``None`` means 0:
+the plain delta rule). A token with ``beta = 0`` and ``g = 0`` is an exact no-op on
+the state, which is how padding is expressed.
+
+Three entry points share one signature style, tensors laid out as
+``(batch, time, heads, dim)``:
+
+- :func:`reference_gated_delta`: the readable token-by-token definition (tests).
+- :func:`chunk_gated_delta`: the chunked (WY) form for training and prefill.
+- :func:`step_gated_delta`: one token per sequence, for decoding.
+
+Variable-length batches use ``cu_seqlens`` (int64, ``N + 1`` offsets into a
+packed batch of size 1), as in flash-attention; ``initial_state`` then has one
+entry per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import resolve_backend
+from .norms import l2_normalize
+
+__all__ = ["reference_gated_delta", "chunk_gated_delta", "step_gated_delta"]
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    # States and accumulations are float32 at least; float64 inputs stay float64 (tests).
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _prepare_qk(q: torch.Tensor, k: torch.Tensor, scale: float | None, use_qk_l2norm: bool, dtype: torch.dtype):
+    q, k = q.to(dtype), k.to(dtype)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return q * (q.shape[-1] ** -0.5 if scale is None else scale), k
+
+
+def _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens):
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"expected q, k of shape (batch, time, heads, d_k) and v of shape (batch, time, heads, d_v); "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if beta.shape != q.shape[:3] or (g is not None and g.shape != q.shape[:3]):
+        raise ValueError(f"g and beta must have shape {tuple(q.shape[:3])} (batch, time, heads)")
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError("with cu_seqlens the batch must be packed into a batch of size 1")
+    n = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    expected = (n, q.shape[2], q.shape[3], v.shape[3])
+    if initial_state is not None and tuple(initial_state.shape) != expected:
+        raise ValueError(f"initial_state must have shape {expected}, got {tuple(initial_state.shape)}")
+    return n
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def reference_gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token gated delta rule; returns ``(o, final_state)``."""
+    n = _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
+    out_dtype = v.dtype
+    dtype = _compute_dtype(v)
+    q, k = _prepare_qk(q, k, scale, use_qk_l2norm, dtype)
+    v, beta = v.to(dtype), beta.to(dtype)
+    g = torch.zeros_like(beta) if g is None else g.to(dtype)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if cu_seqlens is None:
+        bounds = [(b, 0, T) for b in range(B)]
+    else:
+        offs = cu_seqlens.tolist()
+        bounds = [(0, offs[i], offs[i + 1]) for i in range(n)]
+    o = torch.zeros(B, T, H, V, dtype=dtype, device=v.device)
+    finals = []
+    for i, (b, start, end) in enumerate(bounds):
+        S = q.new_zeros(H, K, V) if initial_state is None else initial_state[i].to(dtype)
+        for t in range(start, end):
+            kt, vt, bt = k[b, t], v[b, t], beta[b, t]
+            S = S * g[b, t].exp()[:, None, None]
+            residual = vt - torch.einsum("hkv,hk->hv", S, kt)
+            S = S + torch.einsum("hk,hv->hkv", kt, bt[:, None] * residual)
+            o[b, t] = torch.einsum("hkv,hk->hv", S, q[b, t])
+        finals.append(S)
+    return o.to(out_dtype), torch.stack(finals)
+
+
+# --------------------------------------------------------------------------- step
+
+
+def step_gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence: ``q, k`` ``(N, H, d_k)``, ``v`` ``(N, H, d_v)``, ``g, beta`` ``(N, H)``,
+    ``state`` ``(N, H, d_k, d_v)``. Returns ``(o, new_state)``; ``state`` is not modified."""
+    out_dtype = v.dtype
+    dtype = torch.promote_types(_compute_dtype(v), state.dtype)
+    q, k = _prepare_qk(q, k, scale, use_qk_l2norm, dtype)
+    v, beta = v.to(dtype), beta.to(dtype)
+    S = state.to(dtype)
+    if g is not None:
+        S = S * g.to(dtype).exp()[..., None, None]
+    residual = v - torch.einsum("nhkv,nhk->nhv", S, k)
+    S = S + k.unsqueeze(-1) * (beta.unsqueeze(-1) * residual).unsqueeze(-2)
+    o = torch.einsum("nhkv,nhk->nhv", S, q)
+    return o.to(out_dtype), S
+
+
+# --------------------------------------------------------------------------- chunked
+
+
+def _chunk_dense(q, k, v, g, beta, S, chunk_size: int):
+    """Chunked WY form on dense ``(N, H, T, D)`` tensors, ``T`` a multiple of ``chunk_size``.
+
+    Within a chunk with cumulative log-decay ``G`` the state after token ``t`` is
+    ``S_t = e^{G_t} S_0 + sum_{j<=t} e^{G_t - G_j} k_j d_j^T`` where the effective
+    writes ``d = beta * (v - ...)`` solve the unit lower-triangular system
+    ``(I + A) D = beta V - diag(beta e^G) K S_0`` with
+    ``A_ij = beta_i e^{G_i - G_j} k_i.k_j`` for ``j < i``. Everything but the
+    carry of ``S`` across chunks is batched over all chunks at once.
+    """
+    N, H, T, K = k.shape
+    V = v.shape[-1]
+    C = chunk_size
+    n = T // C
+    q, k, v = (x.reshape(N, H, n, C, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(N, H, n, C), beta.reshape(N, H, n, C)
+
+    G = g.cumsum(-1)
+    idx = torch.arange(C, device=q.device)
+    causal = idx[:, None] >= idx[None, :]
+    # exp of masked differences, never of a positive number: stable for any decay.
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    strict = decay.masked_fill(torch.eye(C, dtype=torch.bool, device=q.device), 0.0)
+    A = (k @ k.transpose(-1, -2)) * strict * beta[..., :, None]
+    rhs = torch.cat([beta[..., None] * v, (beta * G.exp())[..., None] * k], dim=-1)
+    # unitriangular: the solver takes the diagonal of A as ones.
+    UW = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    U, W = UW[..., :V], UW[..., V:]
+    P = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * G.exp()[..., None]
+    k_decayed = k * (G[..., -1:] - G).exp()[..., None]
+    chunk_decay = G[..., -1].exp()[..., None, None]
+
+    outputs = []
+    for c in range(n):
+        D = U[:, :, c] - W[:, :, c] @ S
+        outputs.append(q_decayed[:, :, c] @ S + P[:, :, c] @ D)
+        S = chunk_decay[:, :, c] * S + k_decayed[:, :, c].transpose(-1, -2) @ D
+    o = torch.stack(outputs, dim=2).reshape(N, H, T, V)
+    return o, S
+
+
+def _packed_to_padded_index(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """Flat index into a ``(N, length)`` grid for every packed position."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+    local = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - cu_seqlens[seq]
+    return seq * length + local
+
+
+def _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size):
+    n = _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
+    out_dtype = v.dtype
+    dtype = _compute_dtype(v)
+    q, k = _prepare_qk(q, k, scale, use_qk_l2norm, dtype)
+    v, beta = v.to(dtype), beta.to(dtype)
+    g = torch.zeros_like(beta) if g is None else g.to(dtype)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    S0 = q.new_zeros(n, H, K, V) if initial_state is None else initial_state.to(dtype)
+
+    if cu_seqlens is None:
+        length = T
+    else:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        length = int(lengths.max()) if n > 0 else 0
+    if length == 0 or n == 0:
+        return v.new_zeros(B, T, H, V).to(out_dtype), S0
+
+    C = min(chunk_size, length)
+    padded = -(-length // C) * C
+    if cu_seqlens is None:
+        # (B, T, H, D) -> (N, H, T_padded, D); the padding is zeros: beta = g = 0 is a no-op.
+        def to_grid(x):
+            x = x.transpose(1, 2)
+            return torch.nn.functional.pad(x, (0, 0, 0, padded - T)) if x.dim() == 4 else torch.nn.functional.pad(x, (0, padded - T))
+
+        o, S = _chunk_dense(*(to_grid(x) for x in (q, k, v, g, beta)), S0, C)
+        return o[:, :, :T].transpose(1, 2).to(out_dtype), S
+
+    index = _packed_to_padded_index(cu_seqlens, padded)
+
+    def to_grid(x):
+        grid = x.new_zeros((n * padded,) + x.shape[2:]).index_copy(0, index, x[0])
+        return grid.reshape((n, padded) + x.shape[2:]).transpose(1, 2)
+
+    o, S = _chunk_dense(*(to_grid(x) for x in (q, k, v, g, beta)), S0, C)
+    o = o.transpose(1, 2).reshape(n * padded, H, V).index_select(0, index)
+    return o.unsqueeze(0).to(out_dtype), S
+
+
+def chunk_gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule; returns ``(o, final_state)`` (final state float32).
+
+    Sequences of length 0 in a varlen batch return their initial state unchanged.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    resolve_backend(q, has_triton_impl=False)
+    return _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size)

@@ -1,0 +1,31 @@
+"""mnemo: memory-based sequence models as Hugging Face ``transformers`` models.
+
+Importing ``mnemo`` registers every family with the ``Auto*`` classes, so
+``AutoModelForCausalLM.from_pretrained`` loads mnemo checkpoints directly;
+:func:`register` does the same explicitly and is idempotent.
+"""
+
+from __future__ import annotations
+
+from mnemo.configuration import MoMConfig
+from mnemo.kernels import use_backend
+from mnemo.modeling import MnemoCache, MoMForCausalLM, MoMModel
+
+__version__ = "0.1.0"
+
+_FAMILIES = ((MoMConfig, MoMModel, MoMForCausalLM),)
+
+
+def register() -> None:
+    """Register every mnemo config and model with ``AutoConfig``, ``AutoModel`` and ``AutoModelForCausalLM``."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    for config_cls, base_cls, lm_cls in _FAMILIES:
+        AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
+        AutoModel.register(config_cls, base_cls, exist_ok=True)
+        AutoModelForCausalLM.register(config_cls, lm_cls, exist_ok=True)
+
+
+register()
+
+__all__ = ["MnemoCache", "MoMConfig", "MoMForCausalLM", "MoMModel", "__version__", "register", "use_backend"]

@@ -1,0 +1,1 @@
+"""Model-card templates (package data), filled when a model is exported."""

@@ -1,0 +1,15 @@
+"""Layers, blocks, caches and models of the mnemo families."""
+
+from .cache import LayerCache, MnemoCache
+from .modeling_mom import MoMForCausalLM, MoMModel, MoMPreTrainedModel
+from .outputs import MnemoCausalLMOutput, MnemoModelOutput
+
+__all__ = [
+    "LayerCache",
+    "MnemoCache",
+    "MnemoCausalLMOutput",
+    "MnemoModelOutput",
+    "MoMForCausalLM",
+    "MoMModel",
+    "MoMPreTrainedModel",
+]

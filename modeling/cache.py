@@ -1,0 +1,123 @@
+"""``MnemoCache``: the one ``transformers.Cache`` of every mnemo model.
+
+Each layer keeps a :class:`LayerCache`: a dict of tensors whose first dimension
+is the batch (recurrent states, short-conv windows, KV pairs, ...) and the number
+of tokens it has seen, padding included (what ``generate()`` compares with the
+attention mask to slice new inputs). Batch operations (beam reorder, repeat,
+select) act on dimension 0 of every tensor, so a layer of any kind supports them
+without code of its own.
+
+transformers' ``DynamicCache`` cannot hold an all-recurrent model (its
+``get_seq_length`` looks for an attention layer), so the models return ``False``
+from ``_supports_default_dynamic_cache`` and create this cache themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+
+class LayerCache:
+    """Per-layer state: named tensors (batch first) and the count of tokens seen."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+    supports_early_init = False
+    is_initialized = True
+
+    def __init__(self) -> None:
+        self.states: dict[str, torch.Tensor] = {}
+        self.seen_tokens = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.states
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.states[name]
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.states.get(name)
+
+    def update(self, **tensors: torch.Tensor) -> None:
+        self.states.update(tensors)
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.states.values())).shape[0] if self.states else -1
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen_tokens + query_length, 0
+
+    def reset(self) -> None:
+        self.states = {}
+        self.seen_tokens = 0
+
+    def _apply(self, fn) -> None:
+        self.states = {name: fn(t) for name, t in self.states.items()}
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply(lambda t: t[indices.to(t.device) if torch.is_tensor(indices) else indices])
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("a recurrent memory state cannot be rolled back to an earlier position")
+
+
+class MnemoCache(Cache):
+    """Cache of a mnemo model: one :class:`LayerCache` per layer.
+
+    Create it with ``MnemoCache(config.num_hidden_layers)`` (or let ``generate()``
+    and ``forward(use_cache=True)`` create it). Layers fill their entries lazily on
+    their first forward.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__(layers=[LayerCache() for _ in range(num_layers)])
+
+    def __getitem__(self, layer_idx: int) -> LayerCache:
+        return self.layers[layer_idx]
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        if not self.layers:
+            return 0
+        return self.layers[layer_idx or 0].seen_tokens
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[layer_idx].get_mask_sizes(query_length)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self.get_seq_length(layer_idx or 0) > 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return True
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("mnemo caches hold recurrent states, which cannot be cropped")

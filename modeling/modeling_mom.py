@@ -1,0 +1,241 @@
+"""Mixture-of-Memories language models: ``MoMModel`` and ``MoMForCausalLM`` (FAMILIES.md §1).
+
+A stack of pre-norm blocks, each a MoM memory layer (or, at the indices in
+``config.attention_layers``, softmax attention with RoPE) followed by a SwiGLU
+MLP. The model returns the router's load-balancing loss as ``aux_loss`` and adds
+``aux_loss_coef * aux_loss`` to the language-modelling loss when labels are given.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from ..configuration.configuration_mom import MoMConfig
+from .attention import SoftmaxAttention
+from .cache import LayerCache, MnemoCache
+from .generation import MnemoGenerationMixin, check_attention_mask
+from .mlp import SwiGLU
+from .mom_layer import MoMMemoryLayer
+from .normalization import RMSNorm
+from .outputs import MnemoCausalLMOutput, MnemoModelOutput
+from .short_conv import ShortConvolution
+
+
+class MoMBlock(GradientCheckpointingLayer):
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``; ``attn`` is a MoM layer or softmax attention."""
+
+    def __init__(self, config: MoMConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_attention = layer_idx in config.attention_layers
+        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        if self.is_attention:
+            self.attn = SoftmaxAttention(
+                config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                config.rope_theta, layer_idx,
+            )
+        else:
+            self.attn = MoMMemoryLayer(config, layer_idx)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        key_valid: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        past_key_values: LayerCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        residual = hidden_states
+        hidden_states = self.attn_norm(hidden_states)
+        aux = None
+        if self.is_attention:
+            hidden_states = self.attn(hidden_states, positions, key_valid, past_key_values)
+        else:
+            hidden_states, aux = self.attn(hidden_states, attention_mask, past_key_values)
+        hidden_states = residual + hidden_states
+        hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
+        return hidden_states, aux
+
+
+class MoMPreTrainedModel(PreTrainedModel):
+    config_class = MoMConfig
+    config: MoMConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MoMBlock"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, ShortConvolution):
+            bound = module.kernel_size[0] ** -0.5
+            init.uniform_(module.weight, -bound, bound)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, MoMMemoryLayer):
+            A_log, dt_bias = module.reset_decay_parameters()
+            init.copy_(module.A_log, A_log)
+            init.copy_(module.dt_bias, dt_bias)
+
+
+class MoMModel(MoMPreTrainedModel):
+    """The MoM stack without the language-modelling head."""
+
+    def __init__(self, config: MoMConfig) -> None:
+        config.validate_mom()
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(MoMBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: MnemoCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MnemoModelOutput | tuple:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if use_cache and past_key_values is None:
+            past_key_values = MnemoCache(self.config.num_hidden_layers)
+        cache = past_key_values if use_cache else None
+
+        B, T, _ = inputs_embeds.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        check_attention_mask(attention_mask, B, past + T)
+        if attention_mask is not None and bool(attention_mask.bool().all()):
+            attention_mask = None  # no padding: take the unmasked fast paths
+        new_mask = attention_mask[:, -T:] if attention_mask is not None else None
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+            else:
+                position_ids = torch.arange(past, past + T, device=inputs_embeds.device).expand(B, T)
+
+        hidden_states = inputs_embeds
+        all_hidden = (hidden_states,) if output_hidden_states else None
+        aux_losses = []
+        for i, block in enumerate(self.layers):
+            hidden_states, aux = block(
+                hidden_states,
+                attention_mask=new_mask,
+                key_valid=attention_mask,
+                positions=position_ids,
+                past_key_values=cache[i] if cache is not None else None,
+            )
+            if aux is not None:
+                aux_losses.append(aux)
+            if output_hidden_states:
+                all_hidden += (hidden_states,)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden = all_hidden[:-1] + (hidden_states,)
+        if cache is not None:
+            for layer_cache in cache:
+                layer_cache.seen_tokens += T
+        aux_loss = torch.stack(aux_losses).mean() if aux_losses else None
+        out = MnemoModelOutput(
+            last_hidden_state=hidden_states,
+            past_key_values=cache,
+            hidden_states=all_hidden,
+            aux_loss=aux_loss,
+        )
+        return out if return_dict else out.to_tuple()
+
+
+class MoMForCausalLM(MoMPreTrainedModel, MnemoGenerationMixin):
+    """MoM language model. ``generate()`` runs on the recurrent cache (greedy, sampling, beam search)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: MoMConfig) -> None:
+        super().__init__(config)
+        self.model = MoMModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: MnemoCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> MnemoCausalLMOutput | tuple:
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+            if outputs.aux_loss is not None and self.config.aux_loss_coef > 0:
+                loss = loss + self.config.aux_loss_coef * outputs.aux_loss.to(loss.device)
+        out = MnemoCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            aux_loss=outputs.aux_loss,
+        )
+        return out if return_dict else out.to_tuple()

@@ -1,0 +1,165 @@
+"""The Mixture-of-Memories layer (FAMILIES.md §1).
+
+Tokens are routed to ``topk`` of ``num_memories`` gated-delta-rule memories (plus
+a shared memory every token updates). Each memory runs over its own subsequence:
+its projections, its short-conv windows and its state see only the tokens routed
+to it. The recurrence itself is the kernel API's (``chunk_gated_delta`` for
+sequences, ``step_gated_delta`` when every memory receives at most one token).
+Parameter names follow flash-linear-attention's ``MomAttention`` so that its
+checkpoints map one to one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..configuration.configuration_mom import MoMConfig
+from ..kernels.gated_delta import chunk_gated_delta, step_gated_delta
+from .cache import LayerCache
+from .normalization import GatedRMSNorm
+from .routing import route
+from .short_conv import ConvWindows, ShortConvolution
+
+
+def _memory_projections(num: int, hidden: int, out: int) -> nn.ModuleList:
+    return nn.ModuleList(nn.Linear(hidden, out, bias=False) for _ in range(num))
+
+
+class MoMMemoryLayer(nn.Module):
+    """Router, per-memory projections and states, gated RMSNorm output."""
+
+    def __init__(self, config: MoMConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_memories = config.num_memories
+        self.topk = config.topk
+        self.shared_memory = config.shared_memory
+        self.num_heads = config.num_heads
+        self.head_k_dim = config.head_dim
+        self.head_v_dim = config.value_head_dim
+        self.key_dim = self.num_heads * self.head_k_dim
+        self.value_dim = self.num_heads * self.head_v_dim
+        self.conv_size = config.conv_size
+        self.chunk_size = config.chunk_size
+        self.gated = config.memory_update == "gated_deltanet"
+        hidden, E, H = config.hidden_size, config.num_memories, config.num_heads
+
+        self.gate = nn.Linear(hidden, E, bias=False)  # the router
+        self.q_proj = nn.Linear(hidden, self.key_dim, bias=False)
+        self.k_proj = _memory_projections(E, hidden, self.key_dim)
+        self.v_proj = _memory_projections(E, hidden, self.value_dim)
+        self.b_proj = _memory_projections(E, hidden, H)
+        self.a_proj = _memory_projections(E, hidden, H)
+        if self.shared_memory:
+            self.shared_k = nn.Linear(hidden, self.key_dim, bias=False)
+            self.shared_v = nn.Linear(hidden, self.value_dim, bias=False)
+            self.shared_b = nn.Linear(hidden, H, bias=False)
+            self.shared_a = nn.Linear(hidden, H, bias=False)
+        # The decay parameters exist (and load) for ``deltanet`` too, where they are unused.
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(H))
+        self.q_conv1d = ShortConvolution(self.key_dim, self.conv_size)
+        self.k_conv1d = ShortConvolution(self.key_dim, self.conv_size)
+        self.v_conv1d = ShortConvolution(self.value_dim, self.conv_size)
+        self.g_proj = nn.Linear(hidden, self.value_dim, bias=False)
+        self.o_norm = GatedRMSNorm(self.head_v_dim, eps=config.norm_eps)
+        self.o_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    @property
+    def num_states(self) -> int:
+        """Memories with a state: the routed ones plus the shared one."""
+        return self.num_memories + int(self.shared_memory)
+
+    def reset_decay_parameters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Initial ``A_log`` and ``dt_bias`` (Mamba-2 / Gated DeltaNet practice)."""
+        A = torch.empty(self.num_heads).uniform_(1, 16)
+        dt = torch.exp(torch.rand(self.num_heads) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
+        dt = dt.clamp(min=1e-4)
+        return torch.log(A), dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+
+    def _memory(self, m: int) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:
+        if m == self.num_memories:
+            return self.shared_k, self.shared_v, self.shared_b, self.shared_a
+        return self.k_proj[m], self.v_proj[m], self.b_proj[m], self.a_proj[m]
+
+    def _cached_states(self, cache: LayerCache | None, batch: int, like: torch.Tensor):
+        """States in sequence order ``m * B + b`` (``None`` entries mean zeros)."""
+        if cache is None or "recurrent" not in cache:
+            return None, None, None, None
+
+        def seq_order(t: torch.Tensor) -> torch.Tensor:
+            return t.transpose(0, 1).reshape((self.num_states * batch,) + t.shape[2:])
+
+        return tuple(seq_order(cache[name]) for name in ("recurrent", "conv_q", "conv_k", "conv_v"))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden_states`` ``(B, T, d)``; ``attention_mask`` ``(B, T)`` 0/1 for these tokens.
+
+        Returns the layer output and this layer's load-balancing loss.
+        """
+        B, T, _ = hidden_states.shape
+        M, H = self.num_states, self.num_heads
+        x = hidden_states.reshape(B * T, -1)
+        valid = attention_mask.bool() if attention_mask is not None else None
+        plan = route(self.gate(hidden_states), self.topk, valid, self.shared_memory)
+
+        packed = x.index_select(0, plan.token_index)
+        q = self.q_proj(x).index_select(0, plan.token_index)  # W_q is shared: project once, then gather
+        k_parts, v_parts, b_parts, a_parts = [], [], [], []
+        for m, (start, end) in enumerate(plan.memory_slices):
+            k_lin, v_lin, b_lin, a_lin = self._memory(m)
+            rows = packed[start:end]
+            k_parts.append(k_lin(rows))
+            v_parts.append(v_lin(rows))
+            b_parts.append(b_lin(rows))
+            a_parts.append(a_lin(rows))
+        k, v, b, a = (torch.cat(p, dim=0) for p in (k_parts, v_parts, b_parts, a_parts))
+
+        state, win_q, win_k, win_v = self._cached_states(cache, B, hidden_states)
+        windows = ConvWindows.build(plan.cu_seqlens, self.conv_size)
+        q, win_q = self.q_conv1d(q, windows, win_q)
+        k, win_k = self.k_conv1d(k, windows, win_k)
+        v, win_v = self.v_conv1d(v, windows, win_v)
+
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()) if self.gated else None
+        q, k = q.view(-1, H, self.head_k_dim), k.view(-1, H, self.head_k_dim)
+        v = v.view(-1, H, self.head_v_dim)
+        if state is None:
+            state = q.new_zeros(M * B, H, self.head_k_dim, self.head_v_dim, dtype=torch.float32)
+
+        if plan.max_length <= 1 and T == 1:
+            # Decoding: every sequence has at most one token; step only those that do.
+            o, new = step_gated_delta(q, k, v, g, beta, state.index_select(0, plan.sequence))
+            state = state.index_copy(0, plan.sequence, new.to(state.dtype))
+        else:
+            o, state = chunk_gated_delta(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                None if g is None else g.unsqueeze(0), beta.unsqueeze(0),
+                initial_state=state, cu_seqlens=plan.cu_seqlens, chunk_size=self.chunk_size,
+            )
+            o = o.squeeze(0)
+
+        if cache is not None:
+            def batch_order(t: torch.Tensor) -> torch.Tensor:
+                return t.reshape((M, B) + t.shape[1:]).transpose(0, 1).contiguous()
+
+            cache.update(
+                recurrent=batch_order(state.float()), conv_q=batch_order(win_q),
+                conv_k=batch_order(win_k), conv_v=batch_order(win_v),
+            )
+
+        weighted = o.float() * plan.weight[:, None, None]
+        mixed = weighted.new_zeros(B * T, H, self.head_v_dim).index_add_(0, plan.token_index, weighted)
+        gate = self.g_proj(hidden_states).view(B, T, H, self.head_v_dim)
+        out = self.o_norm(mixed.view(B, T, H, self.head_v_dim).to(hidden_states.dtype), gate)
+        return self.o_proj(out.reshape(B, T, self.value_dim)), plan.aux_loss

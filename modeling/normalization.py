@@ -1,0 +1,31 @@
+"""RMSNorm and the gated RMSNorm of the memory outputs, computed in float32."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GatedRMSNorm(RMSNorm):
+    """``RMSNorm(x) * silu(gate)`` over the last dimension (one head), as in Gated DeltaNet."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (self._norm(x) * F.silu(gate.float())).to(x.dtype)

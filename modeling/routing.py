@@ -1,0 +1,76 @@
+"""Top-k routing of tokens to memories and the packed layout it induces (MoM).
+
+Every (memory, batch row) pair is one sequence of a packed variable-length batch:
+the tokens routed to that memory, in their original order. Packed entries are
+sorted by ``(memory, row, time)``, so each memory's entries are one contiguous
+slice (its projections run on that slice only) and the memory kernels see plain
+``cu_seqlens``. Padded tokens are routed nowhere: they write no state, decay no
+state and enter no conv window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+
+@dataclass
+class RoutingPlan:
+    token_index: torch.Tensor  # (P,) flat index b * T + t of each packed entry
+    weight: torch.Tensor  # (P,) float32 combine weight (routing weight, 1 for the shared memory)
+    cu_seqlens: torch.Tensor  # (M * B + 1,) offsets; sequence s = m * B + b
+    sequence: torch.Tensor  # (P,) the sequence of each packed entry
+    memory_slices: list[tuple[int, int]]  # packed rows [start, end) of each memory
+    max_length: int  # longest sequence
+    aux_loss: torch.Tensor  # Switch-style load-balancing loss of this layer
+
+
+def route(
+    logits: torch.Tensor,
+    topk: int,
+    valid: torch.Tensor | None,
+    shared_memory: bool,
+) -> RoutingPlan:
+    """Plan the packed layout for router ``logits`` ``(B, T, E)``; ``valid`` ``(B, T)`` bool or ``None``."""
+    B, T, E = logits.shape
+    device = logits.device
+    probs = F.softmax(logits.float(), dim=-1)
+    weight, memory = probs.topk(topk, dim=-1)
+    weight = weight / weight.sum(-1, keepdim=True)
+    if valid is None:
+        valid = torch.ones(B, T, dtype=torch.bool, device=device)
+
+    # Switch-style balance over valid tokens: E * sum_m f_m P_m.
+    n_valid = valid.sum().clamp(min=1)
+    slot_counts = torch.zeros(E, device=device).index_add_(
+        0, memory[valid].flatten(), torch.ones(int(valid.sum()) * topk, device=device)
+    )
+    fraction = slot_counts / (n_valid * topk)
+    mean_prob = (probs * valid[..., None]).sum((0, 1)) / n_valid
+    aux_loss = E * (fraction * mean_prob).sum()
+
+    if shared_memory:
+        memory = torch.cat([memory, memory.new_full((B, T, 1), E)], dim=-1)
+        weight = torch.cat([weight, weight.new_ones(B, T, 1)], dim=-1)
+    num_memories = E + int(shared_memory)
+    slots = memory.shape[-1]
+    token = torch.arange(B * T, device=device).view(B, T, 1).expand(B, T, slots)
+    keep = valid[..., None].expand(B, T, slots)
+    memory, weight, token = memory[keep], weight[keep], token[keep]
+    sequence = memory * B + token // T
+    order = torch.argsort(sequence * T + token % T)
+    sequence = sequence[order]
+    counts = torch.bincount(sequence, minlength=num_memories * B)
+    cu_seqlens = F.pad(counts.cumsum(0), (1, 0))
+    bounds = cu_seqlens[::B].tolist()
+    return RoutingPlan(
+        token_index=token[order],
+        weight=weight[order],
+        cu_seqlens=cu_seqlens,
+        sequence=sequence,
+        memory_slices=list(zip(bounds[:-1], bounds[1:])),
+        max_length=int(counts.max()) if counts.numel() else 0,
+        aux_loss=aux_loss,
+    )
