@@ -15,7 +15,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..configuration.configuration_mom import MoMConfig
-from .attention import SoftmaxAttention
+from .attention import RotaryEmbedding, SoftmaxAttention
 from .cache import LayerCache, MnemoCache
 from .generation import MnemoGenerationMixin, check_attention_mask
 from .mlp import SwiGLU
@@ -82,7 +82,10 @@ class MoMPreTrainedModel(PreTrainedModel):
                 init.zeros_(module.bias)
         elif isinstance(module, RMSNorm):
             init.ones_(module.weight)
-        elif isinstance(module, MoMMemoryLayer):
+        elif isinstance(module, RotaryEmbedding):
+            # a non-persistent buffer: rebuilt after loading, never read from a checkpoint
+            init.copy_(module.inv_freq, module.compute_inv_freq(module.inv_freq.device))
+        elif isinstance(module, MoMMemoryLayer) and module.gated:
             A_log, dt_bias = module.reset_decay_parameters()
             init.copy_(module.A_log, A_log)
             init.copy_(module.dt_bias, dt_bias)

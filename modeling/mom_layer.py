@@ -53,15 +53,16 @@ class MoMMemoryLayer(nn.Module):
         self.k_proj = _memory_projections(E, hidden, self.key_dim)
         self.v_proj = _memory_projections(E, hidden, self.value_dim)
         self.b_proj = _memory_projections(E, hidden, H)
-        self.a_proj = _memory_projections(E, hidden, H)
         if self.shared_memory:
             self.shared_k = nn.Linear(hidden, self.key_dim, bias=False)
             self.shared_v = nn.Linear(hidden, self.value_dim, bias=False)
             self.shared_b = nn.Linear(hidden, H, bias=False)
-            self.shared_a = nn.Linear(hidden, H, bias=False)
-        # The decay parameters exist (and load) for ``deltanet`` too, where they are unused.
-        self.A_log = nn.Parameter(torch.zeros(H))
-        self.dt_bias = nn.Parameter(torch.zeros(H))
+        if self.gated:  # ``deltanet`` has no decay, hence no decay parameters
+            self.a_proj = _memory_projections(E, hidden, H)
+            if self.shared_memory:
+                self.shared_a = nn.Linear(hidden, H, bias=False)
+            self.A_log = nn.Parameter(torch.zeros(H))
+            self.dt_bias = nn.Parameter(torch.zeros(H))
         self.q_conv1d = ShortConvolution(self.key_dim, self.conv_size)
         self.k_conv1d = ShortConvolution(self.key_dim, self.conv_size)
         self.v_conv1d = ShortConvolution(self.value_dim, self.conv_size)
@@ -81,10 +82,11 @@ class MoMMemoryLayer(nn.Module):
         dt = dt.clamp(min=1e-4)
         return torch.log(A), dt + torch.log(-torch.expm1(-dt))  # inverse softplus
 
-    def _memory(self, m: int) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:
+    def _memory(self, m: int) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear | None]:
+        """Projections ``k, v, beta, decay`` of memory ``m`` (``m == num_memories``: the shared one)."""
         if m == self.num_memories:
-            return self.shared_k, self.shared_v, self.shared_b, self.shared_a
-        return self.k_proj[m], self.v_proj[m], self.b_proj[m], self.a_proj[m]
+            return self.shared_k, self.shared_v, self.shared_b, self.shared_a if self.gated else None
+        return self.k_proj[m], self.v_proj[m], self.b_proj[m], self.a_proj[m] if self.gated else None
 
     def _cached_states(self, cache: LayerCache | None, batch: int, like: torch.Tensor):
         """States in sequence order ``m * B + b`` (``None`` entries mean zeros)."""
@@ -121,8 +123,9 @@ class MoMMemoryLayer(nn.Module):
             k_parts.append(k_lin(rows))
             v_parts.append(v_lin(rows))
             b_parts.append(b_lin(rows))
-            a_parts.append(a_lin(rows))
-        k, v, b, a = (torch.cat(p, dim=0) for p in (k_parts, v_parts, b_parts, a_parts))
+            if a_lin is not None:
+                a_parts.append(a_lin(rows))
+        k, v, b = (torch.cat(p, dim=0) for p in (k_parts, v_parts, b_parts))
 
         state, win_q, win_k, win_v = self._cached_states(cache, B, hidden_states)
         windows = ConvWindows.build(plan.cu_seqlens, self.conv_size)
@@ -131,7 +134,10 @@ class MoMMemoryLayer(nn.Module):
         v, win_v = self.v_conv1d(v, windows, win_v)
 
         beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()) if self.gated else None
+        g = None
+        if self.gated:
+            a = torch.cat(a_parts, dim=0).float()
+            g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         q, k = q.view(-1, H, self.head_k_dim), k.view(-1, H, self.head_k_dim)
         v = v.view(-1, H, self.head_v_dim)
         if state is None:

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny MoM configurations and deterministic seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mnemo import MoMConfig, MoMForCausalLM
+
+
+def tiny_mom_config(**overrides) -> MoMConfig:
+    kwargs = dict(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8, expand_v=1.0,
+        num_memories=4, topk=2, shared_memory=True, conv_size=4, intermediate_size=64, chunk_size=8,
+        eos_token_id=None, bos_token_id=None, pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return MoMConfig(**kwargs)
+
+
+def tiny_mom(seed: int = 0, **overrides) -> MoMForCausalLM:
+    torch.manual_seed(seed)
+    model = MoMForCausalLM(tiny_mom_config(**overrides)).eval()
+    # Random decay parameters make the gates matter (the default init decays slowly).
+    return model
+
+
+# Variants that every model-level equivalence test runs over.
+MOM_VARIANTS = {
+    "default": {},
+    "hybrid": {"num_hidden_layers": 3, "attention_layers": [1], "num_attention_heads": 4, "num_key_value_heads": 2},
+    "deltanet-no-shared": {"memory_update": "deltanet", "shared_memory": False},
+    "top1-expand-v": {"topk": 1, "num_memories": 3, "expand_v": 2.0, "conv_size": 2},
+}
+
+
+@pytest.fixture(params=sorted(MOM_VARIANTS))
+def mom_variant(request) -> dict:
+    return MOM_VARIANTS[request.param]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)

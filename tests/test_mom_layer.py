@@ -1,0 +1,108 @@
+"""The MoM layer against a direct transcription of FAMILIES.md §1 (token by token, memory by memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from mnemo.kernels import l2_normalize
+from mnemo.modeling.cache import LayerCache
+from mnemo.modeling.mom_layer import MoMMemoryLayer
+
+from conftest import MOM_VARIANTS, tiny_mom_config
+
+
+def spec_mom_layer(layer: MoMMemoryLayer, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """FAMILIES.md §1 as written, for one batch row at a time, in float64."""
+    B, T, _ = x.shape
+    H, dk, dv, K = layer.num_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_size
+    out = torch.zeros(B, T, H, dv, dtype=torch.float64)
+    conv_w = {name: getattr(layer, f"{name}_conv1d").weight[:, 0, :].double() for name in "qkv"}
+    for b in range(B):
+        probs = F.softmax(layer.gate(x[b]).double(), -1)
+        w, idx = probs.topk(layer.topk, -1)
+        w = w / w.sum(-1, keepdim=True)
+        for m in range(layer.num_states):
+            k_lin, v_lin, b_lin, a_lin = layer._memory(m)
+            tokens = [t for t in range(T) if valid[b, t] and (m == layer.num_memories or m in idx[t].tolist())]
+            if not tokens:
+                continue
+            sub = x[b, tokens].double()
+            raw = {"q": sub @ layer.q_proj.weight.double().T, "k": sub @ k_lin.weight.double().T,
+                   "v": sub @ v_lin.weight.double().T}
+            feats = {}
+            for name, r in raw.items():  # causal conv over the subsequence, zero history
+                padded = torch.cat([r.new_zeros(K - 1, r.shape[1]), r])
+                feats[name] = F.silu(torch.stack([(padded[i:i + K].T * conv_w[name]).sum(-1) for i in range(len(tokens))]))
+            beta = torch.sigmoid(sub @ b_lin.weight.double().T)
+            if layer.gated:
+                g = -layer.A_log.double().exp() * F.softplus(sub @ a_lin.weight.double().T + layer.dt_bias.double())
+            else:
+                g = torch.zeros_like(beta)
+            S = torch.zeros(H, dk, dv, dtype=torch.float64)
+            for i, t in enumerate(tokens):
+                q = l2_normalize(feats["q"][i].view(H, dk)) * dk**-0.5
+                k = l2_normalize(feats["k"][i].view(H, dk))
+                v = feats["v"][i].view(H, dv)
+                eye = torch.eye(dk, dtype=torch.float64)
+                S = g[i].exp()[:, None, None] * (eye - beta[i][:, None, None] * k[:, :, None] * k[:, None, :]) @ S
+                S = S + beta[i][:, None, None] * k[:, :, None] * v[:, None, :]
+                weight = 1.0 if m == layer.num_memories else w[t][idx[t] == m].item()
+                out[b, t] += weight * torch.einsum("hkv,hk->hv", S, q)
+    gate = layer.g_proj(x).double().view(B, T, H, dv)
+    normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + layer.o_norm.eps) * layer.o_norm.weight.double()
+    return (normed * F.silu(gate)).reshape(B, T, -1) @ layer.o_proj.weight.double().T
+
+
+@pytest.mark.parametrize("variant", sorted(MOM_VARIANTS))
+def test_layer_matches_spec(variant):
+    config = tiny_mom_config(**MOM_VARIANTS[variant])
+    torch.manual_seed(0)
+    layer = MoMMemoryLayer(config, 0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+        if layer.gated:
+            layer.A_log.uniform_(-1, 0.5)
+    x = torch.randn(3, 21, config.hidden_size)
+    valid = torch.ones(3, 21, dtype=torch.bool)
+    valid[1, :6] = False  # left padding
+    valid[2, [3, 10, 11]] = False  # holes: no-ops everywhere
+    expected = spec_mom_layer(layer, x, valid)
+    with torch.no_grad():
+        got, _ = layer(x, valid.long())
+    torch.testing.assert_close(got[valid].double(), expected[valid], rtol=1e-4, atol=1e-5)
+
+
+def test_layer_state_split_anywhere():
+    """A sequence fed in pieces through a LayerCache gives the one-shot outputs and states."""
+    config = tiny_mom_config()
+    torch.manual_seed(1)
+    layer = MoMMemoryLayer(config, 0).eval()
+    x = torch.randn(2, 30, config.hidden_size)
+    with torch.no_grad():
+        full_cache = LayerCache()
+        full, _ = layer(x, None, full_cache)
+        cache = LayerCache()
+        pieces = []
+        for a, b in [(0, 7), (7, 8), (8, 9), (9, 25), (25, 30)]:
+            pieces.append(layer(x[:, a:b], None, cache)[0])
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-6)
+    for name in ("recurrent", "conv_q", "conv_k", "conv_v"):
+        torch.testing.assert_close(cache[name], full_cache[name], rtol=1e-5, atol=1e-6)
+
+
+def test_padded_decode_step_is_exact_noop():
+    config = tiny_mom_config()
+    torch.manual_seed(2)
+    layer = MoMMemoryLayer(config, 0).eval()
+    x = torch.randn(2, 6, config.hidden_size)
+    cache = LayerCache()
+    with torch.no_grad():
+        layer(x, None, cache)
+        before = {k: v.clone() for k, v in cache.states.items()}
+        layer(torch.randn(2, 1, config.hidden_size), torch.tensor([[0], [1]]), cache)
+    for name, value in cache.states.items():
+        assert torch.equal(value[0], before[name][0]), f"{name} of the padded row changed"
+        assert not torch.equal(value[1], before[name][1]), f"{name} of the real row did not change"

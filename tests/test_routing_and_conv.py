@@ -1,0 +1,94 @@
+"""The routed packed layout and the varlen short convolution with cached windows."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from mnemo.modeling.routing import route
+from mnemo.modeling.short_conv import ConvWindows, ShortConvolution
+
+
+def conv_reference(conv: ShortConvolution, x: torch.Tensor, window: torch.Tensor):
+    """One sequence ``(L, C)`` with its cached window ``(K-1, C)``: plain F.conv1d."""
+    full = torch.cat([window, x], 0).T[None]  # (1, C, K-1+L)
+    y = F.conv1d(full, conv.weight, groups=x.shape[1])[0].T if x.shape[0] else x
+    seen = torch.cat([window, x], 0)
+    return F.silu(y), seen[seen.shape[0] - (conv.kernel_size[0] - 1):]
+
+
+def test_packed_conv_equals_per_sequence_conv():
+    torch.manual_seed(0)
+    for K in (1, 2, 4):
+        conv = ShortConvolution(6, K)
+        lengths = [3, 0, 1, 7, 2]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+        x = torch.randn(int(cu[-1]), 6)
+        window = torch.randn(len(lengths), K - 1, 6)
+        y, nxt = conv(x, ConvWindows.build(cu, K), window)
+        for i in range(len(lengths)):
+            sl = slice(int(cu[i]), int(cu[i + 1]))
+            y_ref, nxt_ref = conv_reference(conv, x[sl], window[i])
+            torch.testing.assert_close(y[sl], y_ref)
+            torch.testing.assert_close(nxt[i], nxt_ref)
+
+
+def test_conv_split_with_carried_window_equals_one_call():
+    torch.manual_seed(1)
+    conv = ShortConvolution(4, 4)
+    x = torch.randn(10, 4)
+    y_full, w_full = conv(x, ConvWindows.build(torch.tensor([0, 10]), 4))
+    y1, w1 = conv(x[:3], ConvWindows.build(torch.tensor([0, 3]), 4))
+    y2, w2 = conv(x[3:4], ConvWindows.build(torch.tensor([0, 1]), 4), w1)
+    y3, w3 = conv(x[4:], ConvWindows.build(torch.tensor([0, 6]), 4), w2)
+    torch.testing.assert_close(torch.cat([y1, y2, y3]), y_full)
+    torch.testing.assert_close(w3, w_full)
+
+
+def test_route_layout():
+    torch.manual_seed(2)
+    B, T, E, k = 3, 9, 4, 2
+    logits = torch.randn(B, T, E)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[0, :4] = False
+    valid[2, 5] = False
+    plan = route(logits, k, valid, shared_memory=True)
+    probs = logits.softmax(-1)
+    top = probs.topk(k, -1)
+    M = E + 1
+    assert plan.cu_seqlens.numel() == M * B + 1
+    assert int(plan.cu_seqlens[-1]) == int(valid.sum()) * (k + 1)
+    for m, (start, end) in enumerate(plan.memory_slices):
+        for s in range(m * B, (m + 1) * B):
+            lo, hi = int(plan.cu_seqlens[s]), int(plan.cu_seqlens[s + 1])
+            assert start <= lo <= hi <= end
+            tokens = plan.token_index[lo:hi]
+            b = s - m * B
+            assert ((tokens // T) == b).all()
+            times = tokens % T
+            assert (times[1:] > times[:-1]).all(), "a memory's subsequence keeps the original order"
+            for t in times.tolist():
+                assert valid[b, t]
+                if m < E:
+                    assert m in top.indices[b, t].tolist()
+            expected = [t for t in range(T) if valid[b, t] and (m == E or m in top.indices[b, t].tolist())]
+            assert times.tolist() == expected
+    # routed weights of a token sum to one; the shared memory has weight 1
+    per_token = torch.zeros(B * T).index_add_(0, plan.token_index, plan.weight)
+    torch.testing.assert_close(per_token[valid.flatten()], torch.full((int(valid.sum()),), 2.0))
+    assert (per_token[~valid.flatten()] == 0).all()
+
+
+def test_aux_loss_is_switch_balance_over_valid_tokens():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 6, 4)
+    valid = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    plan = route(logits, 2, valid, shared_memory=False)
+    probs = logits.softmax(-1)[valid]
+    chosen = probs.topk(2, -1).indices
+    f = torch.stack([(chosen == m).sum() for m in range(4)]).float() / (chosen.numel())
+    P = probs.mean(0)
+    torch.testing.assert_close(plan.aux_loss, 4 * (f * P).sum())
+    # perfectly uniform routing gives the minimum value 1
+    uniform = route(torch.zeros(1, 8, 4), 4, None, shared_memory=False)
+    torch.testing.assert_close(uniform.aux_loss, torch.tensor(1.0))
