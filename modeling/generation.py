@@ -57,6 +57,7 @@ class MnemoGenerationMixin(GenerationMixin):
         attention_mask: torch.LongTensor | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool = True,
+        next_sequence_length: int | None = None,
         **kwargs: Any,
     ) -> dict[str, Any]:
         seen = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -66,11 +67,17 @@ class MnemoGenerationMixin(GenerationMixin):
             past_key_values = MnemoCache(self.config.num_hidden_layers)
         inputs: dict[str, Any] = {"input_ids": input_ids, "inputs_embeds": None}
         if seen > 0:
-            total = attention_mask.shape[1] if attention_mask is not None else input_ids.shape[1]
-            inputs["input_ids"] = input_ids[:, -(total - seen):] if total > seen else input_ids[:, :0]
+            # Only what the cache has not seen. With prompt embeddings, input_ids hold generated tokens only.
+            if next_sequence_length is not None:
+                new = next_sequence_length
+            elif attention_mask is not None:
+                new = attention_mask.shape[1] - seen
+            else:
+                new = input_ids.shape[1] - seen if input_ids.shape[1] > seen else 1
+            inputs["input_ids"] = input_ids[:, input_ids.shape[1] - new:]
         elif inputs_embeds is not None:
             inputs = {"input_ids": None, "inputs_embeds": inputs_embeds}
-        for key in ("next_sequence_length", "is_first_iteration", "labels", "cache_position", "position_ids"):
+        for key in ("is_first_iteration", "labels", "cache_position", "position_ids"):
             kwargs.pop(key, None)
         inputs.update(past_key_values=past_key_values, attention_mask=attention_mask, use_cache=use_cache)
         inputs.update(kwargs)

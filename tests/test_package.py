@@ -1,0 +1,75 @@
+"""The package's face: public names, Auto registration, the CLI, and the ``kernels`` folder probe."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+import mnemo
+from mnemo.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_public_names_and_registration():
+    for name in ("MoMConfig", "MoMForCausalLM", "MoMModel", "MnemoCache", "register", "use_backend"):
+        assert hasattr(mnemo, name)
+    mnemo.register()  # idempotent
+    config = AutoConfig.for_model("mnemo_mom", vocab_size=50, hidden_size=16, num_hidden_layers=1, num_heads=2,
+                                  head_dim=4, intermediate_size=32)
+    assert isinstance(config, mnemo.MoMConfig)
+    assert type(AutoModelForCausalLM.from_config(config)) is mnemo.MoMForCausalLM
+    assert type(AutoModel.from_config(config)) is mnemo.MoMModel
+
+
+def test_kernels_is_a_leaf_package():
+    """kernels/ may be imported as a top-level module by transformers' probe: no imports out of it."""
+    for path in (ROOT / "kernels").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    top = alias.name.split(".")[0]
+                    assert top in {"torch", "triton"} or top in sys.stdlib_module_names, f"{path.name}: {alias.name}"
+            if isinstance(node, ast.ImportFrom):
+                assert node.level <= 1, f"{path.name} imports from outside kernels/"
+                top = (node.module or "").split(".")[0]
+                assert node.level == 1 or top in {"torch", "triton"} or top in sys.stdlib_module_names, (
+                    f"{path.name} imports {node.module}"
+                )
+
+
+def test_repo_root_on_sys_path_is_harmless():
+    """With the root as working directory, a top-level `kernels` is found; transformers and mnemo still work."""
+    code = (
+        "import importlib.util, torch, transformers\n"
+        "from transformers.utils import is_kernels_available\n"
+        "spec = importlib.util.find_spec('kernels')\n"
+        "assert spec is not None\n"
+        "is_kernels_available()\n"
+        "import kernels\n"
+        "import mnemo\n"
+        "m = mnemo.MoMForCausalLM(mnemo.MoMConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_heads=2, "
+        "head_dim=4, intermediate_size=32))\n"
+        "print(m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False).shape)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "torch.Size([1, 5])" in out.stdout
+
+
+def test_cli_demo_runs(capsys):
+    assert main(["demo", "--prompt-length", "4", "--max-new-tokens", "5"]) == 0
+    printed = capsys.readouterr().out
+    assert "cached decoding == full recomputation: True" in printed
+
+
+def test_cli_info(capsys):
+    assert main(["info"]) == 0
+    assert "mnemo_mom" in capsys.readouterr().out
