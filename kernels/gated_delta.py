@@ -169,11 +169,16 @@ def _chunk_dense(q, k, v, g, beta, S, chunk_size: int):
     k_decayed = k * (G[..., -1:] - G).exp()[..., None]
     chunk_decay = G[..., -1].exp()[..., None, None]
 
+    # Chunk-major copies so that the sequential carry reads contiguous blocks.
+    # unbind (not indexing) keeps the backward linear in the number of chunks.
+    U, W, P, q_decayed, k_decayed, chunk_decay = (
+        x.movedim(2, 0).contiguous().unbind(0) for x in (U, W, P, q_decayed, k_decayed, chunk_decay)
+    )
     outputs = []
     for c in range(n):
-        D = U[:, :, c] - W[:, :, c] @ S
-        outputs.append(q_decayed[:, :, c] @ S + P[:, :, c] @ D)
-        S = chunk_decay[:, :, c] * S + k_decayed[:, :, c].transpose(-1, -2) @ D
+        D = U[c] - W[c] @ S
+        outputs.append(q_decayed[c] @ S + P[c] @ D)
+        S = chunk_decay[c] * S + k_decayed[c].transpose(-1, -2) @ D
     o = torch.stack(outputs, dim=2).reshape(N, H, T, V)
     return o, S
 
