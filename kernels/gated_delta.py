@@ -44,6 +44,16 @@ def _prepare_qk(q: torch.Tensor, k: torch.Tensor, scale: float | None, use_qk_l2
     return q * (q.shape[-1] ** -0.5 if scale is None else scale), k
 
 
+def _prepare_sequence_inputs(q, k, v, g, beta, scale, use_qk_l2norm):
+    """Normalised, scaled, compute-dtype inputs with ``g`` materialised; plus the output dtype."""
+    out_dtype = v.dtype
+    dtype = _compute_dtype(v)
+    q, k = _prepare_qk(q, k, scale, use_qk_l2norm, dtype)
+    v, beta = v.to(dtype), beta.to(dtype)
+    g = torch.zeros_like(beta) if g is None else g.to(dtype)
+    return q, k, v, g, beta, out_dtype
+
+
 def _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens):
     if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
         raise ValueError(
@@ -78,11 +88,8 @@ def reference_gated_delta(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token gated delta rule; returns ``(o, final_state)``."""
     n = _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
-    out_dtype = v.dtype
-    dtype = _compute_dtype(v)
-    q, k = _prepare_qk(q, k, scale, use_qk_l2norm, dtype)
-    v, beta = v.to(dtype), beta.to(dtype)
-    g = torch.zeros_like(beta) if g is None else g.to(dtype)
+    q, k, v, g, beta, out_dtype = _prepare_sequence_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
+    dtype = q.dtype
     B, T, H, K = q.shape
     V = v.shape[-1]
     if cu_seqlens is None:
@@ -193,11 +200,8 @@ def _packed_to_padded_index(cu_seqlens: torch.Tensor, length: int) -> torch.Tens
 
 def _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size):
     n = _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
-    out_dtype = v.dtype
-    dtype = _compute_dtype(v)
-    q, k = _prepare_qk(q, k, scale, use_qk_l2norm, dtype)
-    v, beta = v.to(dtype), beta.to(dtype)
-    g = torch.zeros_like(beta) if g is None else g.to(dtype)
+    q, k, v, g, beta, out_dtype = _prepare_sequence_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
+    dtype = q.dtype
     B, T, H, K = q.shape
     V = v.shape[-1]
     S0 = q.new_zeros(n, H, K, V) if initial_state is None else initial_state.to(dtype)

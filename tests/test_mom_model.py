@@ -174,3 +174,18 @@ def test_paper_340m_parameter_count_on_meta_device():
     n = sum(p.numel() for p in model.parameters())
     # flash-linear-attention 0.6.0's MomForCausalLM at the same configuration counts 512,351,424.
     assert n == 512_351_424
+
+
+def test_bfloat16_weights_keep_float32_states():
+    model = tiny_mom()
+    ids = torch.randint(1, 97, (2, 20))
+    with torch.no_grad():
+        ref = model(ids).logits
+        half = model.to(torch.bfloat16)
+        out = half(ids, use_cache=True)
+    assert out.logits.dtype == torch.bfloat16
+    assert all(layer["recurrent"].dtype == torch.float32 for layer in out.past_key_values)
+    err = (out.logits.float() - ref).norm() / ref.norm()
+    assert err < 2e-2, err
+    generated = half.generate(ids[:, :5], max_new_tokens=4, do_sample=False)
+    assert generated.shape == (2, 9)
