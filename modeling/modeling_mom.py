@@ -17,12 +17,13 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..configuration.configuration_mom import MoMConfig
 from .attention import RotaryEmbedding, SoftmaxAttention
 from .cache import LayerCache, MnemoCache
-from .generation import MnemoGenerationMixin, check_attention_mask
+from .generation import MnemoGenerationMixin
 from .mlp import SwiGLU
 from .mom_layer import MoMMemoryLayer
 from .normalization import RMSNorm
 from .outputs import MnemoCausalLMOutput, MnemoModelOutput
 from .short_conv import ShortConvolution
+from .stack import causal_lm_forward, decoder_forward
 
 
 class MoMBlock(GradientCheckpointingLayer):
@@ -121,58 +122,10 @@ class MoMModel(MoMPreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> MnemoModelOutput | tuple:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
-        if self.gradient_checkpointing and self.training:
-            use_cache = False
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        if use_cache and past_key_values is None:
-            past_key_values = MnemoCache(self.config.num_hidden_layers)
-        cache = past_key_values if use_cache else None
-
-        B, T, _ = inputs_embeds.shape
-        past = cache.get_seq_length() if cache is not None else 0
-        check_attention_mask(attention_mask, B, past + T)
-        if attention_mask is not None and bool(attention_mask.bool().all()):
-            attention_mask = None  # no padding: take the unmasked fast paths
-        new_mask = attention_mask[:, -T:] if attention_mask is not None else None
-        if position_ids is None:
-            if attention_mask is not None:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
-            else:
-                position_ids = torch.arange(past, past + T, device=inputs_embeds.device).expand(B, T)
-
-        hidden_states = inputs_embeds
-        all_hidden = (hidden_states,) if output_hidden_states else None
-        aux_losses = []
-        for i, block in enumerate(self.layers):
-            hidden_states, aux = block(
-                hidden_states,
-                attention_mask=new_mask,
-                key_valid=attention_mask,
-                positions=position_ids,
-                past_key_values=cache[i] if cache is not None else None,
-            )
-            if aux is not None:
-                aux_losses.append(aux)
-            if output_hidden_states:
-                all_hidden += (hidden_states,)
-        hidden_states = self.norm(hidden_states)
-        if output_hidden_states:
-            all_hidden = all_hidden[:-1] + (hidden_states,)
-        if cache is not None:
-            for layer_cache in cache:
-                layer_cache.seen_tokens += T
-        aux_loss = torch.stack(aux_losses).mean() if aux_losses else None
-        out = MnemoModelOutput(
-            last_hidden_state=hidden_states,
-            past_key_values=cache,
-            hidden_states=all_hidden,
-            aux_loss=aux_loss,
+        out = decoder_forward(
+            self, input_ids, attention_mask, past_key_values, inputs_embeds, position_ids, use_cache,
+            output_hidden_states,
         )
         return out if return_dict else out.to_tuple()
 
@@ -226,19 +179,5 @@ class MoMForCausalLM(MoMPreTrainedModel, MnemoGenerationMixin):
             output_hidden_states=output_hidden_states,
             return_dict=True,
         )
-        hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
-            if outputs.aux_loss is not None and self.config.aux_loss_coef > 0:
-                loss = loss + self.config.aux_loss_coef * outputs.aux_loss.to(loss.device)
-        out = MnemoCausalLMOutput(
-            loss=loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            aux_loss=outputs.aux_loss,
-        )
+        out = causal_lm_forward(self, outputs, labels, logits_to_keep, self.config.aux_loss_coef, **kwargs)
         return out if return_dict else out.to_tuple()
