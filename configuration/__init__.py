@@ -1,5 +1,6 @@
 """Configurations of the mnemo model families, each validating itself on construction."""
 
+from .configuration_deep_transformer import DeepTransformerConfig
 from .configuration_mom import MoMConfig
 
-__all__ = ["MoMConfig"]
+__all__ = ["DeepTransformerConfig", "MoMConfig"]

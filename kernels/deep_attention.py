@@ -165,12 +165,12 @@ def reference_deep_attention(
                         if deep:
                             pred = pred + torch.einsum("hvm,hm->hv", W1_s, sigma(a_i))
                         r_i = V[:, i] - pred
-                        R[:, i] = R[:, i] + g_i * r_i
+                        R = R.index_add(1, torch.tensor([i], device=R.device), (g_i * r_i)[:, None])
                     else:
                         r_i = V[:, i]
                     if deep:
                         grad_u = torch.einsum("hvm,hv->hm", W1_s, r_i) * gelu_derivative(a_i)
-                        U[:, i] = U[:, i] + e_t * g_i * grad_u
+                        U = U.index_add(1, torch.tensor([i], device=U.device), (e_t * g_i * grad_u)[:, None])
                         W1 = W1 + (e_t * g_i)[..., None] * r_i[:, :, None] * sigma(a_i)[:, None, :]
             y = read(q[b, t].to(dtype), K[:, : t + 1], R[:, : t + 1])
             if deep:

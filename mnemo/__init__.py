@@ -7,13 +7,22 @@ Importing ``mnemo`` registers every family with the ``Auto*`` classes, so
 
 from __future__ import annotations
 
-from mnemo.configuration import MoMConfig
+from mnemo.configuration import DeepTransformerConfig, MoMConfig
 from mnemo.kernels import use_backend
-from mnemo.modeling import MnemoCache, MoMForCausalLM, MoMModel
+from mnemo.modeling import (
+    DeepTransformerForCausalLM,
+    DeepTransformerModel,
+    MnemoCache,
+    MoMForCausalLM,
+    MoMModel,
+)
 
 __version__ = "0.1.0"
 
-_FAMILIES = ((MoMConfig, MoMModel, MoMForCausalLM),)
+_FAMILIES = (
+    (MoMConfig, MoMModel, MoMForCausalLM),
+    (DeepTransformerConfig, DeepTransformerModel, DeepTransformerForCausalLM),
+)
 
 
 def register() -> None:
@@ -28,4 +37,15 @@ def register() -> None:
 
 register()
 
-__all__ = ["MnemoCache", "MoMConfig", "MoMForCausalLM", "MoMModel", "__version__", "register", "use_backend"]
+__all__ = [
+    "DeepTransformerConfig",
+    "DeepTransformerForCausalLM",
+    "DeepTransformerModel",
+    "MnemoCache",
+    "MoMConfig",
+    "MoMForCausalLM",
+    "MoMModel",
+    "__version__",
+    "register",
+    "use_backend",
+]

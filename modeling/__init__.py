@@ -1,10 +1,18 @@
 """Layers, blocks, caches and models of the mnemo families."""
 
 from .cache import LayerCache, MnemoCache
+from .modeling_deep_transformer import (
+    DeepTransformerForCausalLM,
+    DeepTransformerModel,
+    DeepTransformerPreTrainedModel,
+)
 from .modeling_mom import MoMForCausalLM, MoMModel, MoMPreTrainedModel
 from .outputs import MnemoCausalLMOutput, MnemoModelOutput
 
 __all__ = [
+    "DeepTransformerForCausalLM",
+    "DeepTransformerModel",
+    "DeepTransformerPreTrainedModel",
     "LayerCache",
     "MnemoCache",
     "MnemoCausalLMOutput",

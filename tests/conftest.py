@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mnemo import MoMConfig, MoMForCausalLM
+from mnemo import DeepTransformerConfig, DeepTransformerForCausalLM, MoMConfig, MoMForCausalLM
 
 
 def tiny_mom_config(**overrides) -> MoMConfig:
@@ -37,6 +37,41 @@ MOM_VARIANTS = {
 @pytest.fixture(params=sorted(MOM_VARIANTS))
 def mom_variant(request) -> dict:
     return MOM_VARIANTS[request.param]
+
+
+def tiny_deep_transformer_config(**overrides) -> DeepTransformerConfig:
+    kwargs = dict(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        memory_depth=2, memory_hidden=6, inner_chunk_size=4, memory_init_std=0.5,
+        eos_token_id=None, bos_token_id=None, pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return DeepTransformerConfig(**kwargs)
+
+
+def tiny_deep_transformer(seed: int = 0, **overrides) -> DeepTransformerForCausalLM:
+    torch.manual_seed(seed)
+    return DeepTransformerForCausalLM(tiny_deep_transformer_config(**overrides)).eval()
+
+
+DEEP_VARIANTS = {
+    "hebbian": {},
+    "dot-window3-gqa": {"learning_rule": "omega", "omega_window": 3, "num_key_value_heads": 2},
+    "attention-only": {"memory_depth": 1, "num_key_value_heads": 2},
+}
+
+# Every family and variant, for the tests that hold for all models.
+MODEL_VARIANTS = {
+    **{f"mom-{k}": (tiny_mom, v) for k, v in MOM_VARIANTS.items()},
+    **{f"deep-{k}": (tiny_deep_transformer, v) for k, v in DEEP_VARIANTS.items()},
+}
+
+
+@pytest.fixture(params=sorted(MODEL_VARIANTS))
+def make_model(request):
+    """A builder of a tiny model of one family and variant: ``make_model(**overrides)``."""
+    build, variant = MODEL_VARIANTS[request.param]
+    return lambda **overrides: build(**{**variant, **overrides})
 
 
 @pytest.fixture(autouse=True)

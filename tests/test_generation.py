@@ -20,8 +20,8 @@ def left_pad(seqs, pad=0):
     return ids, mask
 
 
-def test_greedy_with_and_without_cache_agree(mom_variant):
-    model = tiny_mom(**mom_variant)
+def test_greedy_with_and_without_cache_agree(make_model):
+    model = make_model()
     prompt = torch.randint(1, 97, (2, 9))
     cached = model.generate(prompt, max_new_tokens=12, do_sample=False)
     uncached = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=False)
@@ -29,8 +29,8 @@ def test_greedy_with_and_without_cache_agree(mom_variant):
     assert torch.equal(cached, uncached)
 
 
-def test_left_padded_batch_generates_what_each_sample_generates_alone(mom_variant):
-    model = tiny_mom(**mom_variant)
+def test_left_padded_batch_generates_what_each_sample_generates_alone(make_model):
+    model = make_model()
     seqs = [torch.randint(1, 97, (n,)) for n in (3, 10, 1, 7)]
     ids, mask = left_pad(seqs)
     batch = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
@@ -39,8 +39,8 @@ def test_left_padded_batch_generates_what_each_sample_generates_alone(mom_varian
         assert torch.equal(batch[i, ids.shape[1]:], alone[0, len(s):]), f"row {i}"
 
 
-def test_sampling_is_reproducible_and_cache_independent():
-    model = tiny_mom()
+def test_sampling_is_reproducible_and_cache_independent(make_model):
+    model = make_model()
     prompt = torch.randint(1, 97, (3, 5))
     outs = []
     for use_cache in (True, False):
@@ -49,8 +49,8 @@ def test_sampling_is_reproducible_and_cache_independent():
     assert torch.equal(*outs)
 
 
-def test_num_return_sequences_expands_the_batch():
-    model = tiny_mom()
+def test_num_return_sequences_expands_the_batch(make_model):
+    model = make_model()
     prompt = torch.randint(1, 97, (2, 4))
     torch.manual_seed(0)
     out = model.generate(prompt, max_new_tokens=6, do_sample=True, num_return_sequences=3)
@@ -86,8 +86,8 @@ def test_cache_batch_operations():
         cache.crop(3)
 
 
-def test_generation_continues_from_a_returned_cache():
-    model = tiny_mom()
+def test_generation_continues_from_a_returned_cache(make_model):
+    model = make_model()
     prompt = torch.randint(1, 97, (1, 8))
     out = model.generate(prompt, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
     more = model.generate(
@@ -97,16 +97,16 @@ def test_generation_continues_from_a_returned_cache():
     assert torch.equal(more, direct)
 
 
-def test_right_padding_is_rejected_with_advice():
-    model = tiny_mom()
+def test_right_padding_is_rejected_with_advice(make_model):
+    model = make_model()
     ids = torch.randint(1, 97, (2, 5))
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
     with pytest.raises(ValueError, match="left padding"):
         model.generate(ids, attention_mask=mask, max_new_tokens=3)
 
 
-def test_inputs_embeds_generation_matches_ids():
-    model = tiny_mom()
+def test_inputs_embeds_generation_matches_ids(make_model):
+    model = make_model()
     prompt = torch.randint(1, 97, (2, 6))
     a = model.generate(prompt, max_new_tokens=5, do_sample=False)
     b = model.generate(inputs_embeds=model.get_input_embeddings()(prompt), max_new_tokens=5, do_sample=False)

@@ -1,0 +1,93 @@
+"""Attention whose memory has a deep branch: the DeepTransformer / Dot layer (FAMILIES.md §4).
+
+Projections and RoPE are Llama's (same names), so with ``memory_depth=1`` the
+layer is Llama's attention and Llama weights load as they are. The memory is the
+kernel API's ``deep_attention`` kind. Padded tokens are removed before the
+memory sees them (each row's valid tokens are compacted to the front), so inner
+chunks count each row's own tokens and a padded row computes what it would alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..configuration.configuration_deep_transformer import DeepTransformerConfig
+from ..kernels.deep_attention import DeepAttentionState, chunk_deep_attention
+from .attention import RotaryEmbedding, apply_rotary
+from .cache import LayerCache
+
+
+class DeepAttention(nn.Module):
+    def __init__(self, config: DeepTransformerConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.rotary = RotaryEmbedding(self.head_dim, config.rope_theta)
+        self.memory_depth = config.memory_depth
+        self.learning_rule = config.learning_rule
+        self.options = dict(
+            memory_depth=config.memory_depth,
+            learning_rule=config.learning_rule,
+            omega_window=config.omega_window,
+            chunk_size=config.inner_chunk_size,
+            normalize=config.normalize,
+        )
+        if config.memory_depth == 2:
+            self.eta_proj = nn.Linear(hidden, self.num_heads, bias=False)  # deep-branch learning rate
+            self.memory_w1 = nn.Parameter(torch.zeros(self.num_heads, self.head_dim, config.memory_hidden))
+        if config.learning_rule == "omega":
+            self.gamma_proj = nn.Linear(hidden, self.num_heads, bias=False)  # window gates
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = hidden_states.shape
+        H, D = self.num_heads, self.head_dim
+        q = self.q_proj(hidden_states).view(B, T, H, D).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(B, T, self.num_kv_heads, D).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(B, T, self.num_kv_heads, D).transpose(1, 2)
+        cos, sin = self.rotary(positions)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        groups = H // self.num_kv_heads
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, H, D)
+        eta = torch.sigmoid(self.eta_proj(hidden_states).float()) if self.memory_depth == 2 else None
+        gamma = torch.sigmoid(self.gamma_proj(hidden_states).float()) if self.learning_rule == "omega" else None
+
+        lengths, order = None, None
+        if valid is not None:
+            valid = valid.bool()
+            order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid tokens first, in order
+            lengths = valid.sum(1)
+
+            def compact(x):
+                if x is None:
+                    return None
+                idx = order.view(B, T, *([1] * (x.dim() - 2))).expand_as(x)
+                return x.gather(1, idx)
+
+            q, k, v, eta, gamma = (compact(x) for x in (q, k, v, eta, gamma))
+
+        state = DeepAttentionState.from_tensors(cache.states) if cache is not None and "keys" in cache else None
+        o, new_state = chunk_deep_attention(
+            q, k, v, eta, gamma, getattr(self, "memory_w1", None),
+            lengths=lengths, initial_state=state, **self.options,
+        )
+        if cache is not None:
+            cache.states = new_state.tensors()
+        if order is not None:  # back to the original positions; padded positions get zeros
+            o = torch.zeros_like(o).scatter(1, order.view(B, T, 1, 1).expand_as(o), o)
+        return self.o_proj(o.reshape(B, T, H * D).to(hidden_states.dtype))

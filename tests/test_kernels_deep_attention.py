@@ -1,0 +1,143 @@
+"""deep_attention memory: reference == chunked == step, attention limits, the Dot delta rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from mnemo.kernels.deep_attention import chunk_deep_attention, reference_deep_attention, step_deep_attention
+
+B, T, H, DK, DV, HID = 3, 14, 2, 4, 3, 5
+
+SETTINGS = [
+    dict(memory_depth=2, learning_rule="hebbian", omega_window=1, chunk_size=4, normalize=True),
+    dict(memory_depth=2, learning_rule="hebbian", omega_window=1, chunk_size=1, normalize=True),
+    dict(memory_depth=2, learning_rule="hebbian", omega_window=1, chunk_size=5, normalize=False),
+    dict(memory_depth=1, learning_rule="omega", omega_window=1, chunk_size=3, normalize=True),
+    dict(memory_depth=2, learning_rule="omega", omega_window=1, chunk_size=4, normalize=True),
+    dict(memory_depth=2, learning_rule="omega", omega_window=3, chunk_size=4, normalize=True),
+    dict(memory_depth=2, learning_rule="omega", omega_window=7, chunk_size=4, normalize=True),
+    dict(memory_depth=1, learning_rule="omega", omega_window=2, chunk_size=64, normalize=False),
+]
+
+
+def make_inputs(seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, H, DK, generator=gen, dtype=dtype) for _ in range(2))
+    v = torch.randn(B, T, H, DV, generator=gen, dtype=dtype)
+    eta, gamma = (torch.rand(B, T, H, generator=gen, dtype=dtype) for _ in range(2))
+    w1 = torch.randn(H, DV, HID, generator=gen, dtype=dtype) * 0.5
+    return q, k, v, eta, gamma, w1
+
+
+def name(opts):
+    return "-".join(f"{v}" for v in opts.values())
+
+
+@pytest.mark.parametrize("opts", SETTINGS, ids=name)
+def test_reference_chunk_step_agree(opts):
+    q, k, v, eta, gamma, w1 = make_inputs()
+    ref = reference_deep_attention(q, k, v, eta, gamma, w1, **opts)
+    out, _ = chunk_deep_attention(q, k, v, eta, gamma, w1, **opts)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    o, state = chunk_deep_attention(*(x[:, :6] for x in (q, k, v, eta, gamma)), w1, **opts)
+    outs = [o]
+    for t in range(6, T):
+        o, state = step_deep_attention(q[:, t], k[:, t], v[:, t], eta[:, t], gamma[:, t], w1, state, **opts)
+        outs.append(o[:, None])
+    torch.testing.assert_close(torch.cat(outs, 1), ref, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("opts", SETTINGS[::2], ids=name)
+def test_ragged_rows_and_arbitrary_splits(opts):
+    """Rows with different lengths, fed in pieces of different sizes, equal each row alone."""
+    q, k, v, eta, gamma, w1 = make_inputs(1)
+    lengths = torch.tensor([14, 5, 9])
+    ref = reference_deep_attention(q, k, v, eta, gamma, w1, lengths=lengths, **opts)
+    for b, n in enumerate(lengths.tolist()):
+        alone = reference_deep_attention(*(x[b:b + 1] for x in (q, k, v, eta, gamma)), w1, lengths=torch.tensor([n]), **opts)
+        torch.testing.assert_close(ref[b, :n], alone[0, :n], rtol=0, atol=1e-12)
+    # pieces: each row takes a different number of tokens per call
+    pieces = [torch.tensor([3, 2, 4]), torch.tensor([6, 1, 0]), torch.tensor([5, 2, 5])]
+    state, consumed = None, torch.zeros(3, dtype=torch.long)
+    for take in pieces:
+        width = int(take.max())
+        idx = (consumed[:, None] + torch.arange(width)[None]).clamp(max=T - 1)
+
+        def part(x):
+            return x.gather(1, idx.view(3, width, *([1] * (x.dim() - 2))).expand(3, width, *x.shape[2:]))
+
+        o, state = chunk_deep_attention(*(part(x) for x in (q, k, v, eta, gamma)), w1, lengths=take,
+                                        initial_state=state, **opts)
+        for b in range(3):
+            n = int(take[b])
+            start = int(consumed[b])
+            torch.testing.assert_close(o[b, :n], ref[b, start:start + n], rtol=0, atol=1e-10)
+        consumed += take
+
+
+def test_depth_one_is_scaled_dot_product_attention():
+    q, k, v, *_ = make_inputs(2, torch.float32)
+    out, _ = chunk_deep_attention(q, k, v, None, None, None, memory_depth=1)
+    sdpa = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    torch.testing.assert_close(out, sdpa.transpose(1, 2), rtol=0, atol=1e-6)
+    ref = reference_deep_attention(q.double(), k.double(), v.double(), None, None, None, memory_depth=1)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-6)
+
+
+def test_deep_branch_without_learning_is_attention_and_with_learning_differs():
+    q, k, v, eta, gamma, w1 = make_inputs(3)
+    attention, _ = chunk_deep_attention(q, k, v, None, None, None, memory_depth=1)
+    off, _ = chunk_deep_attention(q, k, v, torch.zeros_like(eta), None, torch.zeros_like(w1), memory_depth=2,
+                                  chunk_size=4)
+    torch.testing.assert_close(off, attention, rtol=0, atol=1e-12)
+    on, _ = chunk_deep_attention(q, k, v, eta, None, w1, memory_depth=2, chunk_size=4)
+    assert (on - attention).abs().max() > 1e-3
+
+
+def test_dot_window_one_is_the_delta_rule_with_a_softmax_kernel():
+    """Linear branch, window 1: stored values are gated prediction errors at the chunk-start memory."""
+    q, k, v, _, gamma, _ = make_inputs(4)
+    C = 3
+    out, _ = chunk_deep_attention(q, k, v, None, gamma, None, memory_depth=1, learning_rule="omega", chunk_size=C)
+    scale = DK**-0.5
+    for b in range(B):
+        for h in range(H):
+            stored = []
+            for t in range(T):
+                s = t - t % C
+                keys = k[b, :s, h]
+                if s:
+                    w = torch.softmax(keys @ k[b, t, h] * scale, 0)
+                    prediction = w @ torch.stack(stored[:s])
+                else:
+                    prediction = torch.zeros(DV, dtype=v.dtype)
+                stored.append(gamma[b, t, h] * (v[b, t, h] - prediction))
+                w = torch.softmax(k[b, : t + 1, h] @ q[b, t, h] * scale, 0)
+                torch.testing.assert_close(out[b, t, h], w @ torch.stack(stored), rtol=0, atol=1e-12)
+
+
+def test_gradients_match_reference():
+    opts = SETTINGS[5]
+    inputs = [x.clone().requires_grad_() for x in make_inputs(5)]
+    grads = []
+    for fn in (reference_deep_attention, lambda *a, **kw: chunk_deep_attention(*a, **kw)[0]):
+        for x in inputs:
+            x.grad = None
+        fn(*inputs, **opts).sin().sum().backward()
+        grads.append([x.grad.clone() for x in inputs])
+    for label, a, b in zip("q k v eta gamma w1".split(), *grads):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-9, msg=label)
+
+
+def test_option_errors():
+    q, k, v, eta, gamma, w1 = make_inputs()
+    with pytest.raises(ValueError, match="memory_depth"):
+        chunk_deep_attention(q, k, v, eta, gamma, w1, memory_depth=3)
+    with pytest.raises(ValueError, match="learning_rule"):
+        chunk_deep_attention(q, k, v, eta, gamma, w1, learning_rule="adam")
+    with pytest.raises(ValueError, match="omega_window must be 1"):
+        chunk_deep_attention(q, k, v, eta, gamma, w1, omega_window=2)
+    with pytest.raises(ValueError, match="w1_init"):
+        chunk_deep_attention(q, k, v, eta, gamma, None, memory_depth=2)
