@@ -274,16 +274,18 @@ def _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lea
             break
         lo = max(a - c + 1, 0)
         O = torch.arange(lo, a + C, device=device)  # window tokens of this chunk
-        n_open = O.numel()
         o_valid = valid[:, O]
-        key_mask = (valid & (tau[None] < a))[:, None, None, :]  # keys before the chunk start
         Ko, Vo, Go = K[:, :, O], V[:, :, O], GAM[:, :, O]
+        # Reads never look past the chunk: restrict every key operand to the first a + C positions.
+        Kp, Rp, Up, valid_p, tau_p = K[:, :, :a + C], R[:, :, :a + C], None if U is None else U[:, :, :a + C], \
+            valid[:, :a + C], tau[:a + C]
 
         if omega or deep:
-            w_open = _read_weights(Ko, K, key_mask, scale, normalize)  # (B, H, n_open, Z)
-            a_open = w_open @ U if deep else None
+            key_mask = (valid_p & (tau_p[None] < a))[:, None, None, :]  # keys before the chunk start
+            w_open = _read_weights(Ko, Kp, key_mask, scale, normalize)  # (B, H, n_open, a + C)
+            a_open = w_open @ Up if deep else None
             if omega:
-                pred = w_open @ R
+                pred = w_open @ Rp
                 if deep:
                     pred = pred + sigma(a_open) @ W1.transpose(-1, -2)
                 r_open = (Vo - pred) * o_valid[:, None, :, None]
@@ -300,15 +302,15 @@ def _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lea
             lr = (ETA[:, :, a:a + C, None] * inside[None, None]).cumsum(2)  # (B, H, C, n_open)
             gate = Go[..., None, :]  # (B, H, 1, n_open)
 
-        causal = tau[None, :] <= torch.arange(a, a + C, device=device)[:, None]  # (C, Z)
-        w_out = _read_weights(Qb[:, :, a:a + C], K, valid[:, None, None, :] & causal[None, None], scale, normalize)
-        lin = w_out @ R
+        causal = tau_p[None, :] <= torch.arange(a, a + C, device=device)[:, None]  # (C, a + C)
+        w_out = _read_weights(Qb[:, :, a:a + C], Kp, valid_p[:, None, None, :] & causal[None, None], scale, normalize)
+        lin = w_out @ Rp
         if omega:
             lin = lin + (w_out[..., O] * gate * counts[:, None]) @ r_open
         y = lin
         if deep:
             E = gate * lr  # (B, H, C, n_open)
-            A_t = w_out @ U + (w_out[..., O] * E) @ grad_u
+            A_t = w_out @ Up + (w_out[..., O] * E) @ grad_u
             s_t = sigma(A_t)
             sig_open = sigma(a_open)
             y = y + s_t @ W1.transpose(-1, -2) + ((s_t @ sig_open.transpose(-1, -2)) * E) @ r_open

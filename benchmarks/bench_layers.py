@@ -1,0 +1,112 @@
+"""Layer forward+backward speed of mnemo's PyTorch paths beside SDPA attention (GPU, bf16).
+
+Same work as shared/anchors/bench_anchors.py: hidden 1024, 16,384 tokens per batch
+at T=2048 (B=8) and T=8192 (B=2). Prints one JSON line per measurement and writes
+``$OUT/bench_layers.json``. Run on the GPU machine with mnemo importable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mnemo import DeepTransformerConfig, MoMConfig
+from mnemo.modeling.deep_attention_layer import DeepAttention
+from mnemo.modeling.mom_layer import MoMMemoryLayer
+
+D, TOKENS = 1024, 16384
+DEV, DT = "cuda", torch.bfloat16
+results: dict = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}}
+try:
+    import transformers
+    import triton
+
+    results["env"].update(triton=triton.__version__, transformers=transformers.__version__)
+except ImportError:
+    pass
+
+
+def bench(fn, warmup=2, iters=5):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+class SdpaAttention(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.h = h
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+
+
+class DeepLayer(nn.Module):
+    def __init__(self, depth):
+        super().__init__()
+        self.attn = DeepAttention(DeepTransformerConfig(hidden_size=D, num_attention_heads=16, memory_depth=depth), 0)
+        nn.init.normal_(self.attn.memory_w1, std=0.02)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+        return self.attn(x, positions)
+
+
+LAYERS = {
+    "sdpa_attention_16x64": lambda: SdpaAttention(D, 16),
+    "mnemo_deep_transformer_depth1_16x64": lambda: DeepLayer(1),
+    "mnemo_deep_transformer_depth2_16x64_torch": lambda: DeepLayer(2),
+    "mnemo_mom_4x2_shared_torch": lambda: MoMMemoryLayer(MoMConfig(hidden_size=D, num_heads=4, head_dim=256), 0),
+}
+
+
+def record(**row):
+    results.setdefault("rows", []).append(row)
+    print(json.dumps(row), flush=True)
+
+
+def main():
+    only = os.environ.get("ONLY")
+    for T in (2048, 8192):
+        B = TOKENS // T
+        for name, make in LAYERS.items():
+            if only and only not in name:
+                continue
+            try:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                layer = make().to(DEV, DT)
+                x = torch.randn(B, T, D, device=DEV, dtype=DT, requires_grad=True)
+
+                def step():
+                    x.grad = None
+                    out = layer(x)
+                    out = out[0] if isinstance(out, tuple) else out
+                    out.float().sum().backward()
+
+                ms = bench(step)
+                record(layer=name, T=T, B=B, ms=round(ms, 2), tok_per_s=round(TOKENS / ms * 1e3),
+                       peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+                del layer, x
+            except Exception as exc:  # a layer that does not fit is a result too
+                record(layer=name, T=T, B=B, err=repr(exc)[:300])
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "bench_layers.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
