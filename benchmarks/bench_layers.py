@@ -59,7 +59,8 @@ class DeepLayer(nn.Module):
     def __init__(self, depth):
         super().__init__()
         self.attn = DeepAttention(DeepTransformerConfig(hidden_size=D, num_attention_heads=16, memory_depth=depth), 0)
-        nn.init.normal_(self.attn.memory_w1, std=0.02)
+        if depth == 2:
+            nn.init.normal_(self.attn.memory_w1, std=0.02)
 
     def forward(self, x):
         positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
