@@ -1,0 +1,367 @@
+"""The Titans neural memory (FAMILIES.md §2): an MLP trained in context by momentum SGD.
+
+Per head, memory ``M`` is ``M(z) = W z`` (``depth=1``), ``z + W1 sigma(W2 z)``
+(``depth=2``, GELU) or ``z + W1 (sigma(W2 z) * W3 z)`` (``gated``). Token ``t`` of
+an inner chunk takes the gradient of ``||M(k_t) - v_t||^2`` at the memory the
+chunk started from, ``u_t``, then::
+
+    S_t = eta_t S_{t-1} - theta_t u_t        (momentum, per weight matrix)
+    M_t = alpha_t M_{t-1} + S_t              (retention)
+    y_t = M_t(q_t)
+
+"The memory the chunk started from" is the memory before the chunk's first
+token is written (so ``inner_chunk_size=1`` is per-token online gradient
+descent). Every gradient is a sum of rank-1 outer products ``A_j B_j^T`` (closed
+form, no autograd over tokens), so inside a chunk the weights of every token are
+``M_i = a_i M_0 + b_i S_0 + sum_j c_ij A_j B_j^T`` with scalar coefficients from
+cumulative products of the gates, and applying them to per-token vectors is a
+handful of batched matmuls: per-token weights are never materialised.
+
+A token with ``live = 0`` is an exact no-op (its gates are 1, 1 and 0 and its
+momentum is not added to the memory): padding and alignment slots.
+
+Weights are dicts of tensors ``(..., H, d_out, d_in)``; tensors are laid out
+``(B, T, H, D)`` at the API and ``(B, H, T, D)`` inside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from .backend import resolve_backend
+from .deep_attention import gelu_derivative
+
+__all__ = [
+    "TitansMemorySpec",
+    "TitansState",
+    "chunk_titans",
+    "memory_apply",
+    "reference_titans",
+    "step_titans",
+]
+
+
+@dataclass(frozen=True)
+class TitansMemorySpec:
+    """Shape of the memory MLP of one head: ``d_k -> d_v``, hidden ``expansion * d_k``."""
+
+    depth: int = 2
+    gated: bool = False
+    d_k: int = 64
+    d_v: int = 64
+    expansion: int = 4
+
+    def __post_init__(self) -> None:
+        if self.depth not in (1, 2):
+            raise ValueError(f"memory depth must be 1 (linear) or 2 (MLP), got {self.depth}")
+        if self.depth == 2 and self.d_k != self.d_v:
+            raise ValueError("the residual MLP memory needs d_k == d_v")
+
+    @property
+    def hidden(self) -> int:
+        return self.expansion * self.d_k
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """``(d_out, d_in)`` of every weight matrix."""
+        if self.depth == 1:
+            return {"w": (self.d_v, self.d_k)}
+        shapes = {"w1": (self.d_v, self.hidden), "w2": (self.hidden, self.d_k)}
+        if self.gated:
+            shapes["w3"] = (self.hidden, self.d_k)
+        return shapes
+
+
+Apply = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def static_apply(weights: dict[str, torch.Tensor]) -> Apply:
+    """``apply(name, x) = x W_name^T`` for weights ``(..., d_out, d_in)`` and ``x`` ``(..., T, d_in)``."""
+    return lambda name, x: x @ weights[name].transpose(-1, -2).to(x.dtype)
+
+
+def memory_apply(spec: TitansMemorySpec, apply: Apply, z: torch.Tensor) -> torch.Tensor:
+    """The memory MLP on ``z``, with every weight product delegated to ``apply`` (static,
+    per-token online, mixed): the one definition of ``M(z)``."""
+    if spec.depth == 1:
+        return apply("w", z)
+    hidden = F.gelu(apply("w2", z))
+    if spec.gated:
+        hidden = hidden * apply("w3", z)
+    return z + apply("w1", hidden)
+
+
+def grad_factors(spec: TitansMemorySpec, weights: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor):
+    """Gradients of ``||M(k) - v||^2`` as rank-1 factors ``{name: (A, B)}``, ``grad = A B^T`` per token."""
+    apply = static_apply(weights)
+    if spec.depth == 1:
+        return {"w": (2 * (apply("w", k) - v), k)}
+    pre2 = apply("w2", k)
+    act = F.gelu(pre2)
+    hidden = act * apply("w3", k) if spec.gated else act
+    err = 2 * (k + apply("w1", hidden) - v)
+    back = err @ weights["w1"].to(err.dtype)  # dL/d hidden
+    factors = {"w1": (err, hidden)}
+    if spec.gated:
+        pre3 = apply("w3", k)
+        factors["w2"] = (back * pre3 * gelu_derivative(pre2), k)
+        factors["w3"] = (back * act, k)
+    else:
+        factors["w2"] = (back * gelu_derivative(pre2), k)
+    return factors
+
+
+@dataclass
+class TitansState:
+    """Memory of every row: current weights and momenta, the weights the current inner chunk
+    started from, and the number of tokens written in that chunk (``(B,)``)."""
+
+    weights: dict[str, torch.Tensor]
+    momentum: dict[str, torch.Tensor]
+    chunk_start: dict[str, torch.Tensor]
+    position: torch.Tensor
+
+    def tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        out = {f"{prefix}position": self.position}
+        for group in ("weights", "momentum", "chunk_start"):
+            out.update({f"{prefix}{group}.{n}": t for n, t in getattr(self, group).items()})
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str = "") -> "TitansState":
+        groups: dict[str, dict[str, torch.Tensor]] = {"weights": {}, "momentum": {}, "chunk_start": {}}
+        for key, t in tensors.items():
+            if key.startswith(prefix) and "." in key[len(prefix):]:
+                group, name = key[len(prefix):].split(".", 1)
+                groups[group][name] = t
+        return cls(position=tensors[f"{prefix}position"], **groups)
+
+    @classmethod
+    def initial(cls, init: dict[str, torch.Tensor], batch: int) -> "TitansState":
+        """Rows starting from the learned initial weights ``init`` ``(H, d_out, d_in)``, zero momentum."""
+        weights = {
+            n: w.to(torch.promote_types(w.dtype, torch.float32)).expand(batch, *w.shape).clone()
+            for n, w in init.items()
+        }
+        return cls(
+            weights=weights,
+            momentum={n: torch.zeros_like(w) for n, w in weights.items()},
+            chunk_start={n: w.clone() for n, w in weights.items()},
+            position=torch.zeros(batch, dtype=torch.long, device=next(iter(init.values())).device),
+        )
+
+
+# --------------------------------------------------------------------------- step / reference
+
+
+def _prepare(q, k, use_qk_l2norm: bool):
+    from .norms import l2_normalize
+
+    return (l2_normalize(q), l2_normalize(k)) if use_qk_l2norm else (q, k)
+
+
+def step_titans(
+    spec: TitansMemorySpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    eta: torch.Tensor,
+    theta: torch.Tensor,
+    state: TitansState,
+    *,
+    chunk_size: int = 64,
+    live: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, TitansState]:
+    """One token per row: ``q, k, v`` ``(B, H, D)``, gates ``(B, H)``, ``live`` ``(B,)`` bool (default all)."""
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    q, k = _prepare(q.to(dtype), k.to(dtype), use_qk_l2norm)
+    v = v.to(dtype)
+    B = q.shape[0]
+    live = torch.ones(B, dtype=torch.bool, device=q.device) if live is None else live.bool()
+    at_start = (state.position == 0)[:, None, None, None]
+    start = {n: torch.where(at_start, state.weights[n], state.chunk_start[n]) for n in state.weights}
+    factors = grad_factors(spec, start, k[:, :, None], v[:, :, None])
+    on = live[:, None, None, None]
+    a, e, th = (x.to(dtype)[..., None, None] for x in (alpha, eta, theta))
+    weights, momentum = {}, {}
+    for n, (A, Bf) in factors.items():
+        grad = A[:, :, 0, :, None] * Bf[:, :, 0, None, :]
+        new_s = e * state.momentum[n] - th * grad
+        momentum[n] = torch.where(on, new_s, state.momentum[n])
+        weights[n] = torch.where(on, a * state.weights[n] + new_s, state.weights[n])
+    y = memory_apply(spec, static_apply(weights), q[:, :, None])[:, :, 0]
+    position = torch.where(live, (state.position + 1) % chunk_size, state.position)
+    chunk_start = {n: torch.where(at_start & on, state.weights[n], state.chunk_start[n]) for n in weights}
+    return y.to(v.dtype), TitansState(weights, momentum, chunk_start, position)
+
+
+def reference_titans(
+    spec: TitansMemorySpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    eta: torch.Tensor,
+    theta: torch.Tensor,
+    init: dict[str, torch.Tensor],
+    *,
+    chunk_size: int = 64,
+    lengths: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Token-by-token definition from the initial weights, one row at a time; ``o`` is 0 past ``lengths``."""
+    B, T, H, _ = q.shape
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    o = torch.zeros(B, T, H, v.shape[-1], dtype=dtype, device=v.device)
+    for b in range(B):
+        n = T if lengths is None else int(lengths[b])
+        W = {name: w.to(dtype).clone() for name, w in init.items()}
+        S = {name: torch.zeros_like(w) for name, w in W.items()}
+        for t in range(n):
+            if t % chunk_size == 0:
+                W0 = {name: w.clone() for name, w in W.items()}
+            qt, kt = _prepare(q[b, t].to(dtype), k[b, t].to(dtype), use_qk_l2norm)
+            factors = grad_factors(spec, W0, kt[:, None], v[b, t].to(dtype)[:, None])
+            for name, (A, Bf) in factors.items():
+                S[name] = eta[b, t, :, None, None] * S[name] - theta[b, t, :, None, None] * (A[:, 0, :, None] * Bf[:, 0, None, :])
+                W[name] = alpha[b, t, :, None, None] * W[name] + S[name]
+            o[b, t] = memory_apply(spec, static_apply(W), qt[:, None])[:, 0]
+    return o.to(v.dtype)
+
+
+# --------------------------------------------------------------------------- chunked
+
+
+class ChunkOperator:
+    """The online memory of every token of one inner chunk, as an ``apply`` for :func:`memory_apply`.
+
+    Built from the chunk's base ``W0, S0`` (the state before the chunk), the gradient
+    factors taken at the chunk-start weights, and the gates.
+    """
+
+    def __init__(self, W0, S0, factors, alpha, eta, theta, live):
+        # gates (B, H, C); live (B, C)
+        log_a = alpha.clamp(min=1e-30).log()
+        log_e = eta.clamp(min=1e-30).log()
+        Aa, Ae = log_a.cumsum(-1), log_e.cumsum(-1)
+        C = alpha.shape[-1]
+        idx = torch.arange(C, device=alpha.device)
+        lower = idx[:, None] >= idx[None, :]
+        X = (Aa[..., :, None] - Aa[..., None, :]).masked_fill(~lower, float("-inf")).exp() * live[:, None, None, :]
+        Y = (Ae[..., :, None] - Ae[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+        self.a = Aa.exp()  # (B, H, C)
+        self.b = (X @ Ae.exp()[..., None])[..., 0]
+        self.c = -(X @ Y) * theta[..., None, :]  # (B, H, C, C)
+        self.sa = Ae.exp()
+        self.sc = -Y * theta[..., None, :]
+        self.W0, self.S0, self.factors = W0, S0, factors
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``W_t x_t`` for every token ``t`` of the chunk; ``x`` ``(B, H, C, d_in)``."""
+        A, Bf = self.factors[name]
+        base = self.a[..., None] * (x @ self.W0[name].transpose(-1, -2)) + self.b[..., None] * (
+            x @ self.S0[name].transpose(-1, -2)
+        )
+        return base + (self.c * (x @ Bf.transpose(-1, -2))) @ A
+
+    def final(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Weights and momenta after the chunk's last token."""
+        weights, momentum = {}, {}
+        for n, (A, Bf) in self.factors.items():
+            weights[n] = self.a[..., -1, None, None] * self.W0[n] + self.b[..., -1, None, None] * self.S0[n] + \
+                torch.einsum("bhj,bhjo,bhji->bhoi", self.c[..., -1, :], A, Bf)
+            momentum[n] = self.sa[..., -1, None, None] * self.S0[n] + \
+                torch.einsum("bhj,bhjo,bhji->bhoi", self.sc[..., -1, :], A, Bf)
+        return weights, momentum
+
+
+def titans_chunk_operator(spec, W0, S0, grad_weights, k, v, alpha, eta, theta, live) -> ChunkOperator:
+    """One inner chunk (``(B, H, C, .)`` inputs, gates ``(B, H, C)``, ``live (B, C)``): its operator."""
+    live_f = live.to(k.dtype)
+    factors = grad_factors(spec, grad_weights, k, v)
+    factors = {n: (A * live_f[:, None, :, None], Bf) for n, (A, Bf) in factors.items()}
+    lv = live[:, None, :]
+    alpha = torch.where(lv, alpha, torch.ones_like(alpha))
+    eta = torch.where(lv, eta, torch.ones_like(eta))
+    theta = torch.where(lv, theta, torch.zeros_like(theta))
+    return ChunkOperator(W0, S0, factors, alpha, eta, theta, live_f)
+
+
+def align_rows(x: torch.Tensor, shift: torch.Tensor, lengths: torch.Tensor, total: int):
+    """Place row ``b`` of ``x (B, T, ...)`` at slots ``[shift_b, shift_b + lengths_b)`` of a
+    ``(B, total, ...)`` zero buffer; returns the buffer and the slots' ``live`` mask."""
+    B, T = x.shape[:2]
+    slot = shift[:, None] + torch.arange(T, device=x.device)[None]
+    valid = torch.arange(T, device=x.device)[None] < lengths[:, None]
+    slot = torch.where(valid, slot, torch.full_like(slot, total))  # invalid tokens go to a spill slot
+    out = x.new_zeros(B, total + 1, *x.shape[2:])
+    out.scatter_(1, slot.view(B, T, *([1] * (x.dim() - 2))).expand_as(x), x)
+    live = torch.zeros(B, total + 1, dtype=torch.bool, device=x.device)
+    live.scatter_(1, slot, valid)
+    return out[:, :total], live[:, :total], slot
+
+
+def chunk_titans(
+    spec: TitansMemorySpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    eta: torch.Tensor,
+    theta: torch.Tensor,
+    state: TitansState,
+    *,
+    chunk_size: int = 64,
+    lengths: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, TitansState]:
+    """Chunked Titans over ``T`` new tokens per row (compacted, ``lengths`` valid), continuing ``state``.
+
+    Each row is shifted by its position in the current inner chunk so that every
+    row's chunk grid lines up; the slots before a row's first token are no-ops and
+    the chunk holding it takes its gradients at the stored chunk-start weights.
+    """
+    resolve_backend(q, has_triton_impl=False)
+    B, T, H, _ = q.shape
+    C = chunk_size
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    q, k = _prepare(q.to(dtype), k.to(dtype), use_qk_l2norm)
+    lengths = torch.full((B,), T, dtype=torch.long, device=q.device) if lengths is None else lengths
+    shift = state.position
+    total = -(-int((shift + lengths).max()) // C) * C if B else 0
+    total = max(total, C)
+    bufs = {}
+    for name, x in (("q", q), ("k", k), ("v", v.to(dtype)), ("alpha", alpha), ("eta", eta), ("theta", theta)):
+        buf, live, slot = align_rows(x.to(dtype), shift, lengths, total)
+        bufs[name] = buf.transpose(1, 2)  # (B, H, total, ...)
+    W = {n: w.to(dtype) for n, w in state.weights.items()}
+    S = {n: s.to(dtype) for n, s in state.momentum.items()}
+    first_chunk = shift // C  # the chunk of each row's first slot
+    end = shift + lengths
+    outputs = []
+    chunk_start = {n: w.clone() for n, w in state.chunk_start.items()}
+    resumed = (state.position > 0)[:, None, None, None]
+    for j in range(total // C):
+        sl = slice(j * C, (j + 1) * C)
+        use_stored = resumed & (first_chunk == j)[:, None, None, None]
+        grad_w = {n: torch.where(use_stored, state.chunk_start[n].to(dtype), W[n]) for n in W}
+        # the weights this chunk started from, for rows that stop inside it
+        stops_here = ((end > j * C) & (end < (j + 1) * C))[:, None, None, None]
+        chunk_start = {n: torch.where(stops_here, grad_w[n], chunk_start[n]) for n in W}
+        op = titans_chunk_operator(spec, W, S, grad_w, bufs["k"][:, :, sl], bufs["v"][:, :, sl],
+                                   bufs["alpha"][:, :, sl], bufs["eta"][:, :, sl], bufs["theta"][:, :, sl],
+                                   live[:, sl])
+        outputs.append(memory_apply(spec, op, bufs["q"][:, :, sl]))
+        W, S = op.final()
+    o = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, total, H, d_v)
+    gather = slot.clamp(max=total - 1)
+    o = o.gather(1, gather.view(B, T, 1, 1).expand(B, T, H, o.shape[-1]))
+    o = o * (torch.arange(T, device=q.device)[None] < lengths[:, None])[..., None, None]
+    new_position = end % C
+    return o.to(v.dtype), TitansState(W, S, chunk_start, new_position)
