@@ -1,0 +1,459 @@
+"""Memory Caching over the Titans memory (FAMILIES.md §2, MC paper).
+
+The sequence of each row is cut into segments; at the end of a segment the layer
+caches the online memory's weights ``M^(i)`` and the segment's summary ``r^(i)``
+(the mean of its normalised keys). Token ``t`` reads its online memory ``M_t``
+(after its own write) and the cached memories through ``aggregation``, scored by
+``s^(i) = <u_t, r^(i)>`` with the gate projection ``u_t`` (the online memory's
+summary is the mean of the current segment's keys so far):
+
+- ``residual``: ``M_t(q) + sum_i M^(i)(q)``;  ``mean``: their uniform average;
+- ``grm``: ``softmax`` of the scores over cached and online memories, weighted sum;
+- ``soup``: the same weights mix the memories' *weights*, then one forward;
+- ``ssc``: ``grm`` over the ``ssc_topk`` best cached memories and the online one.
+
+Segmentation ``constant`` cuts every ``segment_size`` tokens (``None``: one
+segment, plain Titans) and restarts the inner chunks at each segment start;
+``cache_mode="independent"`` also restarts the online memory from its learned
+initial weights there. ``logarithmic`` cuts a prefix of length ``L`` into the
+powers of two of ``L``'s binary form, oldest largest (a cached memory is the
+online memory at a segment end; segments merge as ``L`` grows, and their
+summaries merge with them); its inner chunks follow the global clock, and its
+chunked path runs the exact step token by token. ``independent`` with
+``logarithmic`` is undefined (a merged segment would need its memory retrained
+from scratch) and is rejected.
+
+Entry points: :func:`reference_mc_titans` (readable, per row, Python lists),
+:func:`chunk_mc_titans` (batched) and :func:`step_mc_titans` (one token), plus
+:func:`mc_read`, the aggregation both of the latter use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .backend import resolve_backend
+from .titans import (
+    TitansMemorySpec,
+    TitansState,
+    align_rows,
+    grad_factors,
+    memory_apply,
+    static_apply,
+    step_titans,
+    titans_chunk_operator,
+)
+from .norms import l2_normalize
+
+__all__ = [
+    "AGGREGATIONS",
+    "MCOptions",
+    "MCState",
+    "chunk_mc_titans",
+    "log_segments",
+    "mc_read",
+    "reference_mc_titans",
+    "step_mc_titans",
+]
+
+AGGREGATIONS = ("residual", "grm", "soup", "ssc", "mean")
+SEGMENTATIONS = ("constant", "logarithmic")
+CACHE_MODES = ("checkpoint", "independent")
+
+
+@dataclass(frozen=True)
+class MCOptions:
+    segment_size: int | None = 256
+    segmentation: str = "constant"
+    cache_mode: str = "checkpoint"
+    aggregation: str = "grm"
+    ssc_topk: int = 2
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if self.segmentation not in SEGMENTATIONS:
+            raise ValueError(f"segmentation must be one of {SEGMENTATIONS}, got {self.segmentation!r}")
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
+        if self.segment_size is not None and self.segment_size < 1:
+            raise ValueError(f"segment_size must be >= 1 or None, got {self.segment_size}")
+        if self.ssc_topk < 1 or self.chunk_size < 1:
+            raise ValueError("ssc_topk and chunk_size must be >= 1")
+        if self.segmentation == "logarithmic" and self.cache_mode == "independent":
+            raise ValueError("cache_mode='independent' is undefined with logarithmic segments: use 'checkpoint'")
+
+    @property
+    def logarithmic(self) -> bool:
+        return self.segmentation == "logarithmic"
+
+
+def log_segments(length: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of the segments of a prefix of ``length`` tokens: powers of two, oldest largest."""
+    segments, start = [], 0
+    for bit in reversed(range(max(length, 1).bit_length())):
+        if length >> bit & 1:
+            segments.append((start, start + (1 << bit)))
+            start += 1 << bit
+    return segments
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+def mc_read(
+    spec: TitansMemorySpec,
+    aggregation: str,
+    ssc_topk: int,
+    q: torch.Tensor,
+    u: torch.Tensor,
+    online,
+    online_summary: torch.Tensor,
+    cached: dict[str, torch.Tensor],
+    cached_summary: torch.Tensor,
+    cached_valid: torch.Tensor,
+) -> torch.Tensor:
+    """Read the online and cached memories for queries ``q`` ``(B, H, T, d_k)``.
+
+    ``online`` is an ``apply`` (weights of each token); ``cached`` weights are
+    ``(B, N, H, d_out, d_in)`` with summaries ``(B, N, H, d_k)`` and ``cached_valid (B, N)``.
+    """
+    valid = cached_valid[:, None, None, :]  # (B, 1, 1, N)
+    if aggregation in ("grm", "soup", "ssc"):
+        s_cached = torch.einsum("bhtd,bnhd->bhtn", u, cached_summary).masked_fill(~valid, float("-inf"))
+        s_online = (u * online_summary).sum(-1, keepdim=True)
+        if aggregation == "ssc" and s_cached.shape[-1] > ssc_topk:
+            kth = s_cached.topk(ssc_topk, dim=-1).values[..., -1:]
+            s_cached = s_cached.masked_fill(s_cached < kth, float("-inf"))
+        gates = torch.softmax(torch.cat([s_cached, s_online], dim=-1), dim=-1)
+        g_cached, g_online = gates[..., :-1], gates[..., -1:]
+    else:
+        n = cached_valid.sum(-1).to(q.dtype)[:, None, None, None]
+        scale = 1.0 / (1.0 + n) if aggregation == "mean" else torch.ones_like(n)
+        g_cached = valid.to(q.dtype) * scale
+        g_online = scale
+    if aggregation == "soup":
+        def mixed(name, x):
+            from_cached = torch.einsum("bhti,bnhoi,bhtn->bhto", x, cached[name].to(x.dtype), g_cached)
+            return g_online * online(name, x) + from_cached
+
+        return memory_apply(spec, mixed, q)
+    y = g_online * memory_apply(spec, online, q)
+    if cached_valid.shape[1]:
+        per_memory = memory_apply(spec, static_apply(cached), q[:, None])  # (B, N, H, T, d_v)
+        y = y + torch.einsum("bnhtd,bhtn->bhtd", per_memory, g_cached)
+    return y
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def reference_mc_titans(
+    spec: TitansMemorySpec,
+    options: MCOptions,
+    q, k, v, u, alpha, eta, theta,
+    init: dict[str, torch.Tensor],
+    *,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token by token, one row at a time, with plain lists of snapshots."""
+    B, T, H, _ = q.shape
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    o = torch.zeros(B, T, H, v.shape[-1], dtype=dtype, device=v.device)
+    S_seg, C = options.segment_size, options.chunk_size
+    for b in range(B):
+        n_tokens = T if lengths is None else int(lengths[b])
+        W = {n: w.to(dtype).clone() for n, w in init.items()}
+        M = {n: torch.zeros_like(w) for n, w in W.items()}
+        snapshots: list[tuple[int, dict, torch.Tensor]] = []  # (end, weights, key sum)
+        keys = []
+        chunk_pos = 0
+        for t in range(n_tokens):
+            qt, kt = l2_normalize(q[b, t].to(dtype)), l2_normalize(k[b, t].to(dtype))
+            keys.append(kt)
+            if options.logarithmic:
+                segments = log_segments(t + 1)
+                ends = {end for _, end in segments[:-1]}
+                if t > 0 and t in ends and all(e != t for e, _, _ in snapshots):
+                    snapshots.append((t, {n: w.clone() for n, w in W.items()}, None))
+                snapshots = [s for s in snapshots if s[0] in ends]
+                cached_segments = segments[:-1]
+                online_start = segments[-1][0]
+                if t % C == 0:
+                    W0 = {n: w.clone() for n, w in W.items()}
+            else:
+                seg_start = t - t % S_seg if S_seg else 0
+                if S_seg and t % S_seg == 0 and t > 0 and options.cache_mode == "independent":
+                    W = {n: w.to(dtype).clone() for n, w in init.items()}
+                    M = {n: torch.zeros_like(w) for n, w in W.items()}
+                if (t - seg_start) % C == 0:
+                    W0 = {n: w.clone() for n, w in W.items()}
+                cached_segments = [(e - S_seg, e) for e, _, _ in snapshots]
+                online_start = seg_start
+            factors = grad_factors(spec, W0, kt[:, None], v[b, t].to(dtype)[:, None])
+            for n, (A, Bf) in factors.items():
+                M[n] = eta[b, t, :, None, None] * M[n] - theta[b, t, :, None, None] * (A[:, 0, :, None] * Bf[:, 0, None, :])
+                W[n] = alpha[b, t, :, None, None] * W[n] + M[n]
+            # read: the online memory and every cached one
+            memories = [s[1] for s in snapshots] + [W]
+            summaries = [torch.stack(keys[s:e]).mean(0) for s, e in cached_segments]
+            summaries.append(torch.stack(keys[online_start:t + 1]).mean(0))
+            outs = torch.stack([memory_apply(spec, static_apply(m), qt[:, None])[:, 0] for m in memories])
+            ut = u[b, t].to(dtype)
+            scores = torch.stack([(ut * r).sum(-1) for r in summaries])  # (N + 1, H)
+            agg = options.aggregation
+            if agg == "ssc" and len(memories) - 1 > options.ssc_topk:
+                top = scores[:-1].topk(options.ssc_topk, dim=0).indices
+                keep = torch.zeros_like(scores, dtype=torch.bool)
+                keep[-1] = True
+                keep.scatter_(0, top, True)
+                scores = scores.masked_fill(~keep, float("-inf"))
+            if agg in ("grm", "ssc"):
+                o[b, t] = (torch.softmax(scores, 0)[..., None] * outs).sum(0)
+            elif agg == "soup":
+                gates = torch.softmax(scores, 0)
+                mixed = {n: sum(gates[i][:, None, None] * memories[i][n] for i in range(len(memories))) for n in W}
+                o[b, t] = memory_apply(spec, static_apply(mixed), qt[:, None])[:, 0]
+            elif agg == "residual":
+                o[b, t] = outs.sum(0)
+            else:
+                o[b, t] = outs.mean(0)
+            if not options.logarithmic and S_seg and (t + 1) % S_seg == 0:
+                snapshots.append((t + 1, {n: w.clone() for n, w in W.items()}, None))
+    return o.to(v.dtype)
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass
+class MCState:
+    """Online Titans state plus the cache of segment memories of every row (batch first)."""
+
+    memory: TitansState
+    seen: torch.Tensor  # (B,) tokens written
+    key_sum: torch.Tensor  # (B, H, d_k) keys of the online segment so far
+    key_count: torch.Tensor  # (B,)
+    cached: dict[str, torch.Tensor]  # (B, N, H, d_out, d_in)
+    cached_key_sum: torch.Tensor  # (B, N, H, d_k)
+    cached_key_count: torch.Tensor  # (B, N)
+    num_cached: torch.Tensor  # (B,)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = self.memory.tensors("memory.")
+        out.update(seen=self.seen, key_sum=self.key_sum, key_count=self.key_count,
+                   cached_key_sum=self.cached_key_sum, cached_key_count=self.cached_key_count,
+                   num_cached=self.num_cached)
+        out.update({f"cached.{n}": t for n, t in self.cached.items()})
+        return out
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> "MCState":
+        return cls(
+            memory=TitansState.from_tensors({k[7:]: v for k, v in t.items() if k.startswith("memory.")}),
+            seen=t["seen"], key_sum=t["key_sum"], key_count=t["key_count"],
+            cached={k[7:]: v for k, v in t.items() if k.startswith("cached.")},
+            cached_key_sum=t["cached_key_sum"], cached_key_count=t["cached_key_count"], num_cached=t["num_cached"],
+        )
+
+    @classmethod
+    def initial(cls, init: dict[str, torch.Tensor], batch: int, d_k: int) -> "MCState":
+        memory = TitansState.initial(init, batch)
+        w = next(iter(memory.weights.values()))
+        H = w.shape[1]
+        return cls(
+            memory=memory,
+            seen=torch.zeros(batch, dtype=torch.long, device=w.device),
+            key_sum=w.new_zeros(batch, H, d_k),
+            key_count=w.new_zeros(batch),
+            cached={n: x.new_zeros(batch, 0, *x.shape[1:]) for n, x in memory.weights.items()},
+            cached_key_sum=w.new_zeros(batch, 0, H, d_k),
+            cached_key_count=w.new_zeros(batch, 0),
+            num_cached=torch.zeros(batch, dtype=torch.long, device=w.device),
+        )
+
+    @property
+    def cached_valid(self) -> torch.Tensor:
+        N = self.cached_key_count.shape[1]
+        return torch.arange(N, device=self.seen.device)[None] < self.num_cached[:, None]
+
+    def cached_summary(self) -> torch.Tensor:
+        return self.cached_key_sum / self.cached_key_count.clamp(min=1)[..., None, None]
+
+    def push(self, rows: torch.Tensor, weights: dict[str, torch.Tensor]) -> None:
+        """Cache ``weights`` and the online segment's keys for ``rows`` (bool ``(B,)``), then reset the segment."""
+        if not bool(rows.any()):
+            return
+        N = self.cached_key_count.shape[1]
+        if int((self.num_cached + rows.long()).max()) > N:  # grow by one slot
+            self.cached = {n: torch.cat([c, c.new_zeros(c.shape[0], 1, *c.shape[2:])], 1) for n, c in self.cached.items()}
+            self.cached_key_sum = torch.cat([self.cached_key_sum, self.cached_key_sum.new_zeros(
+                self.cached_key_sum.shape[0], 1, *self.cached_key_sum.shape[2:])], 1)
+            self.cached_key_count = torch.cat([self.cached_key_count, self.cached_key_count.new_zeros(
+                self.cached_key_count.shape[0], 1)], 1)
+            N += 1
+        slot = (torch.arange(N, device=rows.device)[None] == self.num_cached[:, None]) & rows[:, None]  # (B, N)
+        s = slot[..., None, None, None]
+        self.cached = {n: torch.where(s, weights[n][:, None].to(c.dtype), c) for n, c in self.cached.items()}
+        self.cached_key_sum = torch.where(slot[..., None, None], self.key_sum[:, None], self.cached_key_sum)
+        self.cached_key_count = torch.where(slot, self.key_count[:, None], self.cached_key_count)
+        self.num_cached = self.num_cached + rows.long()
+        r = rows[:, None, None]
+        self.key_sum = torch.where(r, torch.zeros_like(self.key_sum), self.key_sum)
+        self.key_count = torch.where(rows, torch.zeros_like(self.key_count), self.key_count)
+
+    def merge_log(self, rows: torch.Tensor, length: torch.Tensor) -> None:
+        """Logarithmic segments: keep ``popcount(length) - 1`` cached memories; merge the dropped ones' keys
+        into the online segment."""
+        keep = torch.zeros_like(length)
+        x = length.clone()
+        while bool((x > 0).any()):
+            keep += x & 1
+            x = x >> 1
+        keep = torch.where(rows, (keep - 1).clamp(min=0), self.num_cached)
+        N = self.cached_key_count.shape[1]
+        drop = (torch.arange(N, device=rows.device)[None] >= keep[:, None]) & self.cached_valid  # (B, N)
+        self.key_sum = self.key_sum + (self.cached_key_sum * drop[..., None, None]).sum(1)
+        self.key_count = self.key_count + (self.cached_key_count * drop).sum(1)
+        self.num_cached = torch.minimum(self.num_cached, keep)
+
+
+def _reset_memory(state: TitansState, init: dict[str, torch.Tensor], rows: torch.Tensor) -> TitansState:
+    r = rows[:, None, None, None]
+    weights = {n: torch.where(r, init[n].to(w.dtype).expand_as(w), w) for n, w in state.weights.items()}
+    momentum = {n: torch.where(r, torch.zeros_like(m), m) for n, m in state.momentum.items()}
+    return TitansState(weights, momentum, state.chunk_start, state.position)
+
+
+# --------------------------------------------------------------------------- step
+
+
+def step_mc_titans(
+    spec: TitansMemorySpec,
+    options: MCOptions,
+    q, k, v, u, alpha, eta, theta,
+    init: dict[str, torch.Tensor],
+    state: MCState,
+    *,
+    live: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, MCState]:
+    """One token per row (``q, k, v, u`` ``(B, H, D)``, gates ``(B, H)``); ``live`` rows only."""
+    B = q.shape[0]
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    live = torch.ones(B, dtype=torch.bool, device=q.device) if live is None else live.bool()
+    state = replace(state)  # the caller's state object stays as it was
+    n = state.seen
+    S_seg = options.segment_size
+    mem = state.memory
+    if options.logarithmic:
+        length = n + 1
+        state.push(live & (n > 0) & (length % 2 == 1), mem.weights)
+        state.merge_log(live, length)
+    elif S_seg:
+        seg_start = live & (n % S_seg == 0) & (n > 0)
+        if options.cache_mode == "independent":
+            mem = _reset_memory(mem, init, seg_start)
+        mem = TitansState(mem.weights, mem.momentum, mem.chunk_start,
+                          torch.where(seg_start, torch.zeros_like(mem.position), mem.position))
+    kn = l2_normalize(k.to(dtype))
+    y_online, mem = step_titans(spec, q, k, v, alpha, eta, theta, mem, chunk_size=options.chunk_size, live=live)
+    state.memory = mem
+    state.key_sum = state.key_sum + kn * live[:, None, None]
+    state.key_count = state.key_count + live.to(state.key_count.dtype)
+    qn = l2_normalize(q.to(dtype))[:, :, None]
+    online_summary = (state.key_sum / state.key_count.clamp(min=1)[:, None, None])[:, :, None]
+    y = mc_read(spec, options.aggregation, options.ssc_topk, qn, u.to(dtype)[:, :, None], static_apply(mem.weights),
+                online_summary, state.cached, state.cached_summary(), state.cached_valid)[:, :, 0]
+    state.seen = n + live.long()
+    if not options.logarithmic and S_seg:
+        state.push(live & (state.seen % S_seg == 0), mem.weights)
+    return y.to(v.dtype), state
+
+
+# --------------------------------------------------------------------------- chunked
+
+
+def chunk_mc_titans(
+    spec: TitansMemorySpec,
+    options: MCOptions,
+    q, k, v, u, alpha, eta, theta,
+    init: dict[str, torch.Tensor],
+    state: MCState,
+    *,
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, MCState]:
+    """``T`` new tokens per row (compacted, ``lengths`` valid), continuing ``state``."""
+    resolve_backend(q, has_triton_impl=False)
+    B, T, H, _ = q.shape
+    lengths = torch.full((B,), T, dtype=torch.long, device=q.device) if lengths is None else lengths
+    if options.logarithmic or T == 1:
+        outs = []
+        for t in range(T):
+            o, state = step_mc_titans(spec, options, q[:, t], k[:, t], v[:, t], u[:, t], alpha[:, t], eta[:, t],
+                                      theta[:, t], init, state, live=t < lengths)
+            outs.append(o)
+        return torch.stack(outs, 1) * (torch.arange(T, device=q.device)[None] < lengths[:, None])[..., None, None], state
+
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    state = replace(state)
+    C, S_seg = options.chunk_size, options.segment_size
+    q, k = l2_normalize(q.to(dtype)), l2_normalize(k.to(dtype))
+    shift = state.seen % S_seg if S_seg else state.memory.position
+    span = int((shift + lengths).max())
+    seg = S_seg or max(C, -(-span // C) * C)
+    total = max(seg, -(-span // seg) * seg)
+    bufs = {}
+    for name, x in (("q", q), ("k", k), ("v", v), ("u", u), ("alpha", alpha), ("eta", eta), ("theta", theta)):
+        buf, live, slot = align_rows(x.to(dtype), shift, lengths, total)
+        bufs[name] = buf.transpose(1, 2)
+    mem = state.memory
+    W = {n: w.to(dtype) for n, w in mem.weights.items()}
+    M = {n: m.to(dtype) for n, m in mem.momentum.items()}
+    end = shift + lengths
+    first = shift
+    resumed = (mem.position > 0)
+    chunk_start = dict(mem.chunk_start)
+    outputs = torch.zeros(B, H, total, v.shape[-1], dtype=dtype, device=q.device)
+    key_sum, key_count = state.key_sum.to(dtype), state.key_count.to(dtype)
+    state.key_sum, state.key_count = key_sum, key_count
+    for s0 in range(0, total, seg):
+        if options.cache_mode == "independent" and S_seg:
+            starts = live[:, s0] & (state.seen + (s0 - shift) > 0)
+            r = starts[:, None, None, None]
+            W = {n: torch.where(r, init[n].to(dtype).expand_as(w), w) for n, w in W.items()}
+            M = {n: torch.where(r, torch.zeros_like(m), m) for n, m in M.items()}
+        for c0 in range(s0, min(s0 + seg, total), C):
+            c1 = min(c0 + C, s0 + seg)
+            sl = slice(c0, c1)
+            contains_first = (first >= c0) & (first < c1) & resumed
+            use_stored = contains_first[:, None, None, None]
+            grad_w = {n: torch.where(use_stored, mem.chunk_start[n].to(dtype), W[n]) for n in W}
+            stops = ((end > c0) & (end < c1))[:, None, None, None]
+            chunk_start = {n: torch.where(stops, grad_w[n], chunk_start[n]) for n in W}
+            lv = live[:, sl]
+            op = titans_chunk_operator(spec, W, M, grad_w, bufs["k"][:, :, sl], bufs["v"][:, :, sl],
+                                       bufs["alpha"][:, :, sl], bufs["eta"][:, :, sl], bufs["theta"][:, :, sl], lv)
+            kl = bufs["k"][:, :, sl] * lv[:, None, :, None]
+            run_sum = key_sum[:, :, None] + kl.cumsum(2)
+            run_count = key_count[:, None] + lv.to(dtype).cumsum(1)
+            summary = run_sum / run_count.clamp(min=1)[:, None, :, None]
+            outputs[:, :, sl] = mc_read(spec, options.aggregation, options.ssc_topk, bufs["q"][:, :, sl],
+                                        bufs["u"][:, :, sl], op, summary, state.cached, state.cached_summary(),
+                                        state.cached_valid)
+            W, M = op.final()
+            key_sum, key_count = run_sum[:, :, -1], run_count[:, -1]
+            state.key_sum, state.key_count = key_sum, key_count
+        if S_seg:
+            closes = live[:, min(s0 + seg, total) - 1]
+            state.push(closes, W)
+            key_sum, key_count = state.key_sum, state.key_count
+    o = outputs.transpose(1, 2).gather(1, slot.clamp(max=total - 1).view(B, T, 1, 1).expand(B, T, H, v.shape[-1]))
+    o = o * (torch.arange(T, device=q.device)[None] < lengths[:, None])[..., None, None]
+    new_seen = state.seen + lengths
+    in_segment = new_seen % S_seg if S_seg else new_seen
+    state.memory = TitansState(W, M, chunk_start, (in_segment % C) if S_seg else new_seen % C)
+    state.seen = new_seen
+    return o.to(v.dtype), state
