@@ -7,11 +7,13 @@ Importing ``mnemo`` registers every family with the ``Auto*`` classes, so
 
 from __future__ import annotations
 
-from mnemo.configuration import DeepTransformerConfig, MoMConfig
+from mnemo.configuration import DeepTransformerConfig, MCTitansConfig, MoMConfig
 from mnemo.kernels import use_backend
 from mnemo.modeling import (
     DeepTransformerForCausalLM,
     DeepTransformerModel,
+    MCTitansForCausalLM,
+    MCTitansModel,
     MnemoCache,
     MoMForCausalLM,
     MoMModel,
@@ -22,6 +24,7 @@ __version__ = "0.1.0"
 _FAMILIES = (
     (MoMConfig, MoMModel, MoMForCausalLM),
     (DeepTransformerConfig, DeepTransformerModel, DeepTransformerForCausalLM),
+    (MCTitansConfig, MCTitansModel, MCTitansForCausalLM),
 )
 
 
@@ -41,6 +44,9 @@ __all__ = [
     "DeepTransformerConfig",
     "DeepTransformerForCausalLM",
     "DeepTransformerModel",
+    "MCTitansConfig",
+    "MCTitansForCausalLM",
+    "MCTitansModel",
     "MnemoCache",
     "MoMConfig",
     "MoMForCausalLM",

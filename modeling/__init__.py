@@ -6,6 +6,7 @@ from .modeling_deep_transformer import (
     DeepTransformerModel,
     DeepTransformerPreTrainedModel,
 )
+from .modeling_mc_titans import MCTitansForCausalLM, MCTitansModel, MCTitansPreTrainedModel
 from .modeling_mom import MoMForCausalLM, MoMModel, MoMPreTrainedModel
 from .outputs import MnemoCausalLMOutput, MnemoModelOutput
 
@@ -14,6 +15,9 @@ __all__ = [
     "DeepTransformerModel",
     "DeepTransformerPreTrainedModel",
     "LayerCache",
+    "MCTitansForCausalLM",
+    "MCTitansModel",
+    "MCTitansPreTrainedModel",
     "MnemoCache",
     "MnemoCausalLMOutput",
     "MnemoModelOutput",

@@ -16,6 +16,7 @@ from ..configuration.configuration_deep_transformer import DeepTransformerConfig
 from ..kernels.deep_attention import DeepAttentionState, chunk_deep_attention
 from .attention import RotaryEmbedding, apply_rotary
 from .cache import LayerCache
+from .padding import RowCompaction
 
 
 class DeepAttention(nn.Module):
@@ -67,19 +68,11 @@ class DeepAttention(nn.Module):
         eta = torch.sigmoid(self.eta_proj(hidden_states).float()) if self.memory_depth == 2 else None
         gamma = torch.sigmoid(self.gamma_proj(hidden_states).float()) if self.learning_rule == "omega" else None
 
-        lengths, order = None, None
+        lengths, rows = None, None
         if valid is not None:
-            valid = valid.bool()
-            order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid tokens first, in order
-            lengths = valid.sum(1)
-
-            def compact(x):
-                if x is None:
-                    return None
-                idx = order.view(B, T, *([1] * (x.dim() - 2))).expand_as(x)
-                return x.gather(1, idx)
-
-            q, k, v, eta, gamma = (compact(x) for x in (q, k, v, eta, gamma))
+            rows = RowCompaction(valid)
+            lengths = rows.lengths
+            q, k, v, eta, gamma = (rows.compact(x) for x in (q, k, v, eta, gamma))
 
         state = DeepAttentionState.from_tensors(cache.states) if cache is not None and "keys" in cache else None
         o, new_state = chunk_deep_attention(
@@ -88,6 +81,6 @@ class DeepAttention(nn.Module):
         )
         if cache is not None:
             cache.states = new_state.tensors()
-        if order is not None:  # back to the original positions; padded positions get zeros
-            o = torch.zeros_like(o).scatter(1, order.view(B, T, 1, 1).expand_as(o), o)
+        if rows is not None:  # back to the original positions; padded positions get zeros
+            o = rows.restore(o)
         return self.o_proj(o.reshape(B, T, H * D).to(hidden_states.dtype))

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mnemo import DeepTransformerConfig, DeepTransformerForCausalLM, MoMConfig, MoMForCausalLM
+from mnemo import (
+    DeepTransformerConfig,
+    DeepTransformerForCausalLM,
+    MCTitansConfig,
+    MCTitansForCausalLM,
+    MoMConfig,
+    MoMForCausalLM,
+)
 
 
 def tiny_mom_config(**overrides) -> MoMConfig:
@@ -60,10 +67,34 @@ DEEP_VARIANTS = {
     "attention-only": {"memory_depth": 1, "num_key_value_heads": 2},
 }
 
+def tiny_mc_titans_config(**overrides) -> MCTitansConfig:
+    kwargs = dict(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8, memory_expansion=2,
+        intermediate_size=64, inner_chunk_size=4, segment_size=6, memory_init_std=0.3, max_lr=0.5,
+        eos_token_id=None, bos_token_id=None, pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return MCTitansConfig(**kwargs)
+
+
+def tiny_mc_titans(seed: int = 0, **overrides) -> MCTitansForCausalLM:
+    torch.manual_seed(seed)
+    return MCTitansForCausalLM(tiny_mc_titans_config(**overrides)).eval()
+
+
+MC_VARIANTS = {
+    "grm": {},
+    "soup-independent": {"aggregation": "soup", "cache_mode": "independent"},
+    "ssc-linear": {"aggregation": "ssc", "ssc_topk": 1, "memory_depth": 1},
+    "log-mean-gated": {"segmentation": "logarithmic", "aggregation": "mean", "memory_gated": True},
+    "plain-titans": {"segment_size": None},
+}
+
 # Every family and variant, for the tests that hold for all models.
 MODEL_VARIANTS = {
     **{f"mom-{k}": (tiny_mom, v) for k, v in MOM_VARIANTS.items()},
     **{f"deep-{k}": (tiny_deep_transformer, v) for k, v in DEEP_VARIANTS.items()},
+    **{f"mc-{k}": (tiny_mc_titans, v) for k, v in MC_VARIANTS.items()},
 }
 
 

@@ -1,0 +1,121 @@
+"""Configuration of the MC-Titans family (``model_type="mnemo_mc_titans"``, FAMILIES.md §2)."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from .validation import check, check_choice, check_positive_int
+
+AGGREGATIONS = ("residual", "grm", "soup", "ssc", "mean")
+SEGMENTATIONS = ("constant", "logarithmic")
+CACHE_MODES = ("checkpoint", "independent")
+
+
+class MCTitansConfig(PretrainedConfig):
+    r"""Configuration of a :class:`~mnemo.MCTitansForCausalLM`: Titans' deep memory with Memory Caching.
+
+    Args:
+        vocab_size, hidden_size, num_hidden_layers, norm_eps, initializer_range,
+        tie_word_embeddings: as in the other families.
+        num_heads, head_dim: memory heads and their key (= value) width.
+        memory_depth: 1 (linear matrix memory) or 2 (residual MLP, GELU).
+        memory_expansion: hidden width of the MLP memory is ``memory_expansion * head_dim``.
+        memory_gated: the gated MLP ``z + W1 (gelu(W2 z) * W3 z)``.
+        max_lr: the learning-rate gate is ``max_lr * sigmoid(.)``.
+        inner_chunk_size: tokens whose gradients share the chunk-start weights.
+        segment_size: tokens per cached segment (``None``: one segment, plain Titans);
+            unused by logarithmic segments, whose sizes are powers of two.
+        segmentation: ``"constant"`` or ``"logarithmic"``.
+        cache_mode: ``"checkpoint"`` (the online memory continues across segments) or
+            ``"independent"`` (it restarts from its initial weights at each segment).
+        aggregation: ``"residual"``, ``"grm"``, ``"soup"``, ``"ssc"`` or ``"mean"``.
+        ssc_topk: cached memories each token reads with ``"ssc"``.
+        hidden_ratio, intermediate_size: the SwiGLU MLP of each block.
+    """
+
+    model_type = "mnemo_mc_titans"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 1024,
+        num_hidden_layers: int = 24,
+        num_heads: int = 4,
+        head_dim: int = 256,
+        memory_depth: int = 2,
+        memory_expansion: int = 4,
+        memory_gated: bool = False,
+        max_lr: float = 0.1,
+        inner_chunk_size: int = 64,
+        segment_size: int | None = 256,
+        segmentation: str = "constant",
+        cache_mode: str = "checkpoint",
+        aggregation: str = "grm",
+        ssc_topk: int = 2,
+        hidden_ratio: float = 3.0,
+        intermediate_size: int | None = None,
+        hidden_act: str = "silu",
+        norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
+        memory_init_std: float = 0.02,
+        use_cache: bool = True,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = 1,
+        eos_token_id: int | None = 2,
+        tie_word_embeddings: bool = False,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.memory_depth = memory_depth
+        self.memory_expansion = memory_expansion
+        self.memory_gated = memory_gated
+        self.max_lr = max_lr
+        self.inner_chunk_size = inner_chunk_size
+        self.segment_size = segment_size
+        self.segmentation = segmentation
+        self.cache_mode = cache_mode
+        self.aggregation = aggregation
+        self.ssc_topk = ssc_topk
+        self.hidden_ratio = hidden_ratio
+        if intermediate_size is None:
+            intermediate_size = 256 * ((int(hidden_size * hidden_ratio * 2 / 3) + 255) // 256)
+        self.intermediate_size = intermediate_size
+        self.hidden_act = hidden_act
+        self.norm_eps = norm_eps
+        self.initializer_range = initializer_range
+        self.memory_init_std = memory_init_std
+        self.use_cache = use_cache
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+        self.validate_mc_titans()
+
+    def validate_mc_titans(self) -> None:
+        """Raise ``ValueError`` naming the first impossible field."""
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "memory_expansion",
+                     "inner_chunk_size", "ssc_topk", "intermediate_size"):
+            check_positive_int(name, getattr(self, name))
+        check(self.memory_depth in (1, 2), "memory_depth", "must be 1 (linear) or 2 (MLP)", self.memory_depth)
+        check(not (self.memory_gated and self.memory_depth == 1), "memory_gated",
+              "the gated variant is an MLP: use memory_depth=2", self.memory_gated)
+        check(self.segment_size is None or (isinstance(self.segment_size, int) and self.segment_size >= 1),
+              "segment_size", "must be an integer >= 1, or None for a single segment (plain Titans)",
+              self.segment_size)
+        check_choice("segmentation", self.segmentation, SEGMENTATIONS)
+        check_choice("cache_mode", self.cache_mode, CACHE_MODES)
+        check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        check(not (self.segmentation == "logarithmic" and self.cache_mode == "independent"), "cache_mode",
+              "'independent' is undefined with logarithmic segments (merged segments would need retraining); "
+              "use 'checkpoint'", self.cache_mode)
+        check(self.max_lr > 0, "max_lr", "must be > 0", self.max_lr)
+        check(self.norm_eps > 0, "norm_eps", "must be > 0", self.norm_eps)
+        check(self.hidden_act in ("silu", "swish"), "hidden_act", "only 'silu' (SwiGLU) is supported", self.hidden_act)

@@ -1,0 +1,95 @@
+"""The MC-Titans layer: Titans' deep memory read through Memory Caching (FAMILIES.md §2).
+
+Projections ``q, k, v`` and the gate projection ``u`` (its own, as the MC paper's
+ablation requires), per-head data-dependent gates named by role (retention,
+momentum, learning rate), learned initial memory weights, and the gated RMSNorm
+output of the MoM family (a choice of this package: FAMILIES.md does not fix
+Titans' output head). The memory itself is the kernel API's ``mc_titans``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..configuration.configuration_mc_titans import MCTitansConfig
+from ..kernels.memory_caching import MCOptions, MCState, chunk_mc_titans
+from ..kernels.titans import TitansMemorySpec
+from .cache import LayerCache
+from .normalization import GatedRMSNorm
+from .padding import RowCompaction
+
+
+class GateProjection(nn.Linear):
+    """A per-head gate logit ``x W + b`` whose bias starts at ``bias_init``."""
+
+    def __init__(self, hidden: int, heads: int, bias_init: float) -> None:
+        super().__init__(hidden, heads)
+        self.bias_init = bias_init
+
+
+class MCTitansLayer(nn.Module):
+    def __init__(self, config: MCTitansConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        H, D, hidden = config.num_heads, config.head_dim, config.hidden_size
+        self.num_heads, self.head_dim = H, D
+        self.max_lr = config.max_lr
+        self.spec = TitansMemorySpec(depth=config.memory_depth, gated=config.memory_gated, d_k=D, d_v=D,
+                                     expansion=config.memory_expansion)
+        self.options = MCOptions(
+            segment_size=config.segment_size, segmentation=config.segmentation, cache_mode=config.cache_mode,
+            aggregation=config.aggregation, ssc_topk=config.ssc_topk, chunk_size=config.inner_chunk_size,
+        )
+        self.q_proj = nn.Linear(hidden, H * D, bias=False)
+        self.k_proj = nn.Linear(hidden, H * D, bias=False)
+        self.v_proj = nn.Linear(hidden, H * D, bias=False)
+        self.u_proj = nn.Linear(hidden, H * D, bias=False)
+        # Initial gates: retention ~0.98, momentum ~0.5, learning rate ~0.12 max_lr. Larger
+        # momentum and learning rates at initialisation make the inner loop diverge: the effective
+        # step 2 lr / (1 - momentum) must stay well below 2 for unit-norm keys.
+        self.retention_proj = GateProjection(hidden, H, 4.0)
+        self.momentum_proj = GateProjection(hidden, H, 0.0)
+        self.lr_proj = GateProjection(hidden, H, -2.0)
+        # Learned initial memory weights, one (d_out, d_in) matrix per head: memory_w / memory_w1, ...
+        for name, shape in self.spec.shapes.items():
+            setattr(self, f"memory_{name}", nn.Parameter(torch.zeros(H, *shape)))
+        self.g_proj = nn.Linear(hidden, H * D, bias=False)
+        self.o_norm = GatedRMSNorm(D, eps=config.norm_eps)
+        self.o_proj = nn.Linear(H * D, hidden, bias=False)
+
+    def memory_init(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, f"memory_{name}") for name in self.spec.shapes}
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = hidden_states.shape
+        H, D = self.num_heads, self.head_dim
+        q, k, v, u = (proj(hidden_states).view(B, T, H, D) for proj in (self.q_proj, self.k_proj, self.v_proj,
+                                                                          self.u_proj))
+        alpha = torch.sigmoid(self.retention_proj(hidden_states).float())
+        eta = torch.sigmoid(self.momentum_proj(hidden_states).float())
+        theta = self.max_lr * torch.sigmoid(self.lr_proj(hidden_states).float())
+        rows, lengths = None, None
+        if valid is not None:
+            rows = RowCompaction(valid)
+            lengths = rows.lengths
+            q, k, v, u, alpha, eta, theta = (rows.compact(x) for x in (q, k, v, u, alpha, eta, theta))
+        init = self.memory_init()
+        if cache is not None and "seen" in cache:
+            state = MCState.from_tensors(cache.states)
+        else:
+            state = MCState.initial(init, B, D)
+        o, state = chunk_mc_titans(self.spec, self.options, q, k, v, u, alpha, eta, theta, init, state,
+                                   lengths=lengths)
+        if cache is not None:
+            cache.states = state.tensors()
+        if rows is not None:
+            o = rows.restore(o)
+        gate = self.g_proj(hidden_states).view(B, T, H, D)
+        out = self.o_norm(o.to(hidden_states.dtype), gate)
+        return self.o_proj(out.reshape(B, T, H * D))

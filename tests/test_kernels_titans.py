@@ -1,0 +1,177 @@
+"""Titans memory and Memory Caching kernels: closed-form gradients, reference == chunked == step."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from mnemo.kernels.memory_caching import (
+    MCOptions,
+    MCState,
+    chunk_mc_titans,
+    log_segments,
+    reference_mc_titans,
+    step_mc_titans,
+)
+from mnemo.kernels.titans import (
+    TitansMemorySpec,
+    TitansState,
+    chunk_titans,
+    grad_factors,
+    memory_apply,
+    reference_titans,
+    static_apply,
+    step_titans,
+)
+
+B, T, H, D = 3, 21, 2, 4
+SPECS = {
+    "linear": TitansMemorySpec(depth=1, d_k=D, d_v=D),
+    "mlp": TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=2),
+    "gated": TitansMemorySpec(depth=2, gated=True, d_k=D, d_v=D, expansion=2),
+}
+
+
+def inputs(spec, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    init = {n: torch.randn(H, *s, generator=gen, dtype=dtype) * 0.5 for n, s in spec.shapes.items()}
+    q, k, v, u = (torch.randn(B, T, H, D, generator=gen, dtype=dtype) for _ in range(4))
+    alpha = torch.rand(B, T, H, generator=gen, dtype=dtype) * 0.5 + 0.5
+    eta = torch.rand(B, T, H, generator=gen, dtype=dtype)
+    theta = torch.rand(B, T, H, generator=gen, dtype=dtype) * 0.05
+    return init, q, k, v, u, alpha, eta, theta
+
+
+def pieces(xs, takes):
+    """Feed rows in calls of different sizes: yields (per-call tensors, take, start)."""
+    consumed = torch.zeros(B, dtype=torch.long)
+    for take in takes:
+        width = max(int(take.max()), 1)
+        idx = (consumed[:, None] + torch.arange(width)[None]).clamp(max=T - 1)
+        yield [x.gather(1, idx.view(B, width, *([1] * (x.dim() - 2))).expand(B, width, *x.shape[2:])) for x in xs], \
+            take, consumed.clone()
+        consumed += take
+
+
+TAKES = [torch.tensor([3, 2, 6]), torch.tensor([1, 1, 0]), torch.tensor([9, 4, 1]), torch.tensor([8, 0, 8])]
+LENGTHS = torch.stack(TAKES).sum(0)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_closed_form_gradients_equal_autograd(name):
+    spec = SPECS[name]
+    init, q, k, v, *_ = inputs(spec)
+    weights = {n: w.clone().requires_grad_() for n, w in init.items()}
+    loss = (memory_apply(spec, static_apply(weights), k[0, :1].transpose(0, 1)) - v[0, :1].transpose(0, 1)).pow(2).sum()
+    loss.backward()
+    factors = grad_factors(spec, init, k[0, :1].transpose(0, 1), v[0, :1].transpose(0, 1))
+    for n, (A, Bf) in factors.items():
+        torch.testing.assert_close(A[:, 0, :, None] * Bf[:, 0, None, :], weights[n].grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name, chunk", list(itertools.product(sorted(SPECS), [1, 4, 5, 64])))
+def test_titans_reference_chunk_step_agree(name, chunk):
+    spec = SPECS[name]
+    init, q, k, v, _, alpha, eta, theta = inputs(spec)
+    ref = reference_titans(spec, q, k, v, alpha, eta, theta, init, chunk_size=chunk)
+    out, _ = chunk_titans(spec, q, k, v, alpha, eta, theta, TitansState.initial(init, B), chunk_size=chunk)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    state, steps = TitansState.initial(init, B), []
+    for t in range(T):
+        o, state = step_titans(spec, q[:, t], k[:, t], v[:, t], alpha[:, t], eta[:, t], theta[:, t], state,
+                               chunk_size=chunk)
+        steps.append(o)
+    torch.testing.assert_close(torch.stack(steps, 1), ref, rtol=0, atol=1e-12)
+    # ragged rows fed in pieces that stop mid-chunk
+    ref = reference_titans(spec, q, k, v, alpha, eta, theta, init, chunk_size=chunk, lengths=LENGTHS)
+    state = TitansState.initial(init, B)
+    for part, take, start in pieces((q, k, v, alpha, eta, theta), TAKES):
+        o, state = chunk_titans(spec, *part, state, chunk_size=chunk, lengths=take)
+        for b in range(B):
+            n, s = int(take[b]), int(start[b])
+            torch.testing.assert_close(o[b, :n], ref[b, s:s + n], rtol=0, atol=1e-12)
+
+
+MC_COMBOS = [
+    (seg, segm, mode, agg)
+    for seg, segm, mode, agg in itertools.product(
+        [None, 5, 8], ["constant", "logarithmic"], ["checkpoint", "independent"],
+        ["residual", "grm", "soup", "ssc", "mean"],
+    )
+    if not (segm == "logarithmic" and (mode == "independent" or seg != 5))
+]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("seg, segm, mode, agg", MC_COMBOS)
+def test_mc_reference_chunk_step_agree(depth, seg, segm, mode, agg):
+    spec = SPECS["linear" if depth == 1 else "mlp"]
+    opts = MCOptions(segment_size=seg, segmentation=segm, cache_mode=mode, aggregation=agg, ssc_topk=1, chunk_size=3)
+    init, *xs = inputs(spec, seed=depth)
+    ref = reference_mc_titans(spec, opts, *xs, init)
+    out, _ = chunk_mc_titans(spec, opts, *xs, init, MCState.initial(init, B, D))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    state, steps = MCState.initial(init, B, D), []
+    for t in range(T):
+        o, state = step_mc_titans(spec, opts, *(x[:, t] for x in xs), init, state)
+        steps.append(o)
+    torch.testing.assert_close(torch.stack(steps, 1), ref, rtol=0, atol=1e-12)
+    ref = reference_mc_titans(spec, opts, *xs, init, lengths=LENGTHS)
+    state = MCState.initial(init, B, D)
+    for part, take, start in pieces(xs, TAKES):
+        o, state = chunk_mc_titans(spec, opts, *part, init, state, lengths=take)
+        for b in range(B):
+            n, s = int(take[b]), int(start[b])
+            torch.testing.assert_close(o[b, :n], ref[b, s:s + n], rtol=0, atol=1e-12)
+
+
+def test_logarithmic_segments_are_the_binary_decomposition():
+    assert log_segments(37) == [(0, 32), (32, 36), (36, 37)]
+    assert log_segments(16) == [(0, 16)]
+    spec = SPECS["mlp"]
+    init, q, k, v, u, alpha, eta, theta = inputs(spec)
+    opts = MCOptions(segmentation="logarithmic", chunk_size=4)
+    state = MCState.initial(init, B, D)
+    for t in range(T):
+        _, state = step_mc_titans(spec, opts, q[:, t], k[:, t], v[:, t], u[:, t], alpha[:, t], eta[:, t],
+                                  theta[:, t], init, state)
+        segments = log_segments(t + 1)
+        assert (state.num_cached == len(segments) - 1).all()
+        keys = k[:, : t + 1] * torch.rsqrt((k[:, : t + 1] ** 2).sum(-1, keepdim=True) + 1e-6)
+        for i, (s, e) in enumerate(segments[:-1]):
+            torch.testing.assert_close(state.cached_summary()[:, i], keys[:, s:e].mean(1), rtol=0, atol=1e-12)
+        s, e = segments[-1]
+        torch.testing.assert_close(state.key_sum / state.key_count[:, None, None], keys[:, s:e].mean(1),
+                                   rtol=0, atol=1e-12)
+
+
+def test_soup_equals_grm_for_linear_memory_and_differs_for_mlp():
+    for name, same in (("linear", True), ("mlp", False)):
+        spec = SPECS[name]
+        init, *xs = inputs(spec, seed=3)
+        outs = [chunk_mc_titans(spec, MCOptions(segment_size=4, aggregation=a, chunk_size=2), *xs, init,
+                                MCState.initial(init, B, D))[0] for a in ("grm", "soup")]
+        if same:
+            torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)
+        else:
+            assert (outs[0] - outs[1]).abs().max() > 1e-6
+
+
+def test_independent_differs_from_checkpoint_after_the_first_segment():
+    spec = SPECS["mlp"]
+    init, *xs = inputs(spec, seed=4)
+    outs = [chunk_mc_titans(spec, MCOptions(segment_size=6, cache_mode=m, chunk_size=3), *xs, init,
+                            MCState.initial(init, B, D))[0] for m in ("checkpoint", "independent")]
+    torch.testing.assert_close(outs[0][:, :6], outs[1][:, :6], rtol=0, atol=1e-12)
+    assert (outs[0][:, 6:] - outs[1][:, 6:]).abs().max() > 1e-6
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError, match="aggregation"):
+        MCOptions(aggregation="max")
+    with pytest.raises(ValueError, match="independent"):
+        MCOptions(segmentation="logarithmic", cache_mode="independent")
+    with pytest.raises(ValueError, match="segment_size"):
+        MCOptions(segment_size=0)

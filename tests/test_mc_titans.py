@@ -1,0 +1,102 @@
+"""MCTitansForCausalLM specifics: the cache grows by one memory per segment, gradients, validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mnemo import MCTitansConfig, MCTitansForCausalLM
+
+from conftest import tiny_mc_titans, tiny_mc_titans_config
+
+
+@pytest.mark.parametrize("segment_size", [64, 256])
+def test_cache_of_a_1000_token_decode_holds_one_memory_per_segment(segment_size):
+    model = tiny_mc_titans(segment_size=segment_size, num_hidden_layers=1, inner_chunk_size=16)
+    ids = torch.randint(1, 97, (1, 1000))
+    with torch.no_grad():
+        out = model(ids[:, :100], use_cache=True)
+        cache = out.past_key_values
+        for t in range(100, 1000):
+            cache = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).past_key_values
+    layer = cache[0]
+    cached = 1000 // segment_size
+    assert int(layer["num_cached"][0]) == cached
+    assert layer["cached.w1"].shape[1] == cached  # no slot beyond the cached memories
+    assert cached + 1 == math.ceil(1000 / segment_size)  # with the online memory: one per segment
+    assert cache.get_seq_length() == 1000
+
+
+def test_decode_matches_forward_across_segment_and_chunk_boundaries():
+    model = tiny_mc_titans(segment_size=5, inner_chunk_size=3, aggregation="ssc", ssc_topk=2)
+    ids = torch.randint(1, 97, (2, 23))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :4], use_cache=True)
+        cache, logits = out.past_key_values, [out.logits]
+        for t in range(4, 23):
+            step = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            cache = step.past_key_values
+            logits.append(step.logits)
+    torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_plain_titans_has_no_cached_memories():
+    model = tiny_mc_titans(segment_size=None)
+    cache = model(torch.randint(1, 97, (1, 40)), use_cache=True).past_key_values
+    assert cache[0]["cached.w1"].shape[1] == 0
+
+
+def test_gradients_reach_every_parameter():
+    for overrides in ({}, {"memory_gated": True, "aggregation": "soup"}, {"memory_depth": 1}):
+        model = tiny_mc_titans(**overrides).train()
+        ids = torch.randint(1, 97, (2, 20))
+        model(ids, labels=ids).loss.backward()
+        assert [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0] == []
+
+
+def test_tiny_model_overfits_a_fixed_batch():
+    model = tiny_mc_titans(hidden_size=64, head_dim=16, intermediate_size=128).train()
+    ids = torch.randint(1, 97, (4, 24))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(120):
+        loss = model(ids, labels=ids).loss
+        first = loss.item() if step == 0 else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert first > 4.0 and loss.item() < 0.5, (first, loss.item())
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"segment_size": 0}, "segment_size"),
+        ({"segment_size": -4}, "segment_size"),
+        ({"aggregation": "max"}, "aggregation"),
+        ({"segmentation": "fibonacci"}, "segmentation"),
+        ({"cache_mode": "frozen"}, "cache_mode"),
+        ({"segmentation": "logarithmic", "cache_mode": "independent"}, "cache_mode"),
+        ({"ssc_topk": 0}, "ssc_topk"),
+        ({"memory_depth": 3}, "memory_depth"),
+        ({"memory_depth": 1, "memory_gated": True}, "memory_gated"),
+        ({"inner_chunk_size": 0}, "inner_chunk_size"),
+        ({"max_lr": 0.0}, "max_lr"),
+    ],
+)
+def test_invalid_values_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=rf"^{field}="):
+        tiny_mc_titans_config(**overrides)
+
+
+def test_defaults_and_meta_device_size():
+    config = MCTitansConfig()
+    assert (config.segment_size, config.aggregation, config.segmentation, config.cache_mode) == (
+        256, "grm", "constant", "checkpoint")
+    assert config.inner_chunk_size == 64 and config.memory_expansion == 4
+    with torch.device("meta"):
+        model = MCTitansForCausalLM(config)
+    memory = sum(p.numel() for n, p in model.named_parameters() if ".memory_w" in n)
+    assert memory == 24 * 4 * 2 * 256 * 1024  # W1 (256 x 1024) and W2 (1024 x 256) per head
