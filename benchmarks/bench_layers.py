@@ -15,8 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mnemo import DeepTransformerConfig, MoMConfig
+from mnemo import DeepTransformerConfig, MCTitansConfig, MoMConfig
 from mnemo.modeling.deep_attention_layer import DeepAttention
+from mnemo.modeling.mc_titans_layer import MCTitansLayer
 from mnemo.modeling.mom_layer import MoMMemoryLayer
 
 D, TOKENS = 1024, 16384
@@ -67,11 +68,22 @@ class DeepLayer(nn.Module):
         return self.attn(x, positions)
 
 
+def titans_layer(segment_size):
+    config = MCTitansConfig(hidden_size=D, num_heads=4, head_dim=256, memory_expansion=4, inner_chunk_size=64,
+                            segment_size=segment_size)
+    layer = MCTitansLayer(config, 0)
+    for p in layer.memory_init().values():
+        nn.init.normal_(p, std=0.02)
+    return layer
+
+
 LAYERS = {
     "sdpa_attention_16x64": lambda: SdpaAttention(D, 16),
     "mnemo_deep_transformer_depth1_16x64": lambda: DeepLayer(1),
     "mnemo_deep_transformer_depth2_16x64_torch": lambda: DeepLayer(2),
     "mnemo_mom_4x2_shared_torch": lambda: MoMMemoryLayer(MoMConfig(hidden_size=D, num_heads=4, head_dim=256), 0),
+    "mnemo_titans_4x256_mlp4_c64_torch": lambda: titans_layer(None),
+    "mnemo_mc_titans_grm_seg256_4x256_mlp4_c64_torch": lambda: titans_layer(256),
 }
 
 
