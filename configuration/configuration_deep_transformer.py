@@ -93,13 +93,13 @@ class DeepTransformerConfig(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
-        self.validate_deep_transformer()
+        self.validate_fields()
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    def validate_deep_transformer(self) -> None:
+    def validate_fields(self) -> None:
         """Raise ``ValueError`` naming the first impossible field."""
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                      "intermediate_size", "memory_hidden", "omega_window", "inner_chunk_size",

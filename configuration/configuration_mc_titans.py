@@ -97,9 +97,9 @@ class MCTitansConfig(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
-        self.validate_mc_titans()
+        self.validate_fields()
 
-    def validate_mc_titans(self) -> None:
+    def validate_fields(self) -> None:
         """Raise ``ValueError`` naming the first impossible field."""
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "memory_expansion",
                      "inner_chunk_size", "ssc_topk", "intermediate_size"):

@@ -115,7 +115,7 @@ class MoMConfig(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
-        self.validate_mom()
+        self.validate_fields()
 
     @property
     def value_head_dim(self) -> int:
@@ -126,7 +126,7 @@ class MoMConfig(PretrainedConfig):
         """``"mom"`` or ``"attention"`` for every block."""
         return ["attention" if i in self.attention_layers else "mom" for i in range(self.num_hidden_layers)]
 
-    def validate_mom(self) -> None:
+    def validate_fields(self) -> None:
         """Raise ``ValueError`` naming the first impossible field."""
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "num_memories",
                      "topk", "conv_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",

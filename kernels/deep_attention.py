@@ -34,7 +34,6 @@ gives the same result), the accumulators committed at the last chunk start, and
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import torch

@@ -170,7 +170,6 @@ def reference_mc_titans(
         M = {n: torch.zeros_like(w) for n, w in W.items()}
         snapshots: list[tuple[int, dict, torch.Tensor]] = []  # (end, weights, key sum)
         keys = []
-        chunk_pos = 0
         for t in range(n_tokens):
             qt, kt = l2_normalize(q[b, t].to(dtype)), l2_normalize(k[b, t].to(dtype))
             keys.append(kt)

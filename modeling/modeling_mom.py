@@ -16,14 +16,13 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..configuration.configuration_mom import MoMConfig
 from .attention import RotaryEmbedding, SoftmaxAttention
-from .cache import LayerCache, MnemoCache
+from .base import MnemoCausalLMMixin, MnemoDecoderMixin
 from .generation import MnemoGenerationMixin
+from .cache import LayerCache
 from .mlp import SwiGLU
 from .mom_layer import MoMMemoryLayer
 from .normalization import RMSNorm
-from .outputs import MnemoCausalLMOutput, MnemoModelOutput
 from .short_conv import ShortConvolution
-from .stack import causal_lm_forward, decoder_forward
 
 
 class MoMBlock(GradientCheckpointingLayer):
@@ -92,92 +91,13 @@ class MoMPreTrainedModel(PreTrainedModel):
             init.copy_(module.dt_bias, dt_bias)
 
 
-class MoMModel(MoMPreTrainedModel):
+class MoMModel(MnemoDecoderMixin, MoMPreTrainedModel):
     """The MoM stack without the language-modelling head."""
 
-    def __init__(self, config: MoMConfig) -> None:
-        config.validate_mom()
-        super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(MoMBlock(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.gradient_checkpointing = False
-        self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
-
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: MnemoCache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> MnemoModelOutput | tuple:
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        out = decoder_forward(
-            self, input_ids, attention_mask, past_key_values, inputs_embeds, position_ids, use_cache,
-            output_hidden_states,
-        )
-        return out if return_dict else out.to_tuple()
+    block_class = MoMBlock
 
 
-class MoMForCausalLM(MoMPreTrainedModel, MnemoGenerationMixin):
+class MoMForCausalLM(MnemoCausalLMMixin, MnemoGenerationMixin, MoMPreTrainedModel):
     """MoM language model. ``generate()`` runs on the recurrent cache (greedy, sampling, beam search)."""
 
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-
-    def __init__(self, config: MoMConfig) -> None:
-        super().__init__(config)
-        self.model = MoMModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
-
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: MnemoCache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        labels: torch.LongTensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
-    ) -> MnemoCausalLMOutput | tuple:
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            position_ids=position_ids,
-            use_cache=use_cache,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
-        )
-        out = causal_lm_forward(self, outputs, labels, logits_to_keep, self.config.aux_loss_coef, **kwargs)
-        return out if return_dict else out.to_tuple()
+    base_model_class = MoMModel

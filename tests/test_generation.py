@@ -111,3 +111,9 @@ def test_inputs_embeds_generation_matches_ids(make_model):
     a = model.generate(prompt, max_new_tokens=5, do_sample=False)
     b = model.generate(inputs_embeds=model.get_input_embeddings()(prompt), max_new_tokens=5, do_sample=False)
     assert torch.equal(a[:, 6:], b)
+
+
+def test_models_are_stateful_generators(make_model):
+    model = make_model()
+    assert model.can_generate() and model._is_stateful
+    assert not model._supports_default_dynamic_cache()

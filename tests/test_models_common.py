@@ -10,6 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from mnemo import MnemoCache
 
+from conftest import tiny_deep_transformer, tiny_mc_titans, tiny_mom
+
 def decode_logits(model, ids, split, mask=None):
     """Prefill ``ids[:, :split]`` then feed one token at a time through the cache."""
     out = model(ids[:, :split], attention_mask=None if mask is None else mask[:, :split], use_cache=True)
@@ -126,3 +128,22 @@ def test_bfloat16_weights_keep_float32_states(make_model):
     assert err < bound, err
     generated = half.generate(ids[:, :5], max_new_tokens=4, do_sample=False)
     assert generated.shape == (2, 9)
+
+
+@pytest.mark.parametrize("build, overrides", [
+    (tiny_mom, {"hidden_size": 64, "head_dim": 16, "intermediate_size": 128}),
+    (tiny_deep_transformer, {"hidden_size": 64, "intermediate_size": 128}),
+    (tiny_mc_titans, {"hidden_size": 64, "head_dim": 16, "intermediate_size": 128}),
+], ids=["mom", "deep-transformer", "mc-titans"])
+def test_tiny_model_overfits_a_fixed_batch(build, overrides):
+    model = build(**overrides).train()
+    ids = torch.randint(1, 97, (4, 24))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(120):
+        loss = model(ids, labels=ids).loss
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert losses[0] > 4.0 and losses[-1] < 0.5, (losses[0], losses[-1])

@@ -1,0 +1,119 @@
+"""The shape every mnemo family shares: a decoder stack and a causal LM around it.
+
+A family defines its config, its block (``block(h, attention_mask=, key_valid=,
+positions=, past_key_values=) -> (h, aux)``) and its ``PreTrainedModel`` with
+``_init_weights``; these mixins add the embedding, the stack, the final norm,
+the LM head and ``forward``/``generate`` (see :mod:`.stack`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .cache import MnemoCache
+from .generation import MnemoGenerationMixin
+from .normalization import RMSNorm
+from .outputs import MnemoCausalLMOutput, MnemoModelOutput
+from .stack import causal_lm_forward, decoder_forward
+
+
+class MnemoDecoderMixin:
+    """``embed_tokens -> layers -> norm``; a subclass sets ``block_class``."""
+
+    block_class: type[nn.Module]
+
+    def __init__(self, config) -> None:
+        config.validate_fields()  # a config may have been edited since it was built
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(self.block_class(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: MnemoCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MnemoModelOutput | tuple:
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        out = decoder_forward(
+            self, input_ids, attention_mask, past_key_values, inputs_embeds, position_ids, use_cache,
+            output_hidden_states,
+        )
+        return out if return_dict else out.to_tuple()
+
+
+class MnemoCausalLMMixin(MnemoGenerationMixin):
+    """A base model (``base_model_class``) and a linear LM head; ``generate()`` on the mnemo cache.
+
+    Families list ``MnemoGenerationMixin`` again among their bases, before their
+    ``PreTrainedModel``: transformers' ``can_generate()`` looks for it in the direct
+    bases, and ``_is_stateful`` must win over ``PreTrainedModel``'s default.
+    """
+
+    base_model_class: type[nn.Module]
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.model = self.base_model_class(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: MnemoCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> MnemoCausalLMOutput | tuple:
+        """With ``labels``, ``loss`` is the LM loss plus ``aux_loss_coef * aux_loss`` where the family has one."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        aux_coef = getattr(self.config, "aux_loss_coef", 0.0)
+        out = causal_lm_forward(self, outputs, labels, logits_to_keep, aux_coef, **kwargs)
+        return out if return_dict else out.to_tuple()
