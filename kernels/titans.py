@@ -47,23 +47,33 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TitansMemorySpec:
-    """Shape of the memory MLP of one head: ``d_k -> d_v``, hidden ``expansion * d_k``."""
+    """The memory MLP of one head: ``d_k -> d_v``, hidden ``expansion * d_v``, and its objective.
+
+    The MLP's skip is the identity when ``d_k == d_v`` and otherwise a linear map
+    ``w0`` that belongs to the memory (learned initial value, trained in context).
+    ``objective`` is ``"l2"`` (``||M(k) - v||^2``) or ``"dot"`` (``-<M(k), v>``).
+    """
 
     depth: int = 2
     gated: bool = False
     d_k: int = 64
     d_v: int = 64
     expansion: int = 4
+    objective: str = "l2"
 
     def __post_init__(self) -> None:
         if self.depth not in (1, 2):
             raise ValueError(f"memory depth must be 1 (linear) or 2 (MLP), got {self.depth}")
-        if self.depth == 2 and self.d_k != self.d_v:
-            raise ValueError("the residual MLP memory needs d_k == d_v")
+        if self.objective not in ("l2", "dot"):
+            raise ValueError(f"objective must be 'l2' or 'dot', got {self.objective!r}")
 
     @property
     def hidden(self) -> int:
-        return self.expansion * self.d_k
+        return self.expansion * self.d_v
+
+    @property
+    def linear_skip(self) -> bool:
+        return self.depth == 2 and self.d_k != self.d_v
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
@@ -73,6 +83,8 @@ class TitansMemorySpec:
         shapes = {"w1": (self.d_v, self.hidden), "w2": (self.hidden, self.d_k)}
         if self.gated:
             shapes["w3"] = (self.hidden, self.d_k)
+        if self.linear_skip:
+            shapes["w0"] = (self.d_v, self.d_k)
         return shapes
 
 
@@ -92,20 +104,26 @@ def memory_apply(spec: TitansMemorySpec, apply: Apply, z: torch.Tensor) -> torch
     hidden = F.gelu(apply("w2", z))
     if spec.gated:
         hidden = hidden * apply("w3", z)
-    return z + apply("w1", hidden)
+    return (apply("w0", z) if spec.linear_skip else z) + apply("w1", hidden)
 
 
 def grad_factors(spec: TitansMemorySpec, weights: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor):
-    """Gradients of ``||M(k) - v||^2`` as rank-1 factors ``{name: (A, B)}``, ``grad = A B^T`` per token."""
+    """Gradients of the objective as rank-1 factors ``{name: (A, B)}``, ``grad = A B^T`` per token."""
     apply = static_apply(weights)
+
+    def d_loss(prediction):  # dL/dM(k)
+        return 2 * (prediction - v) if spec.objective == "l2" else -v.expand_as(prediction)
+
     if spec.depth == 1:
-        return {"w": (2 * (apply("w", k) - v), k)}
+        return {"w": (d_loss(apply("w", k)), k)}
     pre2 = apply("w2", k)
     act = F.gelu(pre2)
     hidden = act * apply("w3", k) if spec.gated else act
-    err = 2 * (k + apply("w1", hidden) - v)
+    err = d_loss((apply("w0", k) if spec.linear_skip else k) + apply("w1", hidden))
     back = err @ weights["w1"].to(err.dtype)  # dL/d hidden
     factors = {"w1": (err, hidden)}
+    if spec.linear_skip:
+        factors["w0"] = (err, k)
     if spec.gated:
         pre3 = apply("w3", k)
         factors["w2"] = (back * pre3 * gelu_derivative(pre2), k)
@@ -238,59 +256,78 @@ def reference_titans(
 # --------------------------------------------------------------------------- chunked
 
 
+def _segment_products(log_d: torch.Tensor) -> torch.Tensor:
+    """``P[t, m] = prod_{l=m+1..t} d_l`` for ``m <= t`` (0 above the diagonal), from ``log d`` ``(..., C)``."""
+    cum = log_d.cumsum(-1)
+    C = log_d.shape[-1]
+    idx = torch.arange(C, device=log_d.device)
+    lower = idx[:, None] >= idx[None, :]
+    return (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+
+
 class ChunkOperator:
     """The online memory of every token of one inner chunk, as an ``apply`` for :func:`memory_apply`.
 
-    Built from the chunk's base ``W0, S0`` (the state before the chunk), the gradient
-    factors taken at the chunk-start weights, and the gates.
+    The chunk runs the two-level linear recurrence (per weight matrix, scalar gates)::
+
+        S_t = dS_t S_{t-1} + gs_t G_t,    M_t = dM_t M_{t-1} + gm_t S_t,
+        G_t = sum_k band[t, k] A_k B_k^T
+
+    from the state before the chunk ``(W0, S0)``, with gradient factors ``(A_k, B_k)``
+    taken at the chunk-start weights. Titans: ``dS = momentum``, ``gs = -lr``,
+    ``dM = retention``, ``gm = 1``, ``band = I``. Without momentum ``S_t = G_t``.
+    Unrolled, ``M_t = a_t W0 + b_t S0 + sum_k c_tk A_k B_k^T``: applying it to
+    per-token vectors is a few batched matmuls, with no per-token weights.
     """
 
-    def __init__(self, W0, S0, factors, alpha, eta, theta, live):
-        # gates (B, H, C); live (B, C)
-        log_a = alpha.clamp(min=1e-30).log()
-        log_e = eta.clamp(min=1e-30).log()
-        Aa, Ae = log_a.cumsum(-1), log_e.cumsum(-1)
-        C = alpha.shape[-1]
-        idx = torch.arange(C, device=alpha.device)
-        lower = idx[:, None] >= idx[None, :]
-        X = (Aa[..., :, None] - Aa[..., None, :]).masked_fill(~lower, float("-inf")).exp() * live[:, None, None, :]
-        Y = (Ae[..., :, None] - Ae[..., None, :]).masked_fill(~lower, float("-inf")).exp()
-        self.a = Aa.exp()  # (B, H, C)
-        self.b = (X @ Ae.exp()[..., None])[..., 0]
-        self.c = -(X @ Y) * theta[..., None, :]  # (B, H, C, C)
-        self.sa = Ae.exp()
-        self.sc = -Y * theta[..., None, :]
+    def __init__(self, W0, S0, factors, band, dM, gm, dS=None, gs=None):
+        # gates (B, H, C); band (B, H, C, K)
+        tiny = 1e-30
+        X = _segment_products(dM.clamp(min=tiny).log()) * gm[..., None, :]  # (B, H, C, C)
+        self.a = dM.clamp(min=tiny).log().cumsum(-1).exp()
+        if dS is None:  # no momentum: S_t = G_t
+            Y_gs = torch.diag_embed(torch.ones_like(dM))
+            self.b = torch.zeros_like(dM)
+            self.sa = torch.zeros_like(dM)
+        else:
+            log_s = dS.clamp(min=tiny).log()
+            Y_gs = _segment_products(log_s) * gs[..., None, :]
+            es = log_s.cumsum(-1).exp()
+            self.b = (X @ es[..., None])[..., 0]
+            self.sa = es
+        self.c = (X @ Y_gs) @ band  # (B, H, C, K)
+        self.sc = Y_gs @ band
         self.W0, self.S0, self.factors = W0, S0, factors
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """``W_t x_t`` for every token ``t`` of the chunk; ``x`` ``(B, H, C, d_in)``."""
         A, Bf = self.factors[name]
-        base = self.a[..., None] * (x @ self.W0[name].transpose(-1, -2)) + self.b[..., None] * (
-            x @ self.S0[name].transpose(-1, -2)
-        )
-        return base + (self.c * (x @ Bf.transpose(-1, -2))) @ A
+        out = self.a[..., None] * (x @ self.W0[name].transpose(-1, -2)) + (self.c * (x @ Bf.transpose(-1, -2))) @ A
+        if self.S0 is not None:
+            out = out + self.b[..., None] * (x @ self.S0[name].transpose(-1, -2))
+        return out
 
-    def final(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def final(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
         """Weights and momenta after the chunk's last token."""
         weights, momentum = {}, {}
         for n, (A, Bf) in self.factors.items():
-            weights[n] = self.a[..., -1, None, None] * self.W0[n] + self.b[..., -1, None, None] * self.S0[n] + \
-                torch.einsum("bhj,bhjo,bhji->bhoi", self.c[..., -1, :], A, Bf)
-            momentum[n] = self.sa[..., -1, None, None] * self.S0[n] + \
-                torch.einsum("bhj,bhjo,bhji->bhoi", self.sc[..., -1, :], A, Bf)
+            weights[n] = self.a[..., -1, None, None] * self.W0[n] + \
+                torch.einsum("bhk,bhko,bhki->bhoi", self.c[..., -1, :], A, Bf)
+            if self.S0 is not None:
+                weights[n] = weights[n] + self.b[..., -1, None, None] * self.S0[n]
+            momentum[n] = self.sa[..., -1, None, None] * (self.S0[n] if self.S0 is not None else 0.0) + \
+                torch.einsum("bhk,bhko,bhki->bhoi", self.sc[..., -1, :], A, Bf)
         return weights, momentum
 
 
 def titans_chunk_operator(spec, W0, S0, grad_weights, k, v, alpha, eta, theta, live) -> ChunkOperator:
     """One inner chunk (``(B, H, C, .)`` inputs, gates ``(B, H, C)``, ``live (B, C)``): its operator."""
-    live_f = live.to(k.dtype)
     factors = grad_factors(spec, grad_weights, k, v)
-    factors = {n: (A * live_f[:, None, :, None], Bf) for n, (A, Bf) in factors.items()}
     lv = live[:, None, :]
-    alpha = torch.where(lv, alpha, torch.ones_like(alpha))
-    eta = torch.where(lv, eta, torch.ones_like(eta))
-    theta = torch.where(lv, theta, torch.zeros_like(theta))
-    return ChunkOperator(W0, S0, factors, alpha, eta, theta, live_f)
+    one, zero = torch.ones_like(alpha), torch.zeros_like(alpha)
+    band = torch.diag_embed(torch.where(lv, one, zero))
+    return ChunkOperator(W0, S0, factors, band, dM=torch.where(lv, alpha, one), gm=torch.where(lv, one, zero),
+                         dS=torch.where(lv, eta, one), gs=torch.where(lv, -theta, zero))
 
 
 def align_rows(x: torch.Tensor, shift: torch.Tensor, lengths: torch.Tensor, total: int):
