@@ -1,0 +1,341 @@
+"""The Atlas memory: the Omega rule over a sliding window, with GD, momentum or Muon (FAMILIES.md §3).
+
+Per head, the memory is the MLP of :class:`~.titans.TitansMemorySpec` (objective
+``l2`` or ``dot``) acting on feature-mapped keys and queries (the layer applies
+the feature map). Token ``t`` of an inner chunk that starts from memory ``M^(s)``
+takes the window gradient::
+
+    g_t = sum_{i = t-c+1 .. t} gamma_i grad l(M^(s); k_i, v_i)
+
+(window tokens before the chunk are re-evaluated at ``M^(s)``) and the inner optimiser:
+
+- ``gd``:       ``M_t = alpha_t M_{t-1} - eta_t g_t``
+- ``momentum``: ``S_t = theta_t S_{t-1} + g_t``,  ``M_t = alpha_t M_{t-1} - eta_t S_t``
+- ``muon``:     as momentum, with ``NS_k(S_t)`` (Newton-Schulz, per weight matrix
+  and per token) in place of ``S_t``.
+
+``y_t = M_t(q_t)``. ``gd`` and ``momentum`` are linear in the gradients, so the
+chunked path applies every token's weights through rank-1 factors without
+materialising them; ``muon`` is not, and materialises the momentum and weights of
+every token of a chunk (the paper's algorithm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backend import resolve_backend
+from .titans import ChunkOperator, TitansMemorySpec, align_rows, grad_factors, memory_apply, static_apply
+
+__all__ = [
+    "NS_COEFFICIENTS",
+    "OPTIMIZERS",
+    "AtlasState",
+    "chunk_atlas",
+    "newton_schulz",
+    "reference_atlas",
+    "step_atlas",
+]
+
+OPTIMIZERS = ("gd", "momentum", "muon")
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Quintic Newton-Schulz orthogonalisation of the last two dims (KellerJordan/Muon).
+
+    The input is normalised by its Frobenius norm; tall matrices are transposed so
+    that the iteration runs on the smaller Gram matrix.
+    """
+    a, b, c = NS_COEFFICIENTS
+    tall = G.shape[-2] > G.shape[-1]
+    X = G.transpose(-1, -2) if tall else G
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        A = X @ X.transpose(-1, -2)
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.transpose(-1, -2) if tall else X
+
+
+@dataclass
+class AtlasState:
+    """Memory of every row: weights, momenta (``None`` for ``gd``), the weights the current
+    inner chunk started from, the position in it, and the last ``c - 1`` tokens (window)."""
+
+    weights: dict[str, torch.Tensor]
+    momentum: dict[str, torch.Tensor] | None
+    chunk_start: dict[str, torch.Tensor]
+    position: torch.Tensor  # (B,)
+    window_k: torch.Tensor  # (B, c - 1, H, d_k), oldest first, right-aligned
+    window_v: torch.Tensor  # (B, c - 1, H, d_v)
+    window_gamma: torch.Tensor  # (B, c - 1, H)
+    window_count: torch.Tensor  # (B,) valid entries (the last ones)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = dict(position=self.position, window_k=self.window_k, window_v=self.window_v,
+                   window_gamma=self.window_gamma, window_count=self.window_count)
+        for group in ("weights", "momentum", "chunk_start"):
+            for n, t in (getattr(self, group) or {}).items():
+                out[f"{group}.{n}"] = t
+        return out
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> "AtlasState":
+        groups: dict[str, dict] = {"weights": {}, "momentum": {}, "chunk_start": {}}
+        for key, value in t.items():
+            if "." in key:
+                group, name = key.split(".", 1)
+                groups[group][name] = value
+        return cls(position=t["position"], window_k=t["window_k"], window_v=t["window_v"],
+                   window_gamma=t["window_gamma"], window_count=t["window_count"],
+                   weights=groups["weights"], momentum=groups["momentum"] or None, chunk_start=groups["chunk_start"])
+
+    @classmethod
+    def initial(cls, spec: TitansMemorySpec, init: dict[str, torch.Tensor], batch: int, heads: int, window: int,
+                optimizer: str) -> "AtlasState":
+        ref = next(iter(init.values()))
+        dtype = torch.promote_types(ref.dtype, torch.float32)
+        weights = {n: w.to(dtype).expand(batch, *w.shape).clone() for n, w in init.items()}
+        return cls(
+            weights=weights,
+            momentum=None if optimizer == "gd" else {n: torch.zeros_like(w) for n, w in weights.items()},
+            chunk_start={n: w.clone() for n, w in weights.items()},
+            position=torch.zeros(batch, dtype=torch.long, device=ref.device),
+            window_k=ref.new_zeros(batch, window - 1, heads, spec.d_k, dtype=dtype),
+            window_v=ref.new_zeros(batch, window - 1, heads, spec.d_v, dtype=dtype),
+            window_gamma=ref.new_zeros(batch, window - 1, heads, dtype=dtype),
+            window_count=torch.zeros(batch, dtype=torch.long, device=ref.device),
+        )
+
+
+def _update(optimizer: str, ns_steps: int, W, S, g, alpha, lr, momentum):
+    """One optimiser step on dicts of ``(..., out, in)`` matrices; gates broadcast ``(..., 1, 1)``."""
+    if optimizer == "gd":
+        return {n: alpha * W[n] - lr * g[n] for n in W}, S
+    S = {n: momentum * S[n] + g[n] for n in W}
+    step = {n: newton_schulz(S[n], ns_steps) for n in W} if optimizer == "muon" else S
+    return {n: alpha * W[n] - lr * step[n] for n in W}, S
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def reference_atlas(
+    spec: TitansMemorySpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    lr: torch.Tensor,
+    momentum: torch.Tensor | None,
+    gamma: torch.Tensor,
+    init: dict[str, torch.Tensor],
+    *,
+    optimizer: str = "muon",
+    omega_window: int = 16,
+    chunk_size: int = 64,
+    ns_steps: int = 5,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token by token from the initial weights, one row at a time (inputs already feature-mapped)."""
+    B, T, H, _ = q.shape
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    o = torch.zeros(B, T, H, v.shape[-1], dtype=dtype, device=v.device)
+    for b in range(B):
+        n_tokens = T if lengths is None else int(lengths[b])
+        W = {n: w.to(dtype).clone() for n, w in init.items()}
+        S = {n: torch.zeros_like(w) for n, w in W.items()}
+        for t in range(n_tokens):
+            if t % chunk_size == 0:
+                W0 = {n: w.clone() for n, w in W.items()}
+            g = {n: torch.zeros_like(w) for n, w in W.items()}
+            for i in range(max(0, t - omega_window + 1), t + 1):
+                factors = grad_factors(spec, W0, k[b, i].to(dtype)[:, None], v[b, i].to(dtype)[:, None])
+                for n, (A, Bf) in factors.items():
+                    g[n] = g[n] + gamma[b, i].to(dtype)[:, None, None] * (A[:, 0, :, None] * Bf[:, 0, None, :])
+            mom = None if momentum is None else momentum[b, t].to(dtype)[:, None, None]
+            W, S = _update(optimizer, ns_steps, W, S, g, alpha[b, t].to(dtype)[:, None, None],
+                           lr[b, t].to(dtype)[:, None, None], mom)
+            o[b, t] = memory_apply(spec, static_apply(W), q[b, t].to(dtype)[:, None])[:, 0]
+    return o.to(v.dtype)
+
+
+# --------------------------------------------------------------------------- step
+
+
+def step_atlas(
+    spec: TitansMemorySpec,
+    q, k, v, alpha, lr, momentum, gamma,
+    state: AtlasState,
+    *,
+    optimizer: str = "muon",
+    omega_window: int = 16,
+    chunk_size: int = 64,
+    ns_steps: int = 5,
+    live: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, AtlasState]:
+    """One token per row (``q, k, v`` ``(B, H, D)``, gates ``(B, H)``); rows not ``live`` are untouched."""
+    B = q.shape[0]
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    live = torch.ones(B, dtype=torch.bool, device=q.device) if live is None else live.bool()
+    c = omega_window
+    at_start = (state.position == 0)[:, None, None, None]
+    start = {n: torch.where(at_start, state.weights[n], state.chunk_start[n]) for n in state.weights}
+    wk = torch.cat([state.window_k, k.to(dtype)[:, None]], 1)  # (B, c, H, d_k)
+    wv = torch.cat([state.window_v, v.to(dtype)[:, None]], 1)
+    valid = torch.arange(c, device=q.device)[None] >= (c - 1 - state.window_count)[:, None]
+    wg = torch.cat([state.window_gamma, gamma.to(dtype)[:, None]], 1) * valid[..., None]
+    factors = grad_factors(spec, start, wk.transpose(1, 2), wv.transpose(1, 2))  # (B, H, c, .)
+    g = {n: torch.einsum("bhc,bhco,bhci->bhoi", wg.transpose(1, 2), A, Bf) for n, (A, Bf) in factors.items()}
+    mom = None if momentum is None else momentum.to(dtype)[..., None, None]
+    W, S = _update(optimizer, ns_steps, state.weights, state.momentum, g, alpha.to(dtype)[..., None, None],
+                   lr.to(dtype)[..., None, None], mom)
+    on = live[:, None, None, None]
+    W = {n: torch.where(on, W[n], state.weights[n]) for n in W}
+    if S is not None:
+        S = {n: torch.where(on, S[n], state.momentum[n]) for n in S}
+    y = memory_apply(spec, static_apply(W), q.to(dtype)[:, :, None])[:, :, 0]
+    shift = live[:, None, None]
+    new_state = AtlasState(
+        weights=W,
+        momentum=S,
+        chunk_start={n: torch.where(at_start & on, state.weights[n], state.chunk_start[n]) for n in W},
+        position=torch.where(live, (state.position + 1) % chunk_size, state.position),
+        window_k=torch.where(shift[..., None], wk[:, 1:], state.window_k),
+        window_v=torch.where(shift[..., None], wv[:, 1:], state.window_v),
+        window_gamma=torch.where(shift, wg[:, 1:], state.window_gamma),
+        window_count=torch.where(live, (state.window_count + 1).clamp(max=c - 1), state.window_count),
+    )
+    return y.to(v.dtype), new_state
+
+
+# --------------------------------------------------------------------------- chunked
+
+
+class MuonChunk:
+    """Muon is not linear in the gradients: materialise every token's momentum and weights."""
+
+    def __init__(self, W0, S0, factors, band, dM, gm, dS, ns_steps):
+        helper = ChunkOperator(W0, S0, factors, band, dM, torch.ones_like(gm), dS, torch.ones_like(gm))
+        from .titans import _segment_products
+
+        X = _segment_products(dM.clamp(min=1e-30).log()) * gm[..., None, :]
+        self.weights = {}
+        self.momenta = {}
+        for n, (A, Bf) in factors.items():
+            S_t = helper.sa[..., None, None] * S0[n][:, :, None] + torch.einsum("bhtk,bhko,bhki->bhtoi", helper.sc, A, Bf)
+            N_t = newton_schulz(S_t, ns_steps)
+            self.weights[n] = helper.a[..., None, None] * W0[n][:, :, None] + torch.einsum("bhtm,bhmoi->bhtoi", X, N_t)
+            self.momenta[n] = S_t
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bhtoi,bhti->bhto", self.weights[name], x)
+
+    def final(self):
+        return ({n: w[:, :, -1] for n, w in self.weights.items()}, {n: s[:, :, -1] for n, s in self.momenta.items()})
+
+
+def chunk_atlas(
+    spec: TitansMemorySpec,
+    q, k, v, alpha, lr, momentum, gamma,
+    state: AtlasState,
+    *,
+    optimizer: str = "muon",
+    omega_window: int = 16,
+    chunk_size: int = 64,
+    ns_steps: int = 5,
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, AtlasState]:
+    """``T`` new tokens per row (compacted, ``lengths`` valid), continuing ``state``.
+
+    Rows are shifted by their position in the current inner chunk (as in
+    :func:`~.titans.chunk_titans`) and each row's last ``c - 1`` tokens from the
+    state sit just before its first new token, so every window is complete.
+    """
+    resolve_backend(q, has_triton_impl=False)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    B, T, H, _ = q.shape
+    C, c = chunk_size, omega_window
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    device = q.device
+    lengths = torch.full((B,), T, dtype=torch.long, device=device) if lengths is None else lengths
+    shift = state.position
+    span = -(-int((shift + lengths).max()) // C) * C if B else 0
+    span = max(span, C)
+    pre = c - 1
+    total = pre + span
+    momentum = torch.zeros_like(alpha) if momentum is None else momentum
+    # new tokens at [pre + shift, pre + shift + len), the state's window right before them
+    bufs, live = {}, None
+    for name, x in (("q", q), ("k", k), ("v", v), ("alpha", alpha), ("lr", lr), ("mom", momentum),
+                    ("gamma", gamma)):
+        buf, live, slot = align_rows(x.to(dtype), shift + pre, lengths, total)
+        bufs[name] = buf
+    window_len = torch.full_like(lengths, pre)
+    present = live.clone()
+    for name, w in (("k", state.window_k), ("v", state.window_v), ("gamma", state.window_gamma)):
+        buf, _, _ = align_rows(w.to(dtype), shift, window_len, total)
+        bufs[name] = bufs[name] + buf
+    win_valid = torch.arange(pre, device=device)[None] >= (pre - state.window_count)[:, None]
+    win_slots = shift[:, None] + torch.arange(pre, device=device)[None]
+    present = present | torch.zeros_like(present).scatter(1, win_slots, win_valid) if pre else present
+    bufs = {n: b.transpose(1, 2) for n, b in bufs.items()}  # (B, H, total, ...)
+    bufs["gamma"] = bufs["gamma"] * present[:, None, :]
+
+    W = {n: w.to(dtype) for n, w in state.weights.items()}
+    S = None if state.momentum is None else {n: s.to(dtype) for n, s in state.momentum.items()}
+    end = shift + lengths
+    chunk_start = dict(state.chunk_start)
+    resumed = state.position > 0
+    outputs = []
+    pos = torch.arange(total, device=device)
+    for j in range(span // C):
+        lo, hi = pre + j * C, pre + (j + 1) * C
+        O = slice(lo - pre, hi)  # window tokens of this chunk
+        contains_first = resumed & (shift >= j * C) & (shift < (j + 1) * C)
+        use_stored = contains_first[:, None, None, None]
+        grad_w = {n: torch.where(use_stored, state.chunk_start[n].to(dtype), W[n]) for n in W}
+        stops = ((end > j * C) & (end < (j + 1) * C))[:, None, None, None]
+        chunk_start = {n: torch.where(stops, grad_w[n], chunk_start[n]) for n in W}
+        factors = grad_factors(spec, grad_w, bufs["k"][:, :, O], bufs["v"][:, :, O])
+        t_pos, i_pos = pos[lo:hi], pos[O]
+        inside = (i_pos[None, :] <= t_pos[:, None]) & (t_pos[:, None] <= i_pos[None, :] + c - 1)  # (C, K)
+        lv = live[:, lo:hi]
+        band = inside[None, None] * bufs["gamma"][:, :, None, O] * lv[:, None, :, None]
+        one, zero = torch.ones_like(bufs["alpha"][:, :, lo:hi]), torch.zeros_like(bufs["alpha"][:, :, lo:hi])
+        lvh = lv[:, None, :]
+        dM = torch.where(lvh, bufs["alpha"][:, :, lo:hi], one)
+        gm = torch.where(lvh, -bufs["lr"][:, :, lo:hi], zero)
+        if optimizer == "gd":
+            op = ChunkOperator(W, None, factors, band, dM, gm)
+        else:
+            dS = torch.where(lvh, bufs["mom"][:, :, lo:hi], one)
+            if optimizer == "momentum":
+                op = ChunkOperator(W, S, factors, band, dM, gm, dS, torch.where(lvh, one, zero))
+            else:
+                op = MuonChunk(W, S, factors, band, dM, gm, dS, ns_steps)
+        outputs.append(memory_apply(spec, op, bufs["q"][:, :, lo:hi]))
+        W, S_new = op.final()
+        S = None if optimizer == "gd" else S_new
+    o = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, span, H, d_v)
+    o = o.gather(1, (slot - pre).clamp(0, span - 1).view(B, T, 1, 1).expand(B, T, H, o.shape[-1]))
+    o = o * (torch.arange(T, device=device)[None] < lengths[:, None])[..., None, None]
+    # the last c - 1 tokens of each row form the next window
+    last = (pre + end)[:, None] - pre + torch.arange(pre, device=device)[None]  # buffer slots
+    last_c = last.clamp(min=0, max=total - 1)
+
+    def take(x):  # x (B, H, total, ...) -> (B, pre, H, ...)
+        idx = last_c[:, None, :].expand(B, H, pre).reshape(B, H, pre, *([1] * (x.dim() - 3)))
+        return x.gather(2, idx.expand(B, H, pre, *x.shape[3:])).transpose(1, 2)
+
+    ok = present.gather(1, last_c) & (last >= 0)
+    new_state = AtlasState(
+        weights=W, momentum=S, chunk_start=chunk_start, position=end % C,
+        window_k=take(bufs["k"]) * ok[..., None, None], window_v=take(bufs["v"]) * ok[..., None, None],
+        window_gamma=take(bufs["gamma"]) * ok[..., None],
+        window_count=ok.sum(1),
+    )
+    return o.to(v.dtype), new_state
