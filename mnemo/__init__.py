@@ -7,9 +7,11 @@ Importing ``mnemo`` registers every family with the ``Auto*`` classes, so
 
 from __future__ import annotations
 
-from mnemo.configuration import DeepTransformerConfig, MCTitansConfig, MoMConfig
+from mnemo.configuration import AtlasConfig, DeepTransformerConfig, MCTitansConfig, MoMConfig
 from mnemo.kernels import use_backend
 from mnemo.modeling import (
+    AtlasForCausalLM,
+    AtlasModel,
     DeepTransformerForCausalLM,
     DeepTransformerModel,
     MCTitansForCausalLM,
@@ -25,6 +27,7 @@ _FAMILIES = (
     (MoMConfig, MoMModel, MoMForCausalLM),
     (DeepTransformerConfig, DeepTransformerModel, DeepTransformerForCausalLM),
     (MCTitansConfig, MCTitansModel, MCTitansForCausalLM),
+    (AtlasConfig, AtlasModel, AtlasForCausalLM),
 )
 
 
@@ -41,6 +44,9 @@ def register() -> None:
 register()
 
 __all__ = [
+    "AtlasConfig",
+    "AtlasForCausalLM",
+    "AtlasModel",
     "DeepTransformerConfig",
     "DeepTransformerForCausalLM",
     "DeepTransformerModel",

@@ -1,6 +1,7 @@
 """Layers, blocks, caches and models of the mnemo families."""
 
 from .cache import LayerCache, MnemoCache
+from .modeling_atlas import AtlasForCausalLM, AtlasModel, AtlasPreTrainedModel
 from .modeling_deep_transformer import (
     DeepTransformerForCausalLM,
     DeepTransformerModel,
@@ -11,6 +12,9 @@ from .modeling_mom import MoMForCausalLM, MoMModel, MoMPreTrainedModel
 from .outputs import MnemoCausalLMOutput, MnemoModelOutput
 
 __all__ = [
+    "AtlasForCausalLM",
+    "AtlasModel",
+    "AtlasPreTrainedModel",
     "DeepTransformerForCausalLM",
     "DeepTransformerModel",
     "DeepTransformerPreTrainedModel",

@@ -47,15 +47,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + _rotate_half(x) * sin
 
 
-def attention_mask_4d(key_valid: torch.Tensor | None, query_len: int, past_len: int) -> torch.Tensor | None:
-    """Boolean ``(B, 1, T, past + T)`` mask: causal, no padded keys, each query sees itself."""
-    if key_valid is None:
+def attention_mask_4d(
+    key_valid: torch.Tensor | None, query_len: int, past_len: int, window: int | None = None
+) -> torch.Tensor | None:
+    """Boolean ``(B, 1, T, past + T)`` mask: causal, no padded keys, each query sees itself, and with
+    ``window`` only the keys less than ``window`` real tokens back."""
+    if key_valid is None and window is None:
         return None
     total = past_len + query_len
-    device = key_valid.device
+    device = key_valid.device if key_valid is not None else None
     q_pos = torch.arange(past_len, total, device=device)[:, None]
     k_pos = torch.arange(total, device=device)[None, :]
-    allowed = (k_pos <= q_pos)[None] & key_valid[:, None, :].bool()
+    allowed = (k_pos <= q_pos)[None]
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, :].bool()
+    if window is not None:
+        valid = key_valid.bool() if key_valid is not None else torch.ones(1, total, dtype=torch.bool, device=device)
+        tokens = valid.long().cumsum(-1)  # real tokens up to each slot
+        distance = tokens[:, past_len:, None] - tokens[:, None, :]
+        allowed = allowed & (distance < window)
     allowed = allowed | (k_pos == q_pos)[None]
     return allowed[:, None]
 
@@ -70,9 +80,11 @@ class SoftmaxAttention(nn.Module):
         num_key_value_heads: int,
         rope_theta: float,
         layer_idx: int,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_key_value_heads
         self.head_dim = hidden_size // num_heads
@@ -97,19 +109,39 @@ class SoftmaxAttention(nn.Module):
         cos, sin = self.rotary(positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-        past = 0
+        past, dropped = 0, 0
         if cache is not None:
             if "key" in cache:
                 past = cache["key"].shape[2]
+                dropped = int(cache["dropped"][0])  # oldest slots trimmed out of a sliding window
                 k = torch.cat([cache["key"], k], dim=2)
                 v = torch.cat([cache["value"], v], dim=2)
-            cache.update(key=k, value=v)
+            cache.update(key=k, value=v, dropped=torch.full((B,), dropped, device=k.device))
+        if key_valid is not None:
+            key_valid = key_valid[:, dropped:]
 
-        mask = attention_mask_4d(key_valid, T, past)
+        mask = attention_mask_4d(key_valid, T, past, self.sliding_window)
         causal = mask is None and past == 0 and T > 1
         if mask is None and past > 0 and T > 1:
             mask = attention_mask_4d(torch.ones(B, past + T, dtype=torch.bool, device=q.device), T, past)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.num_kv_heads != self.num_heads
         )
+        if cache is not None and self.sliding_window is not None:
+            self._trim(cache, key_valid, B)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def _trim(self, cache: LayerCache, key_valid: torch.Tensor | None, batch: int) -> None:
+        """Drop the oldest slots that no later query of any row can see (exact with any padding)."""
+        slots = cache["key"].shape[2]
+        valid = key_valid.bool() if key_valid is not None else torch.ones(batch, slots, dtype=torch.bool,
+                                                                          device=cache["key"].device)
+        tokens = valid.long().cumsum(-1)
+        # the next query of a row is token tokens[:, -1] + 1; it sees tokens > that - window
+        needed = valid & (tokens > (tokens[:, -1:] + 1 - self.sliding_window))
+        first = needed.float().argmax(-1)
+        first = torch.where(needed.any(-1), first, torch.full_like(first, slots))
+        cut = int(first.min())
+        if cut > 0:
+            cache.update(key=cache["key"][:, :, cut:], value=cache["value"][:, :, cut:],
+                         dropped=cache["dropped"] + cut)

@@ -16,16 +16,10 @@ from ..configuration.configuration_mc_titans import MCTitansConfig
 from ..kernels.memory_caching import MCOptions, MCState, chunk_mc_titans
 from ..kernels.titans import TitansMemorySpec
 from .cache import LayerCache
+from .gates import GateProjection
 from .normalization import GatedRMSNorm
 from .padding import RowCompaction
 
-
-class GateProjection(nn.Linear):
-    """A per-head gate logit ``x W + b`` whose bias starts at ``bias_init``."""
-
-    def __init__(self, hidden: int, heads: int, bias_init: float) -> None:
-        super().__init__(hidden, heads)
-        self.bias_init = bias_init
 
 
 class MCTitansLayer(nn.Module):

@@ -17,7 +17,8 @@ from ..configuration.configuration_mc_titans import MCTitansConfig
 from .base import MnemoCausalLMMixin, MnemoDecoderMixin
 from .generation import MnemoGenerationMixin
 from .cache import LayerCache
-from .mc_titans_layer import GateProjection, MCTitansLayer
+from .gates import GateProjection
+from .mc_titans_layer import MCTitansLayer
 from .mlp import SwiGLU
 from .normalization import RMSNorm
 

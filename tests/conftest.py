@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from mnemo import (
+    AtlasConfig,
+    AtlasForCausalLM,
     DeepTransformerConfig,
     DeepTransformerForCausalLM,
     MCTitansConfig,
@@ -90,11 +92,37 @@ MC_VARIANTS = {
     "plain-titans": {"segment_size": None},
 }
 
+def tiny_atlas_config(preset: str = "atlas", **overrides) -> AtlasConfig:
+    kwargs = dict(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8, memory_expansion=2,
+        intermediate_size=64, inner_chunk_size=4, omega_window=3, ns_steps=3, memory_init_std=0.3, max_lr=0.5,
+        sliding_window=5, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return AtlasConfig.preset(preset, **kwargs)
+
+
+def tiny_atlas(seed: int = 0, preset: str = "atlas", **overrides) -> AtlasForCausalLM:
+    torch.manual_seed(seed)
+    return AtlasForCausalLM(tiny_atlas_config(preset, **overrides)).eval()
+
+
+ATLAS_VARIANTS = {
+    "atlas": {},
+    "atlas++-window6": {"preset": "atlas++", "omega_window": 6},
+    "omeganet-poly-tensor": {"preset": "omeganet", "feature_map": "poly_tensor"},
+    "dla": {"preset": "dla"},
+    "swla-momentum": {"preset": "swla", "inner_optimizer": "momentum"},
+    "mal": {"hybrid": "mal"},
+    "mag-dla": {"preset": "dla", "hybrid": "mag"},
+}
+
 # Every family and variant, for the tests that hold for all models.
 MODEL_VARIANTS = {
     **{f"mom-{k}": (tiny_mom, v) for k, v in MOM_VARIANTS.items()},
     **{f"deep-{k}": (tiny_deep_transformer, v) for k, v in DEEP_VARIANTS.items()},
     **{f"mc-{k}": (tiny_mc_titans, v) for k, v in MC_VARIANTS.items()},
+    **{f"atlas-{k}": (tiny_atlas, v) for k, v in ATLAS_VARIANTS.items()},
 }
 
 

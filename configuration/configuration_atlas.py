@@ -1,0 +1,170 @@
+"""Configuration of the Atlas family (``model_type="mnemo_atlas"``, FAMILIES.md §3) and its presets."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from .validation import check, check_choice, check_positive_int
+
+FEATURE_MAPS = ("identity", "poly_elementwise", "poly_tensor")
+OBJECTIVES = ("l2", "dot")
+OPTIMIZERS = ("gd", "momentum", "muon")
+HYBRIDS = (None, "mag", "mal")
+MAX_POLY_TENSOR_HEAD_DIM = 32  # the degree-2 tensor map has 1 + d + d(d+1)/2 features
+
+PRESETS = {
+    # Atlas: deep memory, polynomial features, Omega window 16, Muon.
+    "atlas": {},
+    # Atlas++: the gated MLP memory.
+    "atlas++": {"memory_gated": True},
+    # OmegaNet: Atlas with plain gradient descent.
+    "omeganet": {"inner_optimizer": "gd"},
+    # DLA: deep linear attention, the dot-product objective on the current token only.
+    "dla": {"objective": "dot", "omega_window": 1, "inner_optimizer": "gd", "feature_map": "identity"},
+    # SWLA: sliding-window linear attention, a linear memory with the dot objective over a window.
+    "swla": {"objective": "dot", "memory_depth": 1, "inner_optimizer": "gd", "feature_map": "identity"},
+}
+
+
+def feature_width(feature_map: str, head_dim: int) -> int:
+    """Width of the feature-mapped keys and queries."""
+    if feature_map == "poly_tensor":
+        return 1 + head_dim + head_dim * (head_dim + 1) // 2
+    return head_dim
+
+
+class AtlasConfig(PretrainedConfig):
+    r"""Configuration of a :class:`~mnemo.AtlasForCausalLM`; :meth:`preset` gives Atlas, Atlas++,
+    OmegaNet, DLA and SWLA.
+
+    Args:
+        num_heads, head_dim: memory heads (``head_dim`` defaults to ``hidden_size // num_heads``).
+        memory_depth, memory_expansion, memory_gated: the MLP memory (1 = linear; gated = Atlas++).
+        feature_map: ``"identity"``, ``"poly_elementwise"`` (``sum_i a_i x^i``, ``poly_degree``
+            terms, ``a_i`` learnable from ``1/i!``) or ``"poly_tensor"`` (the exact degree-2
+            polynomial kernel; small heads only).
+        objective: ``"l2"`` (Atlas, OmegaNet) or ``"dot"`` (DLA, SWLA).
+        omega_window: tokens whose gradients each update sums (1 = the online rule).
+        inner_optimizer: ``"gd"``, ``"momentum"`` or ``"muon"`` (Newton-Schulz with ``ns_steps``).
+        inner_chunk_size: tokens whose gradients share the chunk-start weights.
+        max_lr: the inner learning rate is ``max_lr * sigmoid(.)``.
+        conv_size: short convolutions on q, k and v.
+        hybrid: ``None``, ``"mal"`` (sliding-window attention, then the memory) or ``"mag"``
+            (both on the same input, ``RMSNorm(swa) * sigmoid(RMSNorm(memory))``).
+        sliding_window: window of the hybrid's attention.
+    """
+
+    model_type = "mnemo_atlas"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 1024,
+        num_hidden_layers: int = 24,
+        num_heads: int = 16,
+        head_dim: int | None = None,
+        memory_depth: int = 2,
+        memory_expansion: int = 4,
+        memory_gated: bool = False,
+        feature_map: str = "poly_elementwise",
+        poly_degree: int = 2,
+        objective: str = "l2",
+        omega_window: int = 16,
+        inner_optimizer: str = "muon",
+        ns_steps: int = 5,
+        inner_chunk_size: int = 64,
+        max_lr: float = 0.1,
+        conv_size: int = 4,
+        hybrid: str | None = None,
+        sliding_window: int = 2048,
+        rope_theta: float = 10000.0,
+        hidden_ratio: float = 4.0,
+        intermediate_size: int | None = None,
+        hidden_act: str = "silu",
+        norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
+        memory_init_std: float = 0.02,
+        use_cache: bool = True,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = 1,
+        eos_token_id: int | None = 2,
+        tie_word_embeddings: bool = False,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_heads = num_heads
+        self.head_dim = head_dim if head_dim is not None else (hidden_size // num_heads if num_heads else 0)
+        self.memory_depth = memory_depth
+        self.memory_expansion = memory_expansion
+        self.memory_gated = memory_gated
+        self.feature_map = feature_map
+        self.poly_degree = poly_degree
+        self.objective = objective
+        self.omega_window = omega_window
+        self.inner_optimizer = inner_optimizer
+        self.ns_steps = ns_steps
+        self.inner_chunk_size = inner_chunk_size
+        self.max_lr = max_lr
+        self.conv_size = conv_size
+        self.hybrid = hybrid
+        self.sliding_window = sliding_window
+        self.rope_theta = rope_theta
+        self.hidden_ratio = hidden_ratio
+        if intermediate_size is None:
+            intermediate_size = 256 * ((int(hidden_size * hidden_ratio * 2 / 3) + 255) // 256)
+        self.intermediate_size = intermediate_size
+        self.hidden_act = hidden_act
+        self.norm_eps = norm_eps
+        self.initializer_range = initializer_range
+        self.memory_init_std = memory_init_std
+        self.use_cache = use_cache
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+        self.validate_fields()
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "AtlasConfig":
+        """``"atlas"``, ``"atlas++"``, ``"omeganet"``, ``"dla"`` or ``"swla"``, with ``overrides`` on top."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}: expected one of {tuple(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @property
+    def feature_dim(self) -> int:
+        return feature_width(self.feature_map, self.head_dim)
+
+    def validate_fields(self) -> None:
+        """Raise ``ValueError`` naming the first impossible field."""
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "memory_expansion",
+                     "poly_degree", "omega_window", "inner_chunk_size", "conv_size", "sliding_window",
+                     "intermediate_size"):
+            check_positive_int(name, getattr(self, name))
+        check(self.memory_depth in (1, 2), "memory_depth", "must be 1 (linear) or 2 (MLP)", self.memory_depth)
+        check(not (self.memory_gated and self.memory_depth == 1), "memory_gated",
+              "the gated variant is an MLP: use memory_depth=2", self.memory_gated)
+        check_choice("feature_map", self.feature_map, FEATURE_MAPS)
+        check_choice("objective", self.objective, OBJECTIVES)
+        check_choice("inner_optimizer", self.inner_optimizer, OPTIMIZERS)
+        check(isinstance(self.ns_steps, int) and self.ns_steps >= 0, "ns_steps", "must be an integer >= 0",
+              self.ns_steps)
+        check(self.feature_map != "poly_tensor" or self.head_dim <= MAX_POLY_TENSOR_HEAD_DIM, "feature_map",
+              f"poly_tensor on head_dim={self.head_dim} gives {feature_width('poly_tensor', self.head_dim)} features "
+              f"per head; use head_dim <= {MAX_POLY_TENSOR_HEAD_DIM} or poly_elementwise", self.feature_map)
+        check(self.feature_map != "poly_tensor" or self.poly_degree == 2, "poly_degree",
+              "poly_tensor is the exact degree-2 kernel: poly_degree must be 2", self.poly_degree)
+        check(self.hybrid in HYBRIDS, "hybrid", f"must be one of {HYBRIDS}", self.hybrid)
+        if self.hybrid is not None:
+            check(self.hidden_size % self.num_heads == 0 and (self.hidden_size // self.num_heads) % 2 == 0,
+                  "num_heads", "the hybrid's attention needs an even head width hidden_size // num_heads",
+                  self.num_heads)
+        check(self.max_lr > 0, "max_lr", "must be > 0", self.max_lr)
+        check(self.norm_eps > 0, "norm_eps", "must be > 0", self.norm_eps)
+        check(self.hidden_act in ("silu", "swish"), "hidden_act", "only 'silu' (SwiGLU) is supported", self.hidden_act)

@@ -1,0 +1,115 @@
+"""The Atlas memory layer and its sliding-window hybrids (FAMILIES.md §3).
+
+Short convolutions on q, k and v (over each row's own tokens, with their windows
+in the cache), L2-normalised and feature-mapped keys and queries, per-head gates
+named by role (retention, learning rate, momentum, window gates), learned
+initial memory weights, and the gated RMSNorm output of the MoM family. The
+memory is the kernel API's ``atlas`` kind.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..configuration.configuration_atlas import AtlasConfig
+from ..kernels.atlas import AtlasState, chunk_atlas, step_atlas
+from ..kernels.feature_maps import apply_feature_map, initial_coefficients
+from ..kernels.norms import l2_normalize
+from ..kernels.titans import TitansMemorySpec
+from .cache import LayerCache
+from .gates import GateProjection
+from .normalization import GatedRMSNorm
+from .padding import RowCompaction
+from .short_conv import ConvWindows, ShortConvolution
+
+
+class AtlasMemory(nn.Module):
+    def __init__(self, config: AtlasConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        H, D, hidden = config.num_heads, config.head_dim, config.hidden_size
+        self.num_heads, self.head_dim = H, D
+        self.max_lr = config.max_lr
+        self.feature_map = config.feature_map
+        self.conv_size = config.conv_size
+        self.spec = TitansMemorySpec(depth=config.memory_depth, gated=config.memory_gated, d_k=config.feature_dim,
+                                     d_v=D, expansion=config.memory_expansion, objective=config.objective)
+        self.options = dict(optimizer=config.inner_optimizer, omega_window=config.omega_window,
+                            chunk_size=config.inner_chunk_size, ns_steps=config.ns_steps)
+        self.q_proj = nn.Linear(hidden, H * D, bias=False)
+        self.k_proj = nn.Linear(hidden, H * D, bias=False)
+        self.v_proj = nn.Linear(hidden, H * D, bias=False)
+        self.q_conv1d = ShortConvolution(H * D, config.conv_size)
+        self.k_conv1d = ShortConvolution(H * D, config.conv_size)
+        self.v_conv1d = ShortConvolution(H * D, config.conv_size)
+        # Initial gates: retention ~0.98, learning rate ~0.12 max_lr, momentum ~0.5, window gates ~0.88.
+        self.retention_proj = GateProjection(hidden, H, 4.0)
+        self.lr_proj = GateProjection(hidden, H, -2.0)
+        if config.inner_optimizer != "gd":
+            self.momentum_proj = GateProjection(hidden, H, 0.0)
+        self.window_gate_proj = GateProjection(hidden, H, 2.0)
+        if config.feature_map != "identity":
+            self.feature_coefficients = nn.Parameter(initial_coefficients(config.feature_map, config.poly_degree))
+        for name, shape in self.spec.shapes.items():
+            setattr(self, f"memory_{name}", nn.Parameter(torch.zeros(H, *shape)))
+        self.g_proj = nn.Linear(hidden, H * D, bias=False)
+        self.o_norm = GatedRMSNorm(D, eps=config.norm_eps)
+        self.o_proj = nn.Linear(H * D, hidden, bias=False)
+
+    def memory_init(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, f"memory_{name}") for name in self.spec.shapes}
+
+    def _convolve(self, x, valid, cache):
+        """Short convs over each row's valid tokens, continuing the cached windows."""
+        B, T, _ = x.shape
+        lengths = valid.sum(1)
+        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+        windows = ConvWindows.build(cu, self.conv_size)
+        outs = []
+        for name, proj, conv in (("q", self.q_proj, self.q_conv1d), ("k", self.k_proj, self.k_conv1d),
+                                 ("v", self.v_proj, self.v_conv1d)):
+            window = cache.get(f"conv_{name}") if cache is not None else None
+            y, nxt = conv(proj(x)[valid], windows, window)
+            if cache is not None:
+                cache.update(**{f"conv_{name}": nxt})
+            full = y.new_zeros(B, T, y.shape[-1])
+            full[valid] = y
+            outs.append(full.view(B, T, self.num_heads, self.head_dim))
+        return outs
+
+    def forward(self, hidden_states: torch.Tensor, valid: torch.Tensor | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        B, T, _ = hidden_states.shape
+        H, D = self.num_heads, self.head_dim
+        mask = valid.bool() if valid is not None else torch.ones(B, T, dtype=torch.bool, device=hidden_states.device)
+        q, k, v = self._convolve(hidden_states, mask, cache)
+        coefficients = getattr(self, "feature_coefficients", None)
+        q = apply_feature_map(self.feature_map, l2_normalize(q.float()), coefficients)
+        k = apply_feature_map(self.feature_map, l2_normalize(k.float()), coefficients)
+        alpha = torch.sigmoid(self.retention_proj(hidden_states).float())
+        lr = self.max_lr * torch.sigmoid(self.lr_proj(hidden_states).float())
+        momentum = torch.sigmoid(self.momentum_proj(hidden_states).float()) if hasattr(self, "momentum_proj") else None
+        gamma = torch.sigmoid(self.window_gate_proj(hidden_states).float())
+
+        if cache is not None and "memory.position" in cache:
+            state = AtlasState.from_tensors({k_[7:]: t for k_, t in cache.states.items() if k_.startswith("memory.")})
+        else:
+            state = AtlasState.initial(self.spec, self.memory_init(), B, H, self.options["omega_window"],
+                                       self.options["optimizer"])
+        if T == 1:
+            o, state = step_atlas(self.spec, q[:, 0], k[:, 0], v[:, 0], alpha[:, 0], lr[:, 0],
+                                  None if momentum is None else momentum[:, 0], gamma[:, 0], state,
+                                  live=mask[:, 0], **self.options)
+            o = o[:, None] * mask[:, :, None, None]
+        else:
+            rows = RowCompaction(mask)
+            q, k, v, alpha, lr, momentum, gamma = (rows.compact(x) for x in (q, k, v, alpha, lr, momentum, gamma))
+            o, state = chunk_atlas(self.spec, q, k, v, alpha, lr, momentum, gamma, state, lengths=rows.lengths,
+                                   **self.options)
+            o = rows.restore(o)
+        if cache is not None:
+            cache.update(**{f"memory.{name}": t for name, t in state.tensors().items()})
+        gate = self.g_proj(hidden_states).view(B, T, H, D)
+        out = self.o_norm(o.to(hidden_states.dtype), gate)
+        return self.o_proj(out.reshape(B, T, H * D))
