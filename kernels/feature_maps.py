@@ -30,7 +30,7 @@ def apply_feature_map(feature_map: str, x: torch.Tensor, coefficients: torch.Ten
         return out
     d = x.shape[-1]
     rows, cols = torch.triu_indices(d, d, device=x.device)
-    scale = torch.where(rows == cols, 1.0, math.sqrt(2.0)).to(x.dtype)
+    scale = torch.full(rows.shape, math.sqrt(2.0), dtype=x.dtype, device=x.device).masked_fill(rows == cols, 1.0)
     pairs = x[..., rows] * x[..., cols] * scale
     roots = a.abs().sqrt()
     return torch.cat([roots[0] * torch.ones_like(x[..., :1]), roots[1] * x, roots[2] * pairs], dim=-1)
