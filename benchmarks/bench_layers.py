@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mnemo import DeepTransformerConfig, MCTitansConfig, MoMConfig
+from mnemo import AtlasConfig, DeepTransformerConfig, MCTitansConfig, MoMConfig
+from mnemo.modeling.atlas_layer import AtlasMemory
 from mnemo.modeling.deep_attention_layer import DeepAttention
 from mnemo.modeling.mc_titans_layer import MCTitansLayer
 from mnemo.modeling.mom_layer import MoMMemoryLayer
@@ -77,6 +78,14 @@ def titans_layer(segment_size):
     return layer
 
 
+def atlas_layer(preset):
+    # the paper's 340M layer: hidden 1024, 16 heads of 64, MLP memory x4, window 16, chunk 64
+    layer = AtlasMemory(AtlasConfig.preset(preset, hidden_size=D, num_heads=16), 0)
+    for p in layer.memory_init().values():
+        nn.init.normal_(p, std=0.02)
+    return layer
+
+
 LAYERS = {
     "sdpa_attention_16x64": lambda: SdpaAttention(D, 16),
     "mnemo_deep_transformer_depth1_16x64": lambda: DeepLayer(1),
@@ -84,6 +93,8 @@ LAYERS = {
     "mnemo_mom_4x2_shared_torch": lambda: MoMMemoryLayer(MoMConfig(hidden_size=D, num_heads=4, head_dim=256), 0),
     "mnemo_titans_4x256_mlp4_c64_torch": lambda: titans_layer(None),
     "mnemo_mc_titans_grm_seg256_4x256_mlp4_c64_torch": lambda: titans_layer(256),
+    "mnemo_atlas_omeganet_gd_16x64_torch": lambda: atlas_layer("omeganet"),
+    "mnemo_atlas_muon_16x64_torch": lambda: atlas_layer("atlas"),
 }
 
 
