@@ -105,8 +105,9 @@ def record(**row):
 
 def main():
     only = os.environ.get("ONLY")
+    tokens = int(os.environ.get("TOKENS", TOKENS))
     for T in (2048, 8192):
-        B = TOKENS // T
+        B = max(1, tokens // T)
         for name, make in LAYERS.items():
             if only and only not in name:
                 continue
@@ -123,7 +124,7 @@ def main():
                     out.float().sum().backward()
 
                 ms = bench(step)
-                record(layer=name, T=T, B=B, ms=round(ms, 2), tok_per_s=round(TOKENS / ms * 1e3),
+                record(layer=name, T=T, B=B, ms=round(ms, 2), tok_per_s=round(B * T / ms * 1e3),
                        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
                 del layer, x
             except Exception as exc:  # a layer that does not fit is a result too

@@ -48,14 +48,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def attention_mask_4d(
-    key_valid: torch.Tensor | None, query_len: int, past_len: int, window: int | None = None
+    key_valid: torch.Tensor | None,
+    query_len: int,
+    past_len: int,
+    window: int | None = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor | None:
     """Boolean ``(B, 1, T, past + T)`` mask: causal, no padded keys, each query sees itself, and with
     ``window`` only the keys less than ``window`` real tokens back."""
     if key_valid is None and window is None:
         return None
     total = past_len + query_len
-    device = key_valid.device if key_valid is not None else None
+    device = key_valid.device if key_valid is not None else device
     q_pos = torch.arange(past_len, total, device=device)[:, None]
     k_pos = torch.arange(total, device=device)[None, :]
     allowed = (k_pos <= q_pos)[None]
@@ -120,7 +124,7 @@ class SoftmaxAttention(nn.Module):
         if key_valid is not None:
             key_valid = key_valid[:, dropped:]
 
-        mask = attention_mask_4d(key_valid, T, past, self.sliding_window)
+        mask = attention_mask_4d(key_valid, T, past, self.sliding_window, device=q.device)
         causal = mask is None and past == 0 and T > 1
         if mask is None and past > 0 and T > 1:
             mask = attention_mask_4d(torch.ones(B, past + T, dtype=torch.bool, device=q.device), T, past)
