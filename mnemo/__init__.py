@@ -8,6 +8,7 @@ Importing ``mnemo`` registers every family with the ``Auto*`` classes, so
 from __future__ import annotations
 
 from mnemo.configuration import AtlasConfig, DeepTransformerConfig, MCTitansConfig, MoMConfig
+from mnemo.integrations import register_peft_defaults
 from mnemo.kernels import use_backend
 from mnemo.modeling import (
     AtlasForCausalLM,
@@ -32,13 +33,15 @@ _FAMILIES = (
 
 
 def register() -> None:
-    """Register every mnemo config and model with ``AutoConfig``, ``AutoModel`` and ``AutoModelForCausalLM``."""
+    """Register every mnemo config and model with ``AutoConfig``, ``AutoModel`` and ``AutoModelForCausalLM``,
+    and mnemo's LoRA defaults with PEFT when it is installed."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     for config_cls, base_cls, lm_cls in _FAMILIES:
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
         AutoModel.register(config_cls, base_cls, exist_ok=True)
         AutoModelForCausalLM.register(config_cls, lm_cls, exist_ok=True)
+    register_peft_defaults()
 
 
 register()
