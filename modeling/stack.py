@@ -16,6 +16,47 @@ from .generation import check_attention_mask
 from .outputs import MnemoCausalLMOutput, MnemoModelOutput
 
 
+class PackedDocuments:
+    """Rows that hold several documents, marked as transformers' packing collators do: ``position_ids``
+    restart at 0 where a document starts. :meth:`unpack` lays every document out as its own
+    right-padded row; :meth:`repack` puts per-token outputs back."""
+
+    def __init__(self, position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        B, T = position_ids.shape
+        valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(position_ids, dtype=torch.bool)
+        starts = (position_ids == 0) | (torch.arange(T, device=position_ids.device) == 0)[None]
+        doc = starts.flatten().long().cumsum(0) - 1  # document of every token, row-major
+        n_docs = int(doc[-1]) + 1
+        first = torch.zeros(n_docs, dtype=torch.long, device=doc.device).scatter_reduce(
+            0, doc, torch.arange(B * T, device=doc.device), reduce="amin", include_self=False)
+        local = torch.arange(B * T, device=doc.device) - first[doc]
+        length = int(local.max()) + 1
+        self.shape = (B, T)
+        self.index = doc * length + local  # each token's slot in the (n_docs, length) layout
+        self.layout = (n_docs, length)
+        self.mask = torch.zeros(n_docs * length, dtype=torch.long, device=doc.device).index_copy(
+            0, self.index, valid.flatten().long()).view(n_docs, length)
+        self.positions = torch.zeros(n_docs * length, dtype=torch.long, device=doc.device).index_copy(
+            0, self.index, position_ids.flatten()).view(n_docs, length)
+
+    @classmethod
+    def detect(cls, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None):
+        if position_ids is None or position_ids.dim() != 2 or position_ids.shape[1] < 2:
+            return None
+        if not bool((position_ids[:, 1:] == 0).any()):
+            return None
+        return cls(position_ids, attention_mask)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(self.shape[0] * self.shape[1], *x.shape[2:])
+        out = flat.new_zeros(self.layout[0] * self.layout[1], *x.shape[2:]).index_copy(0, self.index, flat)
+        return out.view(*self.layout, *x.shape[2:])
+
+    def repack(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(self.layout[0] * self.layout[1], *x.shape[2:])
+        return flat.index_select(0, self.index).view(*self.shape, *x.shape[2:])
+
+
 def decoder_forward(
     model: nn.Module,
     input_ids: torch.LongTensor | None,
@@ -37,10 +78,18 @@ def decoder_forward(
         use_cache = False
     if output_hidden_states is None:
         output_hidden_states = config.output_hidden_states
+    packing = PackedDocuments.detect(position_ids, attention_mask)
+    if packing is not None and past_key_values is not None and past_key_values.get_seq_length() > 0:
+        raise ValueError("position_ids restart inside a row (packed documents), which cannot continue a cache")
+    if packing is not None:
+        use_cache = False  # several documents per row leave no single state to continue
     if use_cache and past_key_values is None:
         past_key_values = MnemoCache(config.num_hidden_layers)
     cache = past_key_values if use_cache else None
 
+    if packing is not None:
+        # several documents per row: run them as rows of their own, so no state crosses a boundary
+        inputs_embeds, attention_mask, position_ids = packing.unpack(inputs_embeds), packing.mask, packing.positions
     B, T, _ = inputs_embeds.shape
     past = cache.get_seq_length() if cache is not None else 0
     check_attention_mask(attention_mask, B, past + T)
@@ -72,6 +121,9 @@ def decoder_forward(
     hidden_states = model.norm(hidden_states)
     if output_hidden_states:
         all_hidden = all_hidden[:-1] + (hidden_states,)
+    if packing is not None:
+        hidden_states = packing.repack(hidden_states)
+        all_hidden = tuple(packing.repack(h) for h in all_hidden) if output_hidden_states else None
     if cache is not None:
         for layer_cache in cache:
             layer_cache.seen_tokens += T

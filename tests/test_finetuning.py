@@ -92,3 +92,24 @@ def test_trainer_trains(family, tmp_path):
     assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
     assert result.global_step == 6
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_documents_equal_each_document_alone(family):
+    """position_ids that restart at 0 (transformers' packing collators) keep documents apart."""
+    model = FAMILIES[family]()
+    docs = [torch.randint(1, 97, (n,)) for n in (7, 3, 11, 1, 6)]
+    rows = [torch.cat(docs[:3]), torch.cat(docs[3:] + [torch.zeros(14, dtype=torch.long)])]
+    ids = torch.stack(rows)
+    position_ids = torch.stack([torch.cat([torch.arange(len(d)) for d in docs[:3]]),
+                                torch.cat([torch.arange(len(d)) for d in docs[3:]] + [torch.arange(14)])])
+    mask = torch.ones_like(ids)
+    mask[1, -14:] = 0
+    with torch.no_grad():
+        packed = model(ids, attention_mask=mask, position_ids=position_ids).logits
+        alone = [model(d[None]).logits[0] for d in docs]
+    torch.testing.assert_close(packed[0], torch.cat(alone[:3]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(packed[1, :7], torch.cat(alone[3:]), rtol=1e-4, atol=1e-5)
+    labels = ids.masked_fill(mask == 0, -100)
+    loss = model.train()(ids, attention_mask=mask, position_ids=position_ids, labels=labels).loss
+    assert torch.isfinite(loss)
