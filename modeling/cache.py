@@ -73,7 +73,29 @@ class LayerCache:
         self._apply(lambda t: t[indices.to(t.device) if torch.is_tensor(indices) else indices])
 
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError("a recurrent memory state cannot be rolled back to an earlier position")
+        """Keep the first ``max_length`` tokens (negative: drop ``-max_length`` from the end).
+
+        Only key/value layers can be rolled back: slot-aligned ``key``/``value`` pairs,
+        or a pure-attention DeepTransformer memory (``keys`` with no deep state). The
+        dropped tokens must be real tokens (as generated tokens are).
+        """
+        drop = self.seen_tokens - max_length if max_length >= 0 else -max_length
+        if drop <= 0:
+            return
+        if drop > self.seen_tokens:
+            raise ValueError(f"cannot drop {drop} tokens from a cache that holds {self.seen_tokens}")
+        if "key" in self.states and not any(n for n in self.states if n not in ("key", "value", "dropped")):
+            if drop > self.states["key"].shape[2]:
+                raise ValueError("the tokens to drop have already left the sliding window")
+            self.update(key=self.states["key"][:, :, :-drop], value=self.states["value"][:, :, :-drop])
+        elif "keys" in self.states and "us" not in self.states and "targets" not in self.states:
+            count = self.states["count"] - drop
+            if bool((count < 0).any()):
+                raise ValueError(f"a row holds fewer than {drop} tokens")
+            self.update(count=count, start=count)
+        elif self.states:
+            raise NotImplementedError("a recurrent memory state cannot be rolled back to an earlier position")
+        self.seen_tokens -= drop
 
 
 class MnemoCache(Cache):
@@ -120,4 +142,7 @@ class MnemoCache(Cache):
         return True
 
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError("mnemo caches hold recurrent states, which cannot be cropped")
+        """Roll every layer back to its first ``max_length`` tokens: attention-only caches (a
+        DeepTransformer with ``memory_depth=1``) support it; recurrent states raise."""
+        for layer in self.layers:
+            layer.crop(max_length)

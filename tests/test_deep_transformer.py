@@ -89,3 +89,18 @@ def test_paper_760m_shape_on_meta_device():
     deep = sum(p.numel() for name, p in model.named_parameters() if "memory_w1" in name or "eta_proj" in name)
     assert deep == 24 * (16 * 96 * 96 + 1536 * 16)
     assert 700e6 < n < 900e6
+
+
+def test_attention_only_cache_crops_and_recurrent_caches_refuse():
+    model = tiny_deep_transformer(memory_depth=1)
+    ids = torch.randint(1, 97, (2, 12))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        cache.crop(8)
+        assert cache.get_seq_length() == 8
+        cropped = model(ids[:, 8:], past_key_values=cache, use_cache=True).logits
+        full = model(ids).logits[:, 8:]
+    torch.testing.assert_close(cropped, full, rtol=1e-5, atol=1e-6)
+    deep_cache = tiny_deep_transformer()(ids, use_cache=True).past_key_values
+    with pytest.raises(NotImplementedError, match="rolled back"):
+        deep_cache.crop(8)

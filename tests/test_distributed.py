@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 from datetime import timedelta
 
@@ -41,9 +40,10 @@ def train(model, rank=0, world=1):
     return losses
 
 
-def worker(rank, world, port, family, wrapper, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+def worker(rank, world, store_file, family, wrapper, out):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only: no interface guessing, no network
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
     torch.set_num_threads(1)
     model = BUILDERS[family]().train()
     if wrapper == "ddp":
@@ -60,19 +60,14 @@ def worker(rank, world, port, family, wrapper, out):
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
 @pytest.mark.parametrize("family", sorted(BUILDERS))
-def test_two_processes_match_one(family, wrapper):
+def test_two_processes_match_one(family, wrapper, tmp_path):
     reference = train(BUILDERS[family]().train())
     with mp.Manager() as manager:
         out = manager.list()
-        context = mp.start_processes(worker, args=(2, free_port(), family, wrapper, out), nprocs=2, join=False,
+        context = mp.start_processes(worker, args=(2, str(tmp_path / "store"), family, wrapper, out), nprocs=2,
+                                     join=False,
                                      start_method="spawn")
         deadline = time.monotonic() + 300  # the test stops by itself
         while not context.join(timeout=5):
