@@ -11,11 +11,41 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from transformers import initialization as init
+
+from .attention import RotaryEmbedding
 from .cache import MnemoCache
+from .gates import GateProjection
 from .generation import MnemoGenerationMixin
 from .normalization import RMSNorm
+from .short_conv import ShortConvolution
 from .outputs import MnemoCausalLMOutput, MnemoModelOutput
 from .stack import causal_lm_forward, decoder_forward
+
+
+def init_shared_weights(module: nn.Module, std: float) -> bool:
+    """Initialise the module types every family shares; ``True`` if ``module`` was one of them.
+
+    transformers' ``initialization`` functions skip tensors loaded from a checkpoint.
+    """
+    if isinstance(module, GateProjection):
+        init.normal_(module.weight, mean=0.0, std=std)
+        init.constant_(module.bias, module.bias_init)
+    elif isinstance(module, ShortConvolution):
+        bound = module.kernel_size[0] ** -0.5
+        init.uniform_(module.weight, -bound, bound)
+    elif isinstance(module, (nn.Linear, nn.Embedding)):
+        init.normal_(module.weight, mean=0.0, std=std)
+        if getattr(module, "bias", None) is not None:
+            init.zeros_(module.bias)
+    elif isinstance(module, RMSNorm):
+        init.ones_(module.weight)
+    elif isinstance(module, RotaryEmbedding):
+        # a non-persistent buffer: rebuilt after loading, never read from a checkpoint
+        init.copy_(module.inv_freq, module.compute_inv_freq(module.inv_freq.device))
+    else:
+        return False
+    return True
 
 
 class MnemoDecoderMixin:

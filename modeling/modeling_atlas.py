@@ -18,14 +18,12 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..configuration.configuration_atlas import AtlasConfig
 from ..kernels.feature_maps import initial_coefficients
 from .atlas_layer import AtlasMemory
-from .attention import RotaryEmbedding, SoftmaxAttention
-from .base import MnemoCausalLMMixin, MnemoDecoderMixin
+from .attention import SoftmaxAttention
+from .base import MnemoCausalLMMixin, MnemoDecoderMixin, init_shared_weights
 from .cache import LayerCache
-from .gates import GateProjection
 from .generation import MnemoGenerationMixin
 from .mlp import SwiGLU
 from .normalization import RMSNorm
-from .short_conv import ShortConvolution
 
 
 class _Prefixed:
@@ -101,22 +99,9 @@ class AtlasPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["AtlasBlock"]
 
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, GateProjection):
-            init.normal_(module.weight, mean=0.0, std=std)
-            init.constant_(module.bias, module.bias_init)
-        elif isinstance(module, ShortConvolution):
-            bound = module.kernel_size[0] ** -0.5
-            init.uniform_(module.weight, -bound, bound)
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
-            init.normal_(module.weight, mean=0.0, std=std)
-            if getattr(module, "bias", None) is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, RMSNorm):
-            init.ones_(module.weight)
-        elif isinstance(module, RotaryEmbedding):
-            init.copy_(module.inv_freq, module.compute_inv_freq(module.inv_freq.device))
-        elif isinstance(module, AtlasMemory):
+        if init_shared_weights(module, self.config.initializer_range):
+            return
+        if isinstance(module, AtlasMemory):
             for param in module.memory_init().values():
                 init.normal_(param, mean=0.0, std=self.config.memory_init_std)
             if hasattr(module, "feature_coefficients"):

@@ -15,8 +15,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..configuration.configuration_deep_transformer import DeepTransformerConfig
-from .attention import RotaryEmbedding
-from .base import MnemoCausalLMMixin, MnemoDecoderMixin
+from .base import MnemoCausalLMMixin, MnemoDecoderMixin, init_shared_weights
 from .generation import MnemoGenerationMixin
 from .cache import LayerCache
 from .deep_attention_layer import DeepAttention
@@ -56,16 +55,9 @@ class DeepTransformerPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
 
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            init.normal_(module.weight, mean=0.0, std=std)
-            if getattr(module, "bias", None) is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, RMSNorm):
-            init.ones_(module.weight)
-        elif isinstance(module, RotaryEmbedding):
-            init.copy_(module.inv_freq, module.compute_inv_freq(module.inv_freq.device))
-        elif isinstance(module, DeepAttention) and module.memory_depth == 2:
+        if init_shared_weights(module, self.config.initializer_range):
+            return
+        if isinstance(module, DeepAttention) and module.memory_depth == 2:
             init.normal_(module.memory_w1, mean=0.0, std=self.config.memory_init_std)
 
 

@@ -14,10 +14,9 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..configuration.configuration_mc_titans import MCTitansConfig
-from .base import MnemoCausalLMMixin, MnemoDecoderMixin
+from .base import MnemoCausalLMMixin, MnemoDecoderMixin, init_shared_weights
 from .generation import MnemoGenerationMixin
 from .cache import LayerCache
-from .gates import GateProjection
 from .mc_titans_layer import MCTitansLayer
 from .mlp import SwiGLU
 from .normalization import RMSNorm
@@ -52,17 +51,9 @@ class MCTitansPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["MCTitansBlock"]
 
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, GateProjection):
-            init.normal_(module.weight, mean=0.0, std=std)
-            init.constant_(module.bias, module.bias_init)
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
-            init.normal_(module.weight, mean=0.0, std=std)
-            if getattr(module, "bias", None) is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, RMSNorm):
-            init.ones_(module.weight)
-        elif isinstance(module, MCTitansLayer):
+        if init_shared_weights(module, self.config.initializer_range):
+            return
+        if isinstance(module, MCTitansLayer):
             for param in module.memory_init().values():
                 init.normal_(param, mean=0.0, std=self.config.memory_init_std)
 

@@ -15,14 +15,13 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..configuration.configuration_mom import MoMConfig
-from .attention import RotaryEmbedding, SoftmaxAttention
-from .base import MnemoCausalLMMixin, MnemoDecoderMixin
+from .attention import SoftmaxAttention
+from .base import MnemoCausalLMMixin, MnemoDecoderMixin, init_shared_weights
 from .generation import MnemoGenerationMixin
 from .cache import LayerCache
 from .mlp import SwiGLU
 from .mom_layer import MoMMemoryLayer
 from .normalization import RMSNorm
-from .short_conv import ShortConvolution
 
 
 class MoMBlock(GradientCheckpointingLayer):
@@ -72,20 +71,9 @@ class MoMPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
 
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, ShortConvolution):
-            bound = module.kernel_size[0] ** -0.5
-            init.uniform_(module.weight, -bound, bound)
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
-            init.normal_(module.weight, mean=0.0, std=std)
-            if getattr(module, "bias", None) is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, RMSNorm):
-            init.ones_(module.weight)
-        elif isinstance(module, RotaryEmbedding):
-            # a non-persistent buffer: rebuilt after loading, never read from a checkpoint
-            init.copy_(module.inv_freq, module.compute_inv_freq(module.inv_freq.device))
-        elif isinstance(module, MoMMemoryLayer) and module.gated:
+        if init_shared_weights(module, self.config.initializer_range):
+            return
+        if isinstance(module, MoMMemoryLayer) and module.gated:
             A_log, dt_bias = module.reset_decay_parameters()
             init.copy_(module.A_log, A_log)
             init.copy_(module.dt_bias, dt_bias)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -40,7 +42,7 @@ def train(model, rank=0, world=1):
     return losses
 
 
-def worker(rank, world, store_file, family, wrapper, out):
+def worker(rank, world, store_file, family, wrapper, result_file):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only: no interface guessing, no network
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
@@ -56,25 +58,27 @@ def worker(rank, world, store_file, family, wrapper, out):
         fully_shard(model)
     losses = train(model, rank, world)
     if rank == 0:
-        out.extend(losses)
+        with open(result_file, "w") as f:
+            json.dump(losses, f)
     dist.destroy_process_group()
+    # Leave at once: background threads of the process group can keep an interpreter from exiting.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
 @pytest.mark.parametrize("family", sorted(BUILDERS))
 def test_two_processes_match_one(family, wrapper, tmp_path):
     reference = train(BUILDERS[family]().train())
-    with mp.Manager() as manager:
-        out = manager.list()
-        context = mp.start_processes(worker, args=(2, str(tmp_path / "store"), family, wrapper, out), nprocs=2,
-                                     join=False,
-                                     start_method="spawn")
-        deadline = time.monotonic() + 300  # the test stops by itself
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail("the two training processes did not finish within 300 s")
-        losses = list(out)
+    result_file = tmp_path / "losses.json"
+    context = mp.start_processes(worker, args=(2, str(tmp_path / "store"), family, wrapper, str(result_file)),
+                                 nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 300  # the test stops by itself
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the two training processes did not finish within 300 s")
+    losses = json.loads(result_file.read_text())
     assert len(losses) == STEPS
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-5)
