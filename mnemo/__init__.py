@@ -46,6 +46,16 @@ def register() -> None:
 
 register()
 
+
+def __getattr__(name: str):
+    # The Trainer subclass imports transformers' training stack: load it only when asked for.
+    if name == "MnemoTrainer":
+        from mnemo.training import MnemoTrainer
+
+        return MnemoTrainer
+    raise AttributeError(f"module 'mnemo' has no attribute {name!r}")
+
+
 __all__ = [
     "AtlasConfig",
     "AtlasForCausalLM",
@@ -57,6 +67,7 @@ __all__ = [
     "MCTitansForCausalLM",
     "MCTitansModel",
     "MnemoCache",
+    "MnemoTrainer",
     "MoMConfig",
     "MoMForCausalLM",
     "MoMModel",

@@ -113,3 +113,16 @@ def test_packed_documents_equal_each_document_alone(family):
     labels = ids.masked_fill(mask == 0, -100)
     loss = model.train()(ids, attention_mask=mask, position_ids=position_ids, labels=labels).loss
     assert torch.isfinite(loss)
+
+
+def test_mnemo_trainer_logs_the_aux_loss(tmp_path):
+    from mnemo import MnemoTrainer
+
+    model = tiny_mom()
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(1, 97, (8, 12))]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
+                             logging_steps=2, report_to=[], use_cpu=True, save_strategy="no")
+    trainer = MnemoTrainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    logged = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logged) == 2 and all(log["aux_loss"] >= 1.0 - 1e-6 for log in logged)  # Switch loss >= 1
