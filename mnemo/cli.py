@@ -21,7 +21,7 @@ def _demo(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     config = MoMConfig(
         vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=16,
-        num_memories=4, topk=2, shared_memory=True, chunk_size=16,
+        num_memories=4, topk=2, shared_memory=True, chunk_size=16, eos_token_id=None,
     )
     model = MoMForCausalLM(config).eval()
     n_params = sum(p.numel() for p in model.parameters())
