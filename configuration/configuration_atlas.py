@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from .validation import check, check_choice, check_positive_int
+from .validation import check, check_block, check_choice, check_positive_int, swiglu_width
 
 FEATURE_MAPS = ("identity", "poly_elementwise", "poly_tensor")
 OBJECTIVES = ("l2", "dot")
@@ -114,7 +114,7 @@ class AtlasConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.hidden_ratio = hidden_ratio
         if intermediate_size is None:
-            intermediate_size = 256 * ((int(hidden_size * hidden_ratio * 2 / 3) + 255) // 256)
+            intermediate_size = swiglu_width(hidden_size, hidden_ratio)
         self.intermediate_size = intermediate_size
         self.hidden_act = hidden_act
         self.norm_eps = norm_eps
@@ -166,5 +166,4 @@ class AtlasConfig(PretrainedConfig):
                   "num_heads", "the hybrid's attention needs an even head width hidden_size // num_heads",
                   self.num_heads)
         check(self.max_lr > 0, "max_lr", "must be > 0", self.max_lr)
-        check(self.norm_eps > 0, "norm_eps", "must be > 0", self.norm_eps)
-        check(self.hidden_act in ("silu", "swish"), "hidden_act", "only 'silu' (SwiGLU) is supported", self.hidden_act)
+        check_block(self)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from .validation import check, check_choice, check_positive_int
+from .validation import check, check_block, check_choice, check_positive_int, swiglu_width
 
 LEARNING_RULES = ("hebbian", "omega")
 
@@ -70,7 +70,7 @@ class DeepTransformerConfig(PretrainedConfig):
         self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
         self.hidden_ratio = hidden_ratio
         if intermediate_size is None:
-            intermediate_size = 256 * ((int(hidden_size * hidden_ratio * 2 / 3) + 255) // 256)
+            intermediate_size = swiglu_width(hidden_size, hidden_ratio)
         self.intermediate_size = intermediate_size
         self.hidden_act = hidden_act
         self.memory_depth = memory_depth
@@ -119,5 +119,4 @@ class DeepTransformerConfig(PretrainedConfig):
         check(self.memory_depth == 2 or self.learning_rule == "omega" or self.normalize, "normalize",
               "memory_depth=1 with the hebbian rule is softmax attention, which is normalised", self.normalize)
         check(self.memory_init_std >= 0, "memory_init_std", "must be >= 0", self.memory_init_std)
-        check(self.norm_eps > 0, "norm_eps", "must be > 0", self.norm_eps)
-        check(self.hidden_act in ("silu", "swish"), "hidden_act", "only 'silu' (SwiGLU) is supported", self.hidden_act)
+        check_block(self)

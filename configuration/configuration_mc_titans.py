@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from .validation import check, check_choice, check_positive_int
+from .validation import check, check_block, check_choice, check_positive_int, swiglu_width
 
 AGGREGATIONS = ("residual", "grm", "soup", "ssc", "mean")
 SEGMENTATIONS = ("constant", "logarithmic")
@@ -83,7 +83,7 @@ class MCTitansConfig(PretrainedConfig):
         self.ssc_topk = ssc_topk
         self.hidden_ratio = hidden_ratio
         if intermediate_size is None:
-            intermediate_size = 256 * ((int(hidden_size * hidden_ratio * 2 / 3) + 255) // 256)
+            intermediate_size = swiglu_width(hidden_size, hidden_ratio)
         self.intermediate_size = intermediate_size
         self.hidden_act = hidden_act
         self.norm_eps = norm_eps
@@ -117,5 +117,4 @@ class MCTitansConfig(PretrainedConfig):
               "'independent' is undefined with logarithmic segments (merged segments would need retraining); "
               "use 'checkpoint'", self.cache_mode)
         check(self.max_lr > 0, "max_lr", "must be > 0", self.max_lr)
-        check(self.norm_eps > 0, "norm_eps", "must be > 0", self.norm_eps)
-        check(self.hidden_act in ("silu", "swish"), "hidden_act", "only 'silu' (SwiGLU) is supported", self.hidden_act)
+        check_block(self)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from .validation import check, check_choice, check_layer_indices, check_positive_int
+from .validation import check, check_block, check_choice, check_layer_indices, check_positive_int, swiglu_width
 
 MEMORY_UPDATES = ("gated_deltanet", "deltanet")
 
@@ -92,8 +92,7 @@ class MoMConfig(PretrainedConfig):
         self.conv_size = conv_size
         self.hidden_ratio = hidden_ratio
         if intermediate_size is None:
-            intermediate_size = int(hidden_size * hidden_ratio * 2 / 3)
-            intermediate_size = 256 * ((intermediate_size + 255) // 256)
+            intermediate_size = swiglu_width(hidden_size, hidden_ratio)
         self.intermediate_size = intermediate_size
         self.hidden_act = hidden_act
         self.norm_eps = norm_eps
@@ -139,8 +138,7 @@ class MoMConfig(PretrainedConfig):
         )
         check_choice("memory_update", self.memory_update, MEMORY_UPDATES)
         check(self.aux_loss_coef >= 0, "aux_loss_coef", "must be >= 0", self.aux_loss_coef)
-        check(self.norm_eps > 0, "norm_eps", "must be > 0", self.norm_eps)
-        check(self.hidden_act in ("silu", "swish"), "hidden_act", "only 'silu' (SwiGLU) is supported", self.hidden_act)
+        check_block(self)
         check_layer_indices("attention_layers", self.attention_layers, self.num_hidden_layers)
         if self.attention_layers:
             check(

@@ -30,3 +30,15 @@ def check_layer_indices(field: str, value: Any, num_layers: int) -> None:
         f"must be a list of distinct layer indices in [0, {num_layers})",
         value,
     )
+
+
+def swiglu_width(hidden_size: int, hidden_ratio: float) -> int:
+    """The SwiGLU width ``hidden_size * hidden_ratio * 2/3`` rounded up to a multiple of 256."""
+    return 256 * ((int(hidden_size * hidden_ratio * 2 / 3) + 255) // 256)
+
+
+def check_block(config) -> None:
+    """The checks every family's block shares: RMSNorm epsilon and the SwiGLU activation."""
+    check(config.norm_eps > 0, "norm_eps", "must be > 0", config.norm_eps)
+    check(config.hidden_act in ("silu", "swish"), "hidden_act", "only 'silu' (SwiGLU) is supported",
+          config.hidden_act)
