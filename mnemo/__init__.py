@@ -47,12 +47,20 @@ def register() -> None:
 register()
 
 
-def __getattr__(name: str):
-    # The Trainer subclass imports transformers' training stack: load it only when asked for.
-    if name == "MnemoTrainer":
-        from mnemo.training import MnemoTrainer
+# Loaded when first asked for: the Trainer subclass imports transformers' training stack, and the
+# conversions are not needed to run a model.
+_LAZY = {
+    "MnemoTrainer": "mnemo.training",
+    "export_hub_folder": "mnemo.conversion.hub_export",
+    "push_to_hub": "mnemo.conversion.hub_export",
+}
 
-        return MnemoTrainer
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'mnemo' has no attribute {name!r}")
 
 
@@ -72,6 +80,8 @@ __all__ = [
     "MoMForCausalLM",
     "MoMModel",
     "__version__",
+    "export_hub_folder",
+    "push_to_hub",
     "register",
     "use_backend",
 ]

@@ -41,6 +41,22 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
+def _export(args: argparse.Namespace) -> int:
+    from mnemo.conversion.hub_export import export_hub_folder
+
+    out = export_hub_folder(args.src, args.out, repo_id=args.repo_id)
+    print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
+    return 0
+
+
+def _push(args: argparse.Namespace) -> int:
+    from mnemo.conversion.hub_export import push_to_hub
+
+    url = push_to_hub(args.folder, args.repo_id, token=args.token, private=args.private)
+    print(f"uploaded {args.folder} to {args.repo_id}: {url}")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     import mnemo
 
@@ -60,6 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt-length", type=int, default=16)
     demo.add_argument("--max-new-tokens", type=int, default=32)
     demo.set_defaults(func=_demo)
+    export = sub.add_parser("export", help="write a self-contained trust_remote_code Hub folder")
+    export.add_argument("src", help="a mnemo checkpoint folder or Hub id")
+    export.add_argument("out", help="the folder to write (must not exist or be empty)")
+    export.add_argument("--repo-id", default=None, help="the Hub id the folder is meant for (for the model card)")
+    export.set_defaults(func=_export)
+    push = sub.add_parser("push", help="upload an exported folder to the Hugging Face Hub")
+    push.add_argument("folder")
+    push.add_argument("repo_id")
+    push.add_argument("--token", default=None, help="default: HF_TOKEN or the stored login")
+    push.add_argument("--private", action="store_true")
+    push.set_defaults(func=_push)
     info = sub.add_parser("info", help="list the model families")
     info.set_defaults(func=_info)
     return parser

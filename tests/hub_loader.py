@@ -1,0 +1,68 @@
+"""Run in a fresh interpreter by the Hub-folder tests: load exported folders without mnemo.
+
+Usage: ``python hub_loader.py JOB.json RESULT.pt``. The job lists models to load
+(a folder path, or a Hub id resolved from the offline cache), inputs to run, and
+optionally a LoRA adapter to put on top or a pipeline to build. Importing mnemo is
+made impossible first, so everything must come from the folders' own files.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import json
+import sys
+
+
+class _BlockMnemo(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "mnemo" or name.startswith("mnemo."):
+            raise ImportError(f"{name} is blocked: Hub folders must not need mnemo")
+        return None
+
+
+sys.meta_path.insert(0, _BlockMnemo())
+
+
+def main(job_path: str, result_path: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with open(job_path, encoding="utf-8") as f:
+        job = json.load(f)
+    torch.set_num_threads(job["threads"])
+    try:
+        import mnemo  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("mnemo is importable: the test would prove nothing")
+
+    results = {}
+    for entry in job["models"]:
+        model = AutoModelForCausalLM.from_pretrained(entry["source"], trust_remote_code=True).eval()
+        out = {"class_module": type(model).__module__}
+        if entry.get("adapter"):
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, entry["adapter"]).eval()
+        ids = torch.tensor(entry["input_ids"])
+        mask = torch.tensor(entry["attention_mask"])
+        with torch.no_grad():
+            out["logits"] = model(input_ids=ids, attention_mask=mask).logits
+            out["generated"] = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=entry["max_new_tokens"], do_sample=False
+            )
+        if entry.get("pipeline_prompt"):
+            from transformers import pipeline
+
+            generator = pipeline("text-generation", model=entry["source"], trust_remote_code=True)
+            out["pipeline_text"] = generator(
+                entry["pipeline_prompt"], max_new_tokens=entry["max_new_tokens"], do_sample=False
+            )[0]["generated_text"]
+        results[entry["name"]] = out
+    assert not any(name == "mnemo" or name.startswith("mnemo.") for name in sys.modules)
+    torch.save(results, result_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
