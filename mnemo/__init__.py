@@ -53,6 +53,9 @@ _LAZY = {
     "MnemoTrainer": "mnemo.training",
     "export_hub_folder": "mnemo.conversion.hub_export",
     "push_to_hub": "mnemo.conversion.hub_export",
+    "convert_to_memory_caching": "mnemo.conversion.memory_caching",
+    "convert_from_fla": "mnemo.conversion.from_fla",
+    "convert_from_llama": "mnemo.conversion.from_llama",
 }
 
 
@@ -80,6 +83,9 @@ __all__ = [
     "MoMForCausalLM",
     "MoMModel",
     "__version__",
+    "convert_from_fla",
+    "convert_from_llama",
+    "convert_to_memory_caching",
     "export_hub_folder",
     "push_to_hub",
     "register",

@@ -57,6 +57,25 @@ def _push(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    if args.kind == "to-mc":
+        from mnemo.conversion.memory_caching import convert_to_memory_caching
+
+        out = convert_to_memory_caching(args.src, args.out, segment_size=args.segment_size,
+                                        aggregation=args.aggregation, segmentation=args.segmentation,
+                                        ssc_topk=args.ssc_topk, allow_pickle=args.allow_pickle)
+    elif args.kind == "from-fla":
+        from mnemo.conversion.from_fla import convert_from_fla
+
+        out = convert_from_fla(args.src, args.out, allow_pickle=args.allow_pickle)
+    else:
+        from mnemo.conversion.from_llama import convert_from_llama
+
+        out = convert_from_llama(args.src, args.out, allow_pickle=args.allow_pickle, memory_depth=args.memory_depth)
+    print(f"wrote {out}")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     import mnemo
 
@@ -87,14 +106,37 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--token", default=None, help="default: HF_TOKEN or the stored login")
     push.add_argument("--private", action="store_true")
     push.set_defaults(func=_push)
+    convert = sub.add_parser("convert", help="convert checkpoints (Memory Caching, flash-linear-attention, Llama)")
+    kinds = convert.add_subparsers(dest="kind", required=True)
+    to_mc = kinds.add_parser("to-mc", help="a Titans checkpoint to its Memory Caching variant (post-training)")
+    to_mc.add_argument("--segment-size", type=int, required=True)
+    to_mc.add_argument("--aggregation", default="mean", help="mean (default), residual, grm, soup or ssc")
+    to_mc.add_argument("--segmentation", default="constant", help="constant (default) or logarithmic")
+    to_mc.add_argument("--ssc-topk", type=int, default=2)
+    from_fla = kinds.add_parser("from-fla", help="a flash-linear-attention mom or gated_deltanet checkpoint to MoM")
+    from_llama = kinds.add_parser("from-llama", help="a Llama checkpoint to a DeepTransformer (deep branch off)")
+    from_llama.add_argument("--memory-depth", type=int, default=1,
+                            help="1: exactly the Transformer; 2: add a deep branch to fine-tune")
+    for kind in (to_mc, from_fla, from_llama):
+        kind.add_argument("src", help="the source checkpoint folder (left untouched)")
+        kind.add_argument("out", help="the folder to write (must not exist or be empty)")
+        kind.add_argument("--allow-pickle", action="store_true",
+                          help="accept pytorch_model.bin weights (read with torch.load(weights_only=True))")
+    convert.set_defaults(func=_convert)
     info = sub.add_parser("info", help="list the model families")
     info.set_defaults(func=_info)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from mnemo.conversion.checkpoint_io import ConversionError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConversionError as err:
+        print(f"mnemo {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,121 @@
+"""Post-training conversion of a recurrent checkpoint into its Memory Caching variant.
+
+The MC paper (§4.3, "Memory Caching as Post Training") caches the memory of a
+model trained without caching at the end of every segment and reads the cached
+memories back at inference. Here a Titans checkpoint (``MCTitansForCausalLM``
+with ``segment_size=None``) becomes an MC-Titans checkpoint with the chosen
+``segment_size`` and ``aggregation``; every trained tensor is kept as it is.
+
+The gate projection ``u_proj`` is never used while a model has one segment, so it
+is untrained in the source; the conversion sets it to zero, which makes the gated
+aggregations (``grm``, ``soup``, ``ssc``) start as the uniform average of the
+online and cached memories (``mean``) until they are fine-tuned. Inside the
+first segment nothing is cached yet, so every aggregation gives the source's
+outputs there exactly.
+
+MoM and Atlas checkpoints are refused for now: Memory Caching is implemented
+over the Titans memory only (``kernels/memory_caching.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..configuration.configuration_mc_titans import MCTitansConfig
+from .checkpoint_io import (
+    ConversionError,
+    check_state_dict_keys,
+    copy_tokenizer_files,
+    load_state_dict,
+    read_config,
+    staged_output,
+)
+
+__all__ = ["convert_to_memory_caching"]
+
+GATED = ("grm", "soup", "ssc")
+_NOT_YET = {
+    "mnemo_mom": "MoM",
+    "mnemo_atlas": "Atlas",
+}
+
+
+def _target_config(source: dict, src_name: str, **mc) -> MCTitansConfig:
+    model_type = source.get("model_type")
+    if model_type in _NOT_YET:
+        raise ConversionError(
+            f"Memory Caching over {_NOT_YET[model_type]} memories is not implemented; "
+            "only Titans checkpoints (model_type 'mnemo_mc_titans' with segment_size=None) convert"
+        )
+    if model_type != MCTitansConfig.model_type:
+        raise ConversionError(f"cannot convert model_type {model_type!r} to Memory Caching")
+    if source.get("segment_size") is not None:
+        raise ConversionError(
+            f"the source already caches its memory (segment_size={source['segment_size']}); "
+            "convert a checkpoint trained with segment_size=None"
+        )
+    fields = {k: v for k, v in source.items() if k not in ("architectures", "auto_map", "transformers_version")}
+    fields.update(mc, cache_mode="checkpoint", converted_from=f"{src_name} (Titans, one segment) by Memory Caching "
+                  f"post-training conversion (segment_size={mc['segment_size']}, aggregation={mc['aggregation']})")
+    try:
+        return MCTitansConfig(**fields)
+    except ValueError as err:
+        raise ConversionError(str(err)) from err
+
+
+def convert_to_memory_caching(
+    src_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    segment_size: int,
+    aggregation: str = "mean",
+    segmentation: str = "constant",
+    ssc_topk: int = 2,
+    allow_pickle: bool = False,
+) -> Path:
+    """Write the Memory Caching variant of the checkpoint in ``src_dir`` to ``out_dir``.
+
+    Args:
+        src_dir: A Titans checkpoint folder (``MCTitansForCausalLM``, ``segment_size=None``).
+        out_dir: The folder to write; it must not exist or be empty.
+        segment_size: Tokens per cached segment (the paper caches every training length).
+        aggregation: ``"mean"`` (no parameters), ``"residual"``, or the gated ``"grm"``,
+            ``"soup"``, ``"ssc"`` (gate projection set to zero: they start as ``mean``).
+        segmentation: ``"constant"`` or ``"logarithmic"``.
+        ssc_topk: Cached memories each token reads with ``"ssc"``.
+        allow_pickle: Accept ``pytorch_model.bin`` weights (read with ``weights_only=True``).
+
+    Returns:
+        The path of the written checkpoint.
+    """
+    from ..modeling.modeling_mc_titans import MCTitansForCausalLM
+
+    if not isinstance(segment_size, int) or isinstance(segment_size, bool) or segment_size < 1:
+        raise ConversionError(f"segment_size must be an integer >= 1, got {segment_size!r}")
+    config = _target_config(read_config(src_dir), Path(src_dir).name, segment_size=segment_size,
+                            aggregation=aggregation, segmentation=segmentation, ssc_topk=ssc_topk)
+    state = load_state_dict(src_dir, allow_pickle=allow_pickle)
+    model = MCTitansForCausalLM(config)
+    expected = model.state_dict()
+    if config.tie_word_embeddings:
+        state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
+    check_state_dict_keys(state, expected, f"converting {Path(src_dir).name} to Memory Caching")
+    dtype = state["model.embed_tokens.weight"].dtype
+    model = model.to(dtype)
+    model.load_state_dict(state, strict=True)
+    if aggregation in GATED:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.attn.u_proj.weight.zero_()
+    src = Path(src_dir)
+    if (src / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(src)
+    with staged_output(out_dir) as staging:
+        model.save_pretrained(staging)
+        copy_tokenizer_files(src, staging)
+    return Path(out_dir)
