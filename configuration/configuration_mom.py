@@ -7,6 +7,7 @@ from transformers import PretrainedConfig
 from .validation import check, check_block, check_choice, check_layer_indices, check_positive_int, swiglu_width
 
 MEMORY_UPDATES = ("gated_deltanet", "deltanet")
+MC_AGGREGATIONS = ("mean", "residual")  # parameter-free; gated ones need each cached memory's score
 
 
 class MoMConfig(PretrainedConfig):
@@ -41,6 +42,11 @@ class MoMConfig(PretrainedConfig):
         rope_theta: RoPE base.
         max_position_embeddings: Nominal context length (RoPE has no hard limit).
         chunk_size: Chunk length of the chunked memory kernel (changes rounding only).
+        segment_size: Memory Caching (``None``: off): at the end of every ``segment_size``
+            tokens of a row every memory of a MoM layer is cached, and each token also
+            reads the cached memories (``kernels/cached_linear.py``).
+        aggregation: How cached memories are read: ``"mean"`` (uniform average with the
+            online memory; the post-training mode) or ``"residual"`` (their sum).
         initializer_range: Std of the normal init of linear and embedding weights.
     """
 
@@ -71,6 +77,8 @@ class MoMConfig(PretrainedConfig):
         rope_theta: float = 10000.0,
         max_position_embeddings: int = 2048,
         chunk_size: int = 64,
+        segment_size: int | None = None,
+        aggregation: str = "mean",
         initializer_range: float = 0.02,
         use_cache: bool = True,
         pad_token_id: int | None = None,
@@ -105,6 +113,8 @@ class MoMConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.max_position_embeddings = max_position_embeddings
         self.chunk_size = chunk_size
+        self.segment_size = segment_size
+        self.aggregation = aggregation
         self.initializer_range = initializer_range
         self.use_cache = use_cache
         super().__init__(
@@ -137,6 +147,9 @@ class MoMConfig(PretrainedConfig):
             "expand_v", f"head_dim * expand_v must be a positive integer (head_dim={self.head_dim})", self.expand_v,
         )
         check_choice("memory_update", self.memory_update, MEMORY_UPDATES)
+        check(self.segment_size is None or (isinstance(self.segment_size, int) and self.segment_size >= 1),
+              "segment_size", "must be an integer >= 1, or None (no Memory Caching)", self.segment_size)
+        check_choice("aggregation", self.aggregation, MC_AGGREGATIONS)
         check(self.aux_loss_coef >= 0, "aux_loss_coef", "must be >= 0", self.aux_loss_coef)
         check_block(self)
         check_layer_indices("attention_layers", self.attention_layers, self.num_hidden_layers)

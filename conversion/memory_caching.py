@@ -2,19 +2,24 @@
 
 The MC paper (§4.3, "Memory Caching as Post Training") caches the memory of a
 model trained without caching at the end of every segment and reads the cached
-memories back at inference. Here a Titans checkpoint (``MCTitansForCausalLM``
-with ``segment_size=None``) becomes an MC-Titans checkpoint with the chosen
-``segment_size`` and ``aggregation``; every trained tensor is kept as it is.
+memories back at inference. Here a checkpoint trained with ``segment_size=None``
+gets the chosen ``segment_size`` and ``aggregation``; every trained tensor is kept
+as it is and no parameter is added:
 
-The gate projection ``u_proj`` is never used while a model has one segment, so it
+- Titans (``MCTitansForCausalLM``) becomes MC-Titans: any aggregation.
+- MoM (``MoMForCausalLM``) caches all its matrix memories: ``mean`` or ``residual``
+  (a matrix memory's cached reads add up, ``kernels/cached_linear.py``; gated
+  aggregations would need a score per cached memory, which MoM has no projection for).
+
+The MC-Titans gate projection ``u_proj`` is never used while a model has one segment, so it
 is untrained in the source; the conversion sets it to zero, which makes the gated
 aggregations (``grm``, ``soup``, ``ssc``) start as the uniform average of the
 online and cached memories (``mean``) until they are fine-tuned. Inside the
 first segment nothing is cached yet, so every aggregation gives the source's
 outputs there exactly.
 
-MoM and Atlas checkpoints are refused for now: Memory Caching is implemented
-over the Titans memory only (``kernels/memory_caching.py``).
+Atlas checkpoints are refused: Memory Caching is not implemented over the Atlas
+memory yet.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..configuration.configuration_mc_titans import MCTitansConfig
+from ..configuration.configuration_mom import MC_AGGREGATIONS, MoMConfig
 from .checkpoint_io import (
     ConversionError,
     check_state_dict_keys,
@@ -37,31 +43,39 @@ from .checkpoint_io import (
 __all__ = ["convert_to_memory_caching"]
 
 GATED = ("grm", "soup", "ssc")
-_NOT_YET = {
-    "mnemo_mom": "MoM",
-    "mnemo_atlas": "Atlas",
+# model_type -> (config class, family name, aggregations it supports or None for all)
+_SOURCES = {
+    MCTitansConfig.model_type: (MCTitansConfig, "Titans", None),
+    MoMConfig.model_type: (MoMConfig, "MoM", MC_AGGREGATIONS),
 }
 
 
-def _target_config(source: dict, src_name: str, **mc) -> MCTitansConfig:
+def _target_config(source: dict, src_name: str, **mc):
     model_type = source.get("model_type")
-    if model_type in _NOT_YET:
-        raise ConversionError(
-            f"Memory Caching over {_NOT_YET[model_type]} memories is not implemented; "
-            "only Titans checkpoints (model_type 'mnemo_mc_titans' with segment_size=None) convert"
-        )
-    if model_type != MCTitansConfig.model_type:
+    if model_type == "mnemo_atlas":
+        raise ConversionError("Memory Caching over Atlas memories is not implemented; Titans and MoM checkpoints convert")
+    if model_type not in _SOURCES:
         raise ConversionError(f"cannot convert model_type {model_type!r} to Memory Caching")
+    config_cls, family, aggregations = _SOURCES[model_type]
+    if aggregations is not None and mc["aggregation"] not in aggregations:
+        raise ConversionError(
+            f"aggregation {mc['aggregation']!r} is not available for {family}: use one of {aggregations} "
+            "(gated aggregations score each cached memory, which needs a gate projection MoM does not have)"
+        )
     if source.get("segment_size") is not None:
         raise ConversionError(
             f"the source already caches its memory (segment_size={source['segment_size']}); "
             "convert a checkpoint trained with segment_size=None"
         )
     fields = {k: v for k, v in source.items() if k not in ("architectures", "auto_map", "transformers_version")}
-    fields.update(mc, cache_mode="checkpoint", converted_from=f"{src_name} (Titans, one segment) by Memory Caching "
-                  f"post-training conversion (segment_size={mc['segment_size']}, aggregation={mc['aggregation']})")
+    if config_cls is MCTitansConfig:
+        fields.update(mc, cache_mode="checkpoint")
+    else:
+        fields.update(segment_size=mc["segment_size"], aggregation=mc["aggregation"])
+    fields["converted_from"] = (f"{src_name} ({family}, one segment) by Memory Caching post-training conversion "
+                                f"(segment_size={mc['segment_size']}, aggregation={mc['aggregation']})")
     try:
-        return MCTitansConfig(**fields)
+        return config_cls(**fields)
     except ValueError as err:
         raise ConversionError(str(err)) from err
 
@@ -79,26 +93,29 @@ def convert_to_memory_caching(
     """Write the Memory Caching variant of the checkpoint in ``src_dir`` to ``out_dir``.
 
     Args:
-        src_dir: A Titans checkpoint folder (``MCTitansForCausalLM``, ``segment_size=None``).
+        src_dir: A Titans (``MCTitansForCausalLM``) or MoM checkpoint folder, ``segment_size=None``.
         out_dir: The folder to write; it must not exist or be empty.
         segment_size: Tokens per cached segment (the paper caches every training length).
-        aggregation: ``"mean"`` (no parameters), ``"residual"``, or the gated ``"grm"``,
-            ``"soup"``, ``"ssc"`` (gate projection set to zero: they start as ``mean``).
-        segmentation: ``"constant"`` or ``"logarithmic"``.
-        ssc_topk: Cached memories each token reads with ``"ssc"``.
+        aggregation: ``"mean"`` (no parameters), ``"residual"``, or for Titans the gated
+            ``"grm"``, ``"soup"``, ``"ssc"`` (gate projection set to zero: they start as ``mean``).
+        segmentation: ``"constant"`` or, for Titans, ``"logarithmic"``.
+        ssc_topk: Cached memories each token reads with ``"ssc"`` (Titans).
         allow_pickle: Accept ``pytorch_model.bin`` weights (read with ``weights_only=True``).
 
     Returns:
         The path of the written checkpoint.
     """
     from ..modeling.modeling_mc_titans import MCTitansForCausalLM
+    from ..modeling.modeling_mom import MoMForCausalLM
 
     if not isinstance(segment_size, int) or isinstance(segment_size, bool) or segment_size < 1:
         raise ConversionError(f"segment_size must be an integer >= 1, got {segment_size!r}")
     config = _target_config(read_config(src_dir), Path(src_dir).name, segment_size=segment_size,
                             aggregation=aggregation, segmentation=segmentation, ssc_topk=ssc_topk)
+    if isinstance(config, MoMConfig) and segmentation != "constant":
+        raise ConversionError(f"segmentation {segmentation!r} is not available for MoM: its segments are constant")
     state = load_state_dict(src_dir, allow_pickle=allow_pickle)
-    model = MCTitansForCausalLM(config)
+    model = (MCTitansForCausalLM if isinstance(config, MCTitansConfig) else MoMForCausalLM)(config)
     expected = model.state_dict()
     if config.tie_word_embeddings:
         state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
@@ -106,7 +123,7 @@ def convert_to_memory_caching(
     dtype = state["model.embed_tokens.weight"].dtype
     model = model.to(dtype)
     model.load_state_dict(state, strict=True)
-    if aggregation in GATED:
+    if isinstance(config, MCTitansConfig) and aggregation in GATED:
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.attn.u_proj.weight.zero_()

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..configuration.configuration_mom import MoMConfig
+from ..kernels.cached_linear import chunk_mc_gated_delta
 from ..kernels.gated_delta import chunk_gated_delta, step_gated_delta
 from .cache import LayerCache
 from .normalization import GatedRMSNorm
@@ -45,6 +46,8 @@ class MoMMemoryLayer(nn.Module):
         self.value_dim = self.num_heads * self.head_v_dim
         self.conv_size = config.conv_size
         self.chunk_size = config.chunk_size
+        self.segment_size = config.segment_size
+        self.aggregation = config.aggregation
         self.gated = config.memory_update == "gated_deltanet"
         hidden, E, H = config.hidden_size, config.num_memories, config.num_heads
 
@@ -98,6 +101,31 @@ class MoMMemoryLayer(nn.Module):
 
         return tuple(seq_order(cache[name]) for name in ("recurrent", "conv_q", "conv_k", "conv_v"))
 
+    def _cached_memory(self, q, k, v, g, beta, state, plan, valid, cache, B: int, T: int):
+        """The memories with Memory Caching; returns outputs, states and the cache entries to store."""
+        M = self.num_states
+        device = q.device
+        valid = torch.ones(B, T, dtype=torch.bool, device=device) if valid is None else valid
+        has = cache is not None and "mc_seen" in cache
+        before = cache["mc_seen"] if has else torch.zeros(B, dtype=torch.long, device=device)
+        after = before + valid.sum(1)
+        clock = before[:, None] + valid.long().cumsum(1) - 1  # each token's index on its row's clock
+        if has:
+            cached_sum = cache["mc_sum"].transpose(0, 1).reshape(state.shape)
+            cached_count = cache["mc_count"]
+        else:
+            cached_sum, cached_count = torch.zeros_like(state), torch.zeros(B, dtype=torch.long, device=device)
+        o, state, cached_sum, cached_count = chunk_mc_gated_delta(
+            q, k, v, g, beta, initial_state=state, cu_seqlens=plan.cu_seqlens,
+            positions=clock.reshape(-1).index_select(0, plan.token_index),
+            sequence_row=torch.arange(M * B, device=device) % B, row_clock=(before, after),
+            cached_sum=cached_sum, cached_count=cached_count, segment_size=self.segment_size,
+            aggregation=self.aggregation, chunk_size=self.chunk_size,
+        )
+        stored = {"mc_sum": cached_sum.reshape((M, B) + cached_sum.shape[1:]).transpose(0, 1).contiguous(),
+                  "mc_count": cached_count, "mc_seen": after}
+        return o, state, stored
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -143,7 +171,10 @@ class MoMMemoryLayer(nn.Module):
         if state is None:
             state = q.new_zeros(M * B, H, self.head_k_dim, self.head_v_dim, dtype=torch.float32)
 
-        if plan.max_length <= 1 and T == 1:
+        mc_states = {}
+        if self.segment_size is not None:
+            o, state, mc_states = self._cached_memory(q, k, v, g, beta, state, plan, valid, cache, B, T)
+        elif plan.max_length <= 1 and T == 1:
             # Decoding: every sequence has at most one token; step only those that do.
             o, new = step_gated_delta(q, k, v, g, beta, state.index_select(0, plan.sequence))
             state = state.index_copy(0, plan.sequence, new.to(state.dtype))
@@ -161,7 +192,7 @@ class MoMMemoryLayer(nn.Module):
 
             cache.update(
                 recurrent=batch_order(state.float()), conv_q=batch_order(win_q),
-                conv_k=batch_order(win_k), conv_v=batch_order(win_v),
+                conv_k=batch_order(win_k), conv_v=batch_order(win_v), **mc_states,
             )
 
         weighted = o.float() * plan.weight[:, None, None]

@@ -40,6 +40,7 @@ MOM_VARIANTS = {
     "hybrid": {"num_hidden_layers": 3, "attention_layers": [1], "num_attention_heads": 4, "num_key_value_heads": 2},
     "deltanet-no-shared": {"memory_update": "deltanet", "shared_memory": False},
     "top1-expand-v": {"topk": 1, "num_memories": 3, "expand_v": 2.0, "conv_size": 2},
+    "memory-caching": {"segment_size": 5, "topk": 1, "num_memories": 3},
 }
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_mc_titans, tiny_mom
-from mnemo import MCTitansForCausalLM
+from conftest import tiny_atlas, tiny_mc_titans, tiny_mom
+from mnemo import MCTitansForCausalLM, MoMForCausalLM
 from mnemo.cli import main as cli_main
 from mnemo.conversion.checkpoint_io import ConversionError
 from mnemo.conversion.memory_caching import convert_to_memory_caching
@@ -83,8 +83,12 @@ def test_cli_converts_and_refusals_leave_nothing_behind(titans_dir, tmp_path):
         convert_to_memory_caching(tmp_path / "mc", tmp_path / "again", segment_size=5)
     mom = tmp_path / "mom"
     tiny_mom().save_pretrained(mom)
-    with pytest.raises(ConversionError, match="MoM"):
-        convert_to_memory_caching(mom, tmp_path / "x", segment_size=5)
+    with pytest.raises(ConversionError, match="'grm' is not available for MoM"):
+        convert_to_memory_caching(mom, tmp_path / "x", segment_size=5, aggregation="grm")
+    atlas = tmp_path / "atlas"
+    tiny_atlas().save_pretrained(atlas)
+    with pytest.raises(ConversionError, match="Atlas"):
+        convert_to_memory_caching(atlas, tmp_path / "x", segment_size=5)
     with pytest.raises(ConversionError, match="aggregation"):
         convert_to_memory_caching(titans_dir, tmp_path / "y", segment_size=5, aggregation="max")
     with pytest.raises(ConversionError, match="segment_size"):
@@ -93,5 +97,25 @@ def test_cli_converts_and_refusals_leave_nothing_behind(titans_dir, tmp_path):
     (tmp_path / "full" / "keep").write_text("x")
     with pytest.raises(ConversionError, match="not empty"):
         convert_to_memory_caching(titans_dir, tmp_path / "full", segment_size=5)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "mc", "mom"]
-    assert cli_main(["convert", "to-mc", str(mom), str(tmp_path / "w"), "--segment-size", "5"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atlas", "full", "mc", "mom"]
+    assert cli_main(["convert", "to-mc", str(atlas), str(tmp_path / "w"), "--segment-size", "5"]) == 2
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "residual"])
+def test_mom_conversion_caches_every_memory(tmp_path, aggregation):
+    source = tiny_mom(seed=12, num_hidden_layers=3, attention_layers=[1], num_attention_heads=4)
+    source.save_pretrained(tmp_path / "mom")
+    out = convert_to_memory_caching(tmp_path / "mom", tmp_path / "mc", segment_size=SEGMENT, aggregation=aggregation)
+    converted = MoMForCausalLM.from_pretrained(out).eval()
+    assert (converted.config.segment_size, converted.config.aggregation) == (SEGMENT, aggregation)
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(converted.state_dict()[name], tensor), name
+    assert converted.state_dict().keys() == source.state_dict().keys()
+    ids = torch.randint(1, 97, (2, 3 * SEGMENT), generator=torch.Generator().manual_seed(2))
+    a, b = _logits(source, ids), _logits(converted, ids)
+    torch.testing.assert_close(b[:, :SEGMENT], a[:, :SEGMENT], rtol=0, atol=1e-6)
+    assert (b[:, SEGMENT:] - a[:, SEGMENT:]).abs().max() > 1e-4
+    with torch.no_grad():
+        cached = converted.generate(ids[:, :9], max_new_tokens=12, do_sample=False)
+        recomputed = converted.generate(ids[:, :9], max_new_tokens=12, do_sample=False, use_cache=False)
+    assert torch.equal(cached, recomputed)

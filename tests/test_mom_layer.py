@@ -14,7 +14,8 @@ from conftest import MOM_VARIANTS, tiny_mom_config
 
 
 def spec_mom_layer(layer: MoMMemoryLayer, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """FAMILIES.md §1 as written, for one batch row at a time, in float64."""
+    """FAMILIES.md §1 as written, for one batch row at a time, in float64; with ``segment_size``, every memory
+    of a row is also cached at each multiple of the row's token count and read back (FAMILIES.md §2, MC)."""
     B, T, _ = x.shape
     H, dk, dv, K = layer.num_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_size
     out = torch.zeros(B, T, H, dv, dtype=torch.float64)
@@ -41,7 +42,11 @@ def spec_mom_layer(layer: MoMMemoryLayer, x: torch.Tensor, valid: torch.Tensor) 
             else:
                 g = torch.zeros_like(beta)
             S = torch.zeros(H, dk, dv, dtype=torch.float64)
+            cached = []
             for i, t in enumerate(tokens):
+                clock = int(valid[b, :t].sum())  # the row's tokens before this one
+                while layer.segment_size and (len(cached) + 1) * layer.segment_size <= clock:
+                    cached.append(S.clone())
                 q = l2_normalize(feats["q"][i].view(H, dk)) * dk**-0.5
                 k = l2_normalize(feats["k"][i].view(H, dk))
                 v = feats["v"][i].view(H, dv)
@@ -49,7 +54,10 @@ def spec_mom_layer(layer: MoMMemoryLayer, x: torch.Tensor, valid: torch.Tensor) 
                 S = g[i].exp()[:, None, None] * (eye - beta[i][:, None, None] * k[:, :, None] * k[:, None, :]) @ S
                 S = S + beta[i][:, None, None] * k[:, :, None] * v[:, None, :]
                 weight = 1.0 if m == layer.num_memories else w[t][idx[t] == m].item()
-                out[b, t] += weight * torch.einsum("hkv,hk->hv", S, q)
+                read = sum((torch.einsum("hkv,hk->hv", C, q) for C in cached), torch.einsum("hkv,hk->hv", S, q))
+                if layer.aggregation == "mean":
+                    read = read / (1 + len(cached))
+                out[b, t] += weight * read
     gate = layer.g_proj(x).double().view(B, T, H, dv)
     normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + layer.o_norm.eps) * layer.o_norm.weight.double()
     return (normed * F.silu(gate)).reshape(B, T, -1) @ layer.o_proj.weight.double().T
