@@ -26,6 +26,9 @@ PRESETS = {
 }
 
 
+MC_AGGREGATIONS = ("mean", "residual")  # parameter-free; gated ones need a score per cached memory
+
+
 def feature_width(feature_map: str, head_dim: int) -> int:
     """Width of the feature-mapped keys and queries."""
     if feature_map == "poly_tensor":
@@ -52,6 +55,11 @@ class AtlasConfig(PretrainedConfig):
         hybrid: ``None``, ``"mal"`` (sliding-window attention, then the memory) or ``"mag"``
             (both on the same input, ``RMSNorm(swa) * sigmoid(RMSNorm(memory))``).
         sliding_window: window of the hybrid's attention.
+        segment_size: Memory Caching (``None``: off): the memory is cached at the end of
+            every ``segment_size`` tokens of a row and each token also reads the cached
+            memories (``kernels/atlas_caching.py``).
+        aggregation: ``"mean"`` (uniform average with the online memory; the
+            post-training mode) or ``"residual"`` (their sum).
     """
 
     model_type = "mnemo_atlas"
@@ -78,6 +86,8 @@ class AtlasConfig(PretrainedConfig):
         conv_size: int = 4,
         hybrid: str | None = None,
         sliding_window: int = 2048,
+        segment_size: int | None = None,
+        aggregation: str = "mean",
         rope_theta: float = 10000.0,
         hidden_ratio: float = 4.0,
         intermediate_size: int | None = None,
@@ -111,6 +121,8 @@ class AtlasConfig(PretrainedConfig):
         self.conv_size = conv_size
         self.hybrid = hybrid
         self.sliding_window = sliding_window
+        self.segment_size = segment_size
+        self.aggregation = aggregation
         self.rope_theta = rope_theta
         self.hidden_ratio = hidden_ratio
         if intermediate_size is None:
@@ -166,4 +178,7 @@ class AtlasConfig(PretrainedConfig):
                   "num_heads", "the hybrid's attention needs an even head width hidden_size // num_heads",
                   self.num_heads)
         check(self.max_lr > 0, "max_lr", "must be > 0", self.max_lr)
+        check(self.segment_size is None or (isinstance(self.segment_size, int) and self.segment_size >= 1),
+              "segment_size", "must be an integer >= 1, or None (no Memory Caching)", self.segment_size)
+        check_choice("aggregation", self.aggregation, MC_AGGREGATIONS)
         check_block(self)

@@ -8,8 +8,13 @@ as it is and no parameter is added:
 
 - Titans (``MCTitansForCausalLM``) becomes MC-Titans: any aggregation.
 - MoM (``MoMForCausalLM``) caches all its matrix memories: ``mean`` or ``residual``
-  (a matrix memory's cached reads add up, ``kernels/cached_linear.py``; gated
-  aggregations would need a score per cached memory, which MoM has no projection for).
+  (a matrix memory's cached reads add up, ``kernels/cached_linear.py``).
+- Atlas (``AtlasForCausalLM``, every preset and hybrid) caches its MLP memory:
+  ``mean`` or ``residual`` (``kernels/atlas_caching.py``).
+
+MoM and Atlas offer only the parameter-free aggregations: the gated ones score
+each cached memory through a gate projection and key summaries those families
+do not have.
 
 The MC-Titans gate projection ``u_proj`` is never used while a model has one segment, so it
 is untrained in the source; the conversion sets it to zero, which makes the gated
@@ -18,8 +23,6 @@ online and cached memories (``mean``) until they are fine-tuned. Inside the
 first segment nothing is cached yet, so every aggregation gives the source's
 outputs there exactly.
 
-Atlas checkpoints are refused: Memory Caching is not implemented over the Atlas
-memory yet.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ..configuration.configuration_atlas import AtlasConfig
 from ..configuration.configuration_mc_titans import MCTitansConfig
 from ..configuration.configuration_mom import MC_AGGREGATIONS, MoMConfig
 from .checkpoint_io import (
@@ -47,20 +51,19 @@ GATED = ("grm", "soup", "ssc")
 _SOURCES = {
     MCTitansConfig.model_type: (MCTitansConfig, "Titans", None),
     MoMConfig.model_type: (MoMConfig, "MoM", MC_AGGREGATIONS),
+    AtlasConfig.model_type: (AtlasConfig, "Atlas", MC_AGGREGATIONS),
 }
 
 
 def _target_config(source: dict, src_name: str, **mc):
     model_type = source.get("model_type")
-    if model_type == "mnemo_atlas":
-        raise ConversionError("Memory Caching over Atlas memories is not implemented; Titans and MoM checkpoints convert")
     if model_type not in _SOURCES:
         raise ConversionError(f"cannot convert model_type {model_type!r} to Memory Caching")
     config_cls, family, aggregations = _SOURCES[model_type]
     if aggregations is not None and mc["aggregation"] not in aggregations:
         raise ConversionError(
             f"aggregation {mc['aggregation']!r} is not available for {family}: use one of {aggregations} "
-            "(gated aggregations score each cached memory, which needs a gate projection MoM does not have)"
+            f"(gated aggregations score each cached memory, which needs a gate projection {family} does not have)"
         )
     if source.get("segment_size") is not None:
         raise ConversionError(
@@ -93,7 +96,7 @@ def convert_to_memory_caching(
     """Write the Memory Caching variant of the checkpoint in ``src_dir`` to ``out_dir``.
 
     Args:
-        src_dir: A Titans (``MCTitansForCausalLM``) or MoM checkpoint folder, ``segment_size=None``.
+        src_dir: A Titans (``MCTitansForCausalLM``), MoM or Atlas checkpoint folder, ``segment_size=None``.
         out_dir: The folder to write; it must not exist or be empty.
         segment_size: Tokens per cached segment (the paper caches every training length).
         aggregation: ``"mean"`` (no parameters), ``"residual"``, or for Titans the gated
@@ -105,6 +108,7 @@ def convert_to_memory_caching(
     Returns:
         The path of the written checkpoint.
     """
+    from ..modeling.modeling_atlas import AtlasForCausalLM
     from ..modeling.modeling_mc_titans import MCTitansForCausalLM
     from ..modeling.modeling_mom import MoMForCausalLM
 
@@ -112,10 +116,12 @@ def convert_to_memory_caching(
         raise ConversionError(f"segment_size must be an integer >= 1, got {segment_size!r}")
     config = _target_config(read_config(src_dir), Path(src_dir).name, segment_size=segment_size,
                             aggregation=aggregation, segmentation=segmentation, ssc_topk=ssc_topk)
-    if isinstance(config, MoMConfig) and segmentation != "constant":
-        raise ConversionError(f"segmentation {segmentation!r} is not available for MoM: its segments are constant")
+    if not isinstance(config, MCTitansConfig) and segmentation != "constant":
+        raise ConversionError(f"segmentation {segmentation!r} is only available for Titans; MoM and Atlas "
+                              "segments are constant")
     state = load_state_dict(src_dir, allow_pickle=allow_pickle)
-    model = (MCTitansForCausalLM if isinstance(config, MCTitansConfig) else MoMForCausalLM)(config)
+    model_cls = {MCTitansConfig: MCTitansForCausalLM, MoMConfig: MoMForCausalLM, AtlasConfig: AtlasForCausalLM}
+    model = model_cls[type(config)](config)
     expected = model.state_dict()
     if config.tie_word_embeddings:
         state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..configuration.configuration_atlas import AtlasConfig
 from ..kernels.atlas import AtlasState, chunk_atlas, step_atlas
+from ..kernels.atlas_caching import CachedMemories, chunk_mc_atlas
 from ..kernels.feature_maps import apply_feature_map, initial_coefficients
 from ..kernels.norms import l2_normalize
 from ..kernels.titans import TitansMemorySpec
@@ -33,6 +34,8 @@ class AtlasMemory(nn.Module):
         self.max_lr = config.max_lr
         self.feature_map = config.feature_map
         self.conv_size = config.conv_size
+        self.segment_size = config.segment_size
+        self.aggregation = config.aggregation
         self.spec = TitansMemorySpec(depth=config.memory_depth, gated=config.memory_gated, d_k=config.feature_dim,
                                      d_v=D, expansion=config.memory_expansion, objective=config.objective)
         self.options = dict(optimizer=config.inner_optimizer, omega_window=config.omega_window,
@@ -78,6 +81,25 @@ class AtlasMemory(nn.Module):
             outs.append(full.view(B, T, self.num_heads, self.head_dim))
         return outs
 
+    def _cached_memory(self, q, k, v, alpha, lr, momentum, gamma, state, mask, cache):
+        """The memory with Memory Caching; returns outputs, state and the cache entries to store."""
+        B = q.shape[0]
+        if cache is not None and "mc_seen" in cache:
+            clock = cache["mc_seen"]
+            cached = CachedMemories({n[3:]: t for n, t in cache.states.items() if n.startswith("mc.")},
+                                    cache["mc_count"])
+        else:
+            clock = torch.zeros(B, dtype=torch.long, device=q.device)
+            cached = CachedMemories.empty(state.weights)
+        rows = RowCompaction(mask)
+        q, k, v, alpha, lr, momentum, gamma = (rows.compact(x) for x in (q, k, v, alpha, lr, momentum, gamma))
+        o, state, cached = chunk_mc_atlas(self.spec, q, k, v, alpha, lr, momentum, gamma, state, cached,
+                                          lengths=rows.lengths, clock=clock, segment_size=self.segment_size,
+                                          aggregation=self.aggregation, **self.options)
+        stored = {f"mc.{n}": t for n, t in cached.weights.items()}
+        stored.update(mc_count=cached.count, mc_seen=clock + rows.lengths)
+        return rows.restore(o), state, stored
+
     def forward(self, hidden_states: torch.Tensor, valid: torch.Tensor | None = None,
                 cache: LayerCache | None = None) -> torch.Tensor:
         B, T, _ = hidden_states.shape
@@ -97,7 +119,10 @@ class AtlasMemory(nn.Module):
         else:
             state = AtlasState.initial(self.spec, self.memory_init(), B, H, self.options["omega_window"],
                                        self.options["optimizer"])
-        if T == 1:
+        mc_states = {}
+        if self.segment_size is not None:
+            o, state, mc_states = self._cached_memory(q, k, v, alpha, lr, momentum, gamma, state, mask, cache)
+        elif T == 1:
             o, state = step_atlas(self.spec, q[:, 0], k[:, 0], v[:, 0], alpha[:, 0], lr[:, 0],
                                   None if momentum is None else momentum[:, 0], gamma[:, 0], state,
                                   live=mask[:, 0], **self.options)
@@ -109,7 +134,7 @@ class AtlasMemory(nn.Module):
                                    **self.options)
             o = rows.restore(o)
         if cache is not None:
-            cache.update(**{f"memory.{name}": t for name, t in state.tensors().items()})
+            cache.update(**{f"memory.{name}": t for name, t in state.tensors().items()}, **mc_states)
         gate = self.g_proj(hidden_states).view(B, T, H, D)
         out = self.o_norm(o.to(hidden_states.dtype), gate)
         return self.o_proj(out.reshape(B, T, H * D))

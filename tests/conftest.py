@@ -116,6 +116,7 @@ ATLAS_VARIANTS = {
     "swla-momentum": {"preset": "swla", "inner_optimizer": "momentum"},
     "mal": {"hybrid": "mal"},
     "mag-dla": {"preset": "dla", "hybrid": "mag"},
+    "memory-caching": {"segment_size": 5},
 }
 
 # Every family and variant, for the tests that hold for all models.

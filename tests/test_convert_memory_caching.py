@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_atlas, tiny_mc_titans, tiny_mom
-from mnemo import MCTitansForCausalLM, MoMForCausalLM
+from mnemo import AtlasForCausalLM, MCTitansForCausalLM, MoMForCausalLM
 from mnemo.cli import main as cli_main
 from mnemo.conversion.checkpoint_io import ConversionError
 from mnemo.conversion.memory_caching import convert_to_memory_caching
@@ -87,8 +87,10 @@ def test_cli_converts_and_refusals_leave_nothing_behind(titans_dir, tmp_path):
         convert_to_memory_caching(mom, tmp_path / "x", segment_size=5, aggregation="grm")
     atlas = tmp_path / "atlas"
     tiny_atlas().save_pretrained(atlas)
-    with pytest.raises(ConversionError, match="Atlas"):
-        convert_to_memory_caching(atlas, tmp_path / "x", segment_size=5)
+    with pytest.raises(ConversionError, match="'ssc' is not available for Atlas"):
+        convert_to_memory_caching(atlas, tmp_path / "x", segment_size=5, aggregation="ssc")
+    with pytest.raises(ConversionError, match="only available for Titans"):
+        convert_to_memory_caching(atlas, tmp_path / "x", segment_size=5, segmentation="logarithmic")
     with pytest.raises(ConversionError, match="aggregation"):
         convert_to_memory_caching(titans_dir, tmp_path / "y", segment_size=5, aggregation="max")
     with pytest.raises(ConversionError, match="segment_size"):
@@ -98,15 +100,26 @@ def test_cli_converts_and_refusals_leave_nothing_behind(titans_dir, tmp_path):
     with pytest.raises(ConversionError, match="not empty"):
         convert_to_memory_caching(titans_dir, tmp_path / "full", segment_size=5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atlas", "full", "mc", "mom"]
-    assert cli_main(["convert", "to-mc", str(atlas), str(tmp_path / "w"), "--segment-size", "5"]) == 2
+    assert cli_main(["convert", "to-mc", str(atlas), str(tmp_path / "w"), "--segment-size", "5",
+                     "--aggregation", "grm"]) == 2
+
+
+RECURRENT_SOURCES = {
+    "mom-hybrid": (MoMForCausalLM, lambda: tiny_mom(seed=12, num_hidden_layers=3, attention_layers=[1],
+                                                    num_attention_heads=4)),
+    "atlas": (AtlasForCausalLM, lambda: tiny_atlas(seed=12)),
+    "atlas-mag-dla": (AtlasForCausalLM, lambda: tiny_atlas(seed=12, preset="dla", hybrid="mag")),
+}
 
 
 @pytest.mark.parametrize("aggregation", ["mean", "residual"])
-def test_mom_conversion_caches_every_memory(tmp_path, aggregation):
-    source = tiny_mom(seed=12, num_hidden_layers=3, attention_layers=[1], num_attention_heads=4)
-    source.save_pretrained(tmp_path / "mom")
-    out = convert_to_memory_caching(tmp_path / "mom", tmp_path / "mc", segment_size=SEGMENT, aggregation=aggregation)
-    converted = MoMForCausalLM.from_pretrained(out).eval()
+@pytest.mark.parametrize("family", sorted(RECURRENT_SOURCES))
+def test_mom_and_atlas_conversion(tmp_path, family, aggregation):
+    model_cls, build = RECURRENT_SOURCES[family]
+    source = build()
+    source.save_pretrained(tmp_path / "src")
+    out = convert_to_memory_caching(tmp_path / "src", tmp_path / "mc", segment_size=SEGMENT, aggregation=aggregation)
+    converted = model_cls.from_pretrained(out).eval()
     assert (converted.config.segment_size, converted.config.aggregation) == (SEGMENT, aggregation)
     for name, tensor in source.state_dict().items():
         assert torch.equal(converted.state_dict()[name], tensor), name
