@@ -1,0 +1,193 @@
+"""Long training and long contexts on one GPU: no NaN, no drift (run on a CUDA machine).
+
+For each family of the demo (``mnemo.demo``), in its own process so the families
+run side by side:
+
+1. Long training: up to ``--steps`` AdamW steps on MQAR at lr 1e-3 under bf16
+   autocast (capped by ``--train-seconds``); every step checks the loss and
+   every gradient for NaN/inf, and every ``--check-every`` steps a cached
+   forward checks every memory state.
+2. Long context with the trained weights: a ``--context``-token prompt prefilled
+   in pieces of ``--piece`` tokens through the cache, then ``--decode`` greedy
+   steps, once in float32 and once under bf16 autocast. Reports whether the
+   tokens agree (and the first divergence), and the relative error of the
+   bf16 run's memory states against float32 after each piece (its growth per 1K
+   tokens).
+
+``python benchmarks/robustness.py --out results/`` launches every family and
+prints one markdown table; ``--family NAME`` runs one (what the launcher does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _states(cache) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        for name, tensor in getattr(layer, "states", {}).items():
+            if torch.is_tensor(tensor) and tensor.is_floating_point():
+                out[f"{i}.{name}"] = tensor
+    return out
+
+
+def _finite(tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def train(name: str, args) -> tuple[torch.nn.Module, dict]:
+    from mnemo.demo import DemoSettings, build_model
+    from mnemo.tasks import mqar_batch
+
+    settings = DemoSettings.default(device=args.device, seq_len=args.seq_len, num_pairs=args.pairs,
+                                    vocab_size=4 + 2 * args.pairs + 64)
+    model = build_model(name, settings).to(args.device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(0)
+    report = {"family": name, "nonfinite_loss": 0, "nonfinite_grad": 0, "nonfinite_state": 0}
+    start, step, losses = time.perf_counter(), 0, []
+    while step < args.steps and time.perf_counter() - start < args.train_seconds:
+        ids, labels = mqar_batch(32, settings.num_pairs, settings.queries, settings.vocab_size, generator,
+                                 settings.seq_len)
+        ids, labels = ids.to(args.device), labels.to(args.device)
+        with torch.autocast(args.device, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        if not math.isfinite(loss.item()):
+            report["nonfinite_loss"] += 1
+        if not _finite(p.grad for p in model.parameters() if p.grad is not None):
+            report["nonfinite_grad"] += 1
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        step += 1
+        if step % args.check_every == 0:
+            with torch.no_grad(), torch.autocast(args.device, dtype=torch.bfloat16):
+                cache = model(input_ids=ids, use_cache=True).past_key_values
+            report["nonfinite_state"] += not _finite(_states(cache).values())
+    report.update(steps=step, train_seconds=round(time.perf_counter() - start, 1),
+                  first_loss=round(sum(losses[:50]) / max(len(losses[:50]), 1), 4),
+                  last_loss=round(sum(losses[-50:]) / max(len(losses[-50:]), 1), 4))
+    return model.eval(), report
+
+
+@torch.no_grad()
+def long_context(model, args, report: dict) -> None:
+    from mnemo.tasks import mqar_batch
+
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(1)
+    # A long recall-shaped prompt: MQAR blocks back to back, so the argmax is not a coin toss.
+    blocks = [mqar_batch(1, args.pairs, args.pairs, vocab, generator, args.seq_len)[0]
+              for _ in range(-(-args.context // args.seq_len))]
+    prompt = torch.cat(blocks, 1)[:, :args.context].to(args.device)
+
+    def run(bf16: bool):
+        cache, errors_at, states_at = None, [], []
+        for s in range(0, prompt.shape[1], args.piece):
+            with torch.autocast(args.device, dtype=torch.bfloat16, enabled=bf16):
+                out = model(input_ids=prompt[:, s:s + args.piece], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            states_at.append({k: v.float().clone() for k, v in _states(cache).items()})
+        tokens, logits = [], out.logits[:, -1]
+        for _ in range(args.decode):
+            nxt = logits.argmax(-1, keepdim=True)
+            tokens.append(int(nxt))
+            with torch.autocast(args.device, dtype=torch.bfloat16, enabled=bf16):
+                out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1]
+        return tokens, states_at
+
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    ref_tokens, ref_states = run(False)
+    fp32_seconds = time.perf_counter() - start
+    bf_tokens, bf_states = run(True)
+    diverge = next((i for i, (a, b) in enumerate(zip(ref_tokens, bf_tokens)) if a != b), None)
+    growth = []
+    for ref, got in zip(ref_states, bf_states):
+        num = sum(float((got[k] - ref[k]).pow(2).sum()) for k in ref)
+        den = sum(float(ref[k].pow(2).sum()) for k in ref)
+        growth.append(math.sqrt(num / max(den, 1e-30)))
+    per_k = (growth[-1] - growth[0]) / max((len(growth) - 1) * args.piece / 1024, 1e-9) if len(growth) > 1 else 0.0
+    report.update(context=prompt.shape[1], decode=args.decode, same_tokens=diverge is None,
+                  first_divergence=diverge, state_rel_error_first=growth[0] if growth else None,
+                  state_rel_error_last=growth[-1] if growth else None, state_error_growth_per_1k=per_k,
+                  fp32_prefill_decode_seconds=round(fp32_seconds, 1),
+                  peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
+
+
+def run_family(name: str, args) -> dict:
+    import mnemo
+
+    mnemo.use_backend(args.backend)
+    torch.manual_seed(0)
+    model, report = train(name, args)
+    try:
+        long_context(model, args, report)
+    except Exception as err:  # a failure here is a result to report, not a reason to lose the training figures
+        report["long_context_error"] = f"{type(err).__name__}: {err}"[:500]
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default=None)
+    parser.add_argument("--out", default="robustness-results")
+    parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--train-seconds", type=float, default=300)
+    parser.add_argument("--check-every", type=int, default=500)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--pairs", type=int, default=16)
+    parser.add_argument("--context", type=int, default=65_536)
+    parser.add_argument("--piece", type=int, default=8_192)
+    parser.add_argument("--decode", type=int, default=256)
+    parser.add_argument("--backend", default="torch")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.family:
+        report = run_family(args.family, args)
+        (out / f"{args.family}.json").write_text(json.dumps(report, indent=2))
+        return 0
+    from mnemo.demo import FAMILIES
+
+    forwarded = [a for a in sys.argv[1:]]
+    procs = {name: subprocess.Popen([sys.executable, __file__, "--family", name, *forwarded],
+                                    stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT,
+                                    env={**os.environ})
+             for name in FAMILIES}
+    for proc in procs.values():
+        proc.wait()
+    columns = ["family", "steps", "train_seconds", "first_loss", "last_loss", "nonfinite_loss", "nonfinite_grad",
+               "nonfinite_state", "context", "same_tokens", "first_divergence", "state_rel_error_last",
+               "state_error_growth_per_1k", "peak_memory_gib", "long_context_error"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for name in FAMILIES:
+        path = out / f"{name}.json"
+        report = json.loads(path.read_text()) if path.is_file() else {"family": name, "long_context_error": "crashed"}
+        cells = []
+        for c in columns:
+            v = report.get(c, "")
+            cells.append(f"{v:.2e}" if isinstance(v, float) and c.startswith("state") else str(v))
+        print("| " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
