@@ -249,9 +249,13 @@ def _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lea
     # Queries only for the new tokens, placed after each row's replayed pending tokens.
     new_pos = (S + pending)[:, None] + torch.arange(T, device=device)[None]
     new_valid = torch.arange(T, device=device)[None] < lengths[:, None]
-    Qb = torch.zeros(B, H, Z, dk, dtype=dtype, device=device)
-    Qb.scatter_(2, new_pos.clamp(max=Z - 1)[:, None, :, None].expand(B, H, T, dk),
-                (q.to(dtype).transpose(1, 2) * new_valid[:, None, :, None]))
+    # Padded tokens (past a row's length) are written to a spill slot at Z that is dropped: clamped
+    # into the buffer instead, a row whose last real token sits at Z - 1 (its length fills the last
+    # chunk while another row or T is longer) had that token's query overwritten with zeros.
+    spill = torch.where(new_valid, new_pos, torch.full_like(new_pos, Z))
+    Qb = torch.zeros(B, H, Z + 1, dk, dtype=dtype, device=device)
+    Qb.scatter_(2, spill[:, None, :, None].expand(B, H, T, dk), q.to(dtype).transpose(1, 2))
+    Qb = Qb[:, :, :Z]
 
     row_end = S + pending + lengths  # buffer position after each row's last token
     new_start = S + ((pending + lengths) // C) * C  # buffer position of each row's next chunk start

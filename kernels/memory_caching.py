@@ -10,7 +10,9 @@ summary is the mean of the current segment's keys so far):
 - ``residual``: ``M_t(q) + sum_i M^(i)(q)``;  ``mean``: their uniform average;
 - ``grm``: ``softmax`` of the scores over cached and online memories, weighted sum;
 - ``soup``: the same weights mix the memories' *weights*, then one forward;
-- ``ssc``: ``grm`` over the ``ssc_topk`` best cached memories and the online one.
+- ``ssc``: ``grm`` over the ``ssc_topk`` best cached memories and the online one (cached
+  memories tied with the ``ssc_topk``-th best score are all kept, so a zero gate projection
+  reads every memory uniformly, like ``mean``).
 
 Segmentation ``constant`` cuts every ``segment_size`` tokens (``None``: one
 segment, plain Titans) and restarts the inner chunks at each segment start;
@@ -205,10 +207,11 @@ def reference_mc_titans(
             scores = torch.stack([(ut * r).sum(-1) for r in summaries])  # (N + 1, H)
             agg = options.aggregation
             if agg == "ssc" and len(memories) - 1 > options.ssc_topk:
-                top = scores[:-1].topk(options.ssc_topk, dim=0).indices
-                keep = torch.zeros_like(scores, dtype=torch.bool)
-                keep[-1] = True
-                keep.scatter_(0, top, True)
+                # Every cached memory scoring at least the k-th best score is kept, ties included, as
+                # in mc_read; keeping exactly the indices topk returns made the two disagree on ties
+                # (identical segment summaries, or a zero gate projection, which must read as mean).
+                kth = scores[:-1].topk(options.ssc_topk, dim=0).values[-1:]
+                keep = torch.cat([scores[:-1] >= kth, torch.ones_like(scores[-1:], dtype=torch.bool)])
                 scores = scores.masked_fill(~keep, float("-inf"))
             if agg in ("grm", "ssc"):
                 o[b, t] = (torch.softmax(scores, 0)[..., None] * outs).sum(0)
@@ -413,7 +416,11 @@ def chunk_mc_titans(
     M = {n: m.to(dtype) for n, m in mem.momentum.items()}
     end = shift + lengths
     first = shift
-    resumed = (mem.position > 0)
+    # A row whose first new token starts a segment starts a fresh inner chunk (inner chunks restart
+    # at every segment start), whatever position its memory holds: the one-token step leaves the
+    # position reached in a segment's last chunk and resets it only at the next token, so resuming
+    # from it took the first chunk's gradients at a stale chunk-start memory.
+    resumed = (mem.position > 0) & (shift > 0) if S_seg else (mem.position > 0)
     chunk_start = dict(mem.chunk_start)
     outputs = torch.zeros(B, H, total, v.shape[-1], dtype=dtype, device=q.device)
     key_sum, key_count = state.key_sum.to(dtype), state.key_count.to(dtype)
