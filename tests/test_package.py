@@ -64,12 +64,6 @@ def test_repo_root_on_sys_path_is_harmless():
     assert "torch.Size([1, 5])" in out.stdout
 
 
-def test_cli_demo_runs(capsys):
-    assert main(["demo", "--prompt-length", "4", "--max-new-tokens", "5"]) == 0
-    printed = capsys.readouterr().out
-    assert "cached decoding == full recomputation: True" in printed
-
-
 def test_cli_info(capsys):
     assert main(["info"]) == 0
     assert "mnemo_mom" in capsys.readouterr().out
