@@ -46,12 +46,11 @@ def reference_mc_gated_delta(
     g: torch.Tensor | None,
     beta: torch.Tensor,
     positions: list[int],
-    row_length: int,
     segment_size: int,
     aggregation: str,
 ) -> torch.Tensor:
     """One sequence (``q, k`` ``(T, H, d_k)``, ``v`` ``(T, H, d_v)``, ``g, beta`` ``(T, H)``) whose tokens sit at
-    ``positions`` of a row of ``row_length`` tokens; the state starts at zero. Returns the outputs."""
+    ``positions`` of its row's clock; the state starts at zero. Returns the outputs."""
     _check_aggregation(aggregation)
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     state = torch.zeros(1, H, K, V, dtype=torch.promote_types(v.dtype, torch.float32))
@@ -66,7 +65,6 @@ def reference_mc_gated_delta(
         qn, _ = _prepare_qk(q[t], k[t], None, True, state.dtype)
         y = o[0, 0] + sum((torch.einsum("hk,hkv->hv", qn, c[0]) for c in cached), torch.zeros_like(o[0, 0]))
         outputs.append(y / (1 + len(cached)) if aggregation == "mean" else y)
-    del row_length  # segments past the last token change nothing this sequence outputs
     return torch.stack(outputs) if outputs else v.new_zeros(0, H, V)
 
 

@@ -83,14 +83,7 @@ def fuzz_settings(n: int):
                     suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors gain nothing from intra-op threads, and on shared cores the thread hand-offs
-    # dominate (a tiny MoM forward: 17 ms on one thread, 400 ms on two under load).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------- strategies

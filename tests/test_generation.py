@@ -7,17 +7,7 @@ import torch
 
 from mnemo import MnemoCache
 
-from conftest import tiny_mom
-
-
-def left_pad(seqs, pad=0):
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, T - len(s):] = s
-        mask[i, T - len(s):] = 1
-    return ids, mask
+from conftest import left_pad, tiny_mom
 
 
 def test_greedy_with_and_without_cache_agree(make_model):

@@ -22,6 +22,15 @@ MEMORIES = {
 }
 
 
+def next_tokens(x, consumed, take):
+    """Each row's next ``take`` tokens after the ``consumed`` ones, moved to the front (``None`` stays ``None``)."""
+    if x is None:
+        return None
+    width = int(take.max())
+    idx = (consumed[:, None] + torch.arange(width)[None]).clamp(max=x.shape[1] - 1)
+    return x.gather(1, idx.view(B, width, *([1] * (x.dim() - 2))).expand(B, width, *x.shape[2:]))
+
+
 def inputs(spec, seed=0, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
     init = {n: torch.randn(H, *s, generator=gen, dtype=dtype) * 0.5 for n, s in spec.shapes.items()}
@@ -53,15 +62,7 @@ def test_reference_chunk_step_agree(memory, optimizer, window, chunk):
     ref = reference_atlas(spec, *xs, init, lengths=LENGTHS, **opts)
     state, consumed = AtlasState.initial(spec, init, B, H, window, optimizer), torch.zeros(B, dtype=torch.long)
     for take in TAKES:
-        width = int(take.max())
-        idx = (consumed[:, None] + torch.arange(width)[None]).clamp(max=T - 1)
-
-        def part(x):
-            if x is None:
-                return None
-            return x.gather(1, idx.view(B, width, *([1] * (x.dim() - 2))).expand(B, width, *x.shape[2:]))
-
-        o, state = chunk_atlas(spec, *(part(x) for x in xs), state, lengths=take, **opts)
+        o, state = chunk_atlas(spec, *(next_tokens(x, consumed, take) for x in xs), state, lengths=take, **opts)
         for b in range(B):
             n, s = int(take[b]), int(consumed[b])
             torch.testing.assert_close(o[b, :n], ref[b, s:s + n], rtol=0, atol=1e-10)

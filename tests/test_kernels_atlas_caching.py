@@ -10,7 +10,7 @@ from mnemo.kernels.atlas import AtlasState
 from mnemo.kernels.atlas_caching import CachedMemories, chunk_mc_atlas, reference_mc_atlas
 from mnemo.kernels.titans import TitansMemorySpec
 
-from test_kernels_atlas import B, DV, H, MEMORIES, TAKES, T, inputs
+from test_kernels_atlas import B, DV, H, MEMORIES, TAKES, inputs, next_tokens
 
 
 @pytest.mark.parametrize("aggregation", ["mean", "residual"])
@@ -43,15 +43,8 @@ def test_chunk_equals_reference_for_any_split(aggregation, memory, optimizer, wi
     cached = CachedMemories.empty(state.weights)
     pieces = []
     for take in TAKES:
-        width = int(take.max())
-        idx = (consumed[:, None] + torch.arange(width)[None]).clamp(max=T - 1)
-
-        def part(x):
-            if x is None:
-                return None
-            return x.gather(1, idx.view(B, width, *([1] * (x.dim() - 2))).expand(B, width, *x.shape[2:]))
-
-        o, state, cached = chunk_mc_atlas(spec, *(part(x) for x in xs), state, cached, lengths=take,
+        o, state, cached = chunk_mc_atlas(spec, *(next_tokens(x, consumed, take) for x in xs), state, cached,
+                                          lengths=take,
                                           clock=consumed, **mc, **opts)
         pieces.append([o[b, :int(take[b])] for b in range(B)])
         consumed = consumed + take

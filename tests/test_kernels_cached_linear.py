@@ -60,7 +60,7 @@ def test_chunk_equals_reference_and_any_split(aggregation, gated, segment_size, 
         a, b = int(cu[s]), int(cu[s + 1])
         if b > a:
             ref = reference_mc_gated_delta(q[a:b], k[a:b], v[a:b], None if g is None else g[a:b], beta[a:b],
-                                           positions[a:b].tolist(), rows[sequence_row[s]], segment_size,
+                                           positions[a:b].tolist(), segment_size,
                                            aggregation)
             torch.testing.assert_close(o[a:b], ref, rtol=1e-5, atol=1e-5)
     assert ccount.tolist() == [n // segment_size for n in rows]
@@ -91,4 +91,4 @@ def test_read_states_matches_a_loop():
 def test_gated_aggregations_are_refused():
     q, k, v, g, beta = _inputs(2, True, 0)
     with pytest.raises(ValueError, match="grm"):
-        reference_mc_gated_delta(q, k, v, g, beta, [0, 1], 2, 1, "grm")
+        reference_mc_gated_delta(q, k, v, g, beta, [0, 1], 1, "grm")

@@ -28,7 +28,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from conftest import MODEL_VARIANTS
+from conftest import MODEL_VARIANTS, left_pad
 
 # One or two variants of every family: recurrent and hybrid MoM, the Hebbian and Dot
 # DeepTransformers, MC-Titans with checkpointed and independent segments, Atlas and a MAG hybrid.
@@ -39,14 +39,7 @@ LOGITS_TOL = 1e-5
 VOCAB = 97
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors gain nothing from intra-op threads, and on shared cores the thread hand-offs
-    # dominate the run time.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def prompts() -> list[torch.Tensor]:
@@ -56,15 +49,6 @@ def prompts() -> list[torch.Tensor]:
     lengths = boundaries + randoms
     assert len(lengths) == NUM_PROMPTS and min(lengths) == 1 and max(lengths) == MAX_PROMPT
     return [torch.randint(1, VOCAB, (n,), generator=gen) for n in lengths]
-
-
-def left_padded(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.zeros(len(seqs), WIDTH, dtype=torch.long)
-    mask = torch.zeros(len(seqs), WIDTH, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, WIDTH - len(s):] = s
-        mask[i, WIDTH - len(s):] = 1
-    return ids, mask
 
 
 class RowSeededGumbelSampler(LogitsProcessor):
@@ -103,7 +87,7 @@ def check_rows_equal_alone(name: str, sampled: bool):
     build, variant = MODEL_VARIANTS[name]
     model = build(**variant)
     seqs = prompts()
-    ids, mask = left_padded(seqs)
+    ids, mask = left_pad(seqs, WIDTH)
     # Seeds are the prompts' own identities (here their index), never their place in a batch.
     batch = generate(model, ids, mask, seeds=list(range(NUM_PROMPTS)) if sampled else None)
     new = batch.sequences[:, WIDTH:]
