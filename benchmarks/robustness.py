@@ -45,17 +45,32 @@ def _finite(tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-def train(name: str, args) -> tuple[torch.nn.Module, dict]:
+def train(name: str, args, weights: Path | None = None) -> tuple[torch.nn.Module, dict]:
+    """Train up to ``--steps`` steps in total, resuming from ``weights/train_state.pt`` when an earlier run left one
+    (model, optimiser, data stream and counters), and leaving one there for the next run."""
+    from transformers import AutoModelForCausalLM
+
     from mnemo.demo import DemoSettings, build_model
     from mnemo.tasks import mqar_batch
 
     settings = DemoSettings.default(device=args.device, seq_len=args.seq_len, num_pairs=args.pairs,
                                     vocab_size=4 + 2 * args.pairs + 64)
-    model = build_model(name, settings).to(args.device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    resume = weights / "train_state.pt" if weights is not None else None
     generator = torch.Generator().manual_seed(0)
-    report = {"family": name, "nonfinite_loss": 0, "nonfinite_grad": 0, "nonfinite_state": 0}
-    start, step, losses = time.perf_counter(), 0, []
+    if resume is not None and resume.is_file():
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).to(args.device).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        saved = torch.load(resume, weights_only=True)  # written by this script
+        optimizer.load_state_dict(saved["optimizer"])
+        generator.set_state(saved["generator"])
+        report, step, first = json.loads(saved["report"]), int(saved["step"]), saved["first_losses"].tolist()
+        elapsed = report.get("train_seconds", 0.0)
+    else:
+        model = build_model(name, settings).to(args.device).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        report = {"family": name, "nonfinite_loss": 0, "nonfinite_grad": 0, "nonfinite_state": 0}
+        step, first, elapsed = 0, [], 0.0
+    start, losses = time.perf_counter(), []
     while step < args.steps and time.perf_counter() - start < args.train_seconds:
         ids, labels = mqar_batch(32, settings.num_pairs, settings.queries, settings.vocab_size, generator,
                                  settings.seq_len)
@@ -76,9 +91,14 @@ def train(name: str, args) -> tuple[torch.nn.Module, dict]:
             with torch.no_grad(), torch.autocast(args.device, dtype=torch.bfloat16):
                 cache = model(input_ids=ids, use_cache=True).past_key_values
             report["nonfinite_state"] += not _finite(_states(cache).values())
-    report.update(steps=step, train_seconds=round(time.perf_counter() - start, 1),
-                  first_loss=round(sum(losses[:50]) / max(len(losses[:50]), 1), 4),
+    first = (first + losses)[:50]
+    report.update(steps=step, train_seconds=round(elapsed + time.perf_counter() - start, 1),
+                  first_loss=round(sum(first) / max(len(first), 1), 4),
                   last_loss=round(sum(losses[-50:]) / max(len(losses[-50:]), 1), 4))
+    if weights is not None:
+        model.save_pretrained(weights)
+        torch.save({"optimizer": optimizer.state_dict(), "generator": generator.get_state(), "step": step,
+                    "report": json.dumps(report), "first_losses": torch.tensor(first)}, weights / "train_state.pt")
     return model.eval(), report
 
 
@@ -130,16 +150,28 @@ def long_context(model, args, report: dict) -> None:
                   peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
 
 
-def run_family(name: str, args) -> dict:
+def run_family(name: str, args, path: Path) -> dict:
+    """Train and/or decode long (``--phase``); the report is written after each phase so that a time limit keeps
+    the first. With ``--weights DIR`` the trained model is saved to (train) or loaded from (context) ``DIR/name``."""
     import mnemo
+    from transformers import AutoModelForCausalLM
 
-    mnemo.use_backend(args.backend)
     torch.manual_seed(0)
-    model, report = train(name, args)
-    try:
-        long_context(model, args, report)
-    except Exception as err:  # a failure here is a result to report, not a reason to lose the training figures
-        report["long_context_error"] = f"{type(err).__name__}: {err}"[:500]
+    weights = Path(args.weights) / name.replace(" ", "-") if args.weights else None
+    with mnemo.use_backend(args.backend):
+        if args.phase == "context":
+            report = json.loads(path.read_text()) if path.is_file() else {"family": name}
+            model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).to(args.device).eval()
+        else:
+            model, report = train(name, args, weights)
+            path.write_text(json.dumps(report, indent=2))
+            if args.phase == "train":
+                return report
+        try:
+            long_context(model, args, report)
+        except Exception as err:  # a failure here is a result to report, not a reason to lose the training figures
+            report["long_context_error"] = f"{type(err).__name__}: {err}"[:500]
+    path.write_text(json.dumps(report, indent=2))
     return report
 
 
@@ -157,12 +189,13 @@ def main() -> int:
     parser.add_argument("--decode", type=int, default=256)
     parser.add_argument("--backend", default="torch")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--phase", choices=("both", "train", "context"), default="both")
+    parser.add_argument("--weights", default=None, help="folder for the trained models between phases")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.family:
-        report = run_family(args.family, args)
-        (out / f"{args.family}.json").write_text(json.dumps(report, indent=2))
+        run_family(args.family, args, out / f"{args.family}.json")
         return 0
     from mnemo.demo import FAMILIES
 

@@ -153,12 +153,12 @@ def chunk_mc_atlas(
             read = cached.read(spec, piece[0].transpose(1, 2).to(o.dtype)).transpose(1, 2)
             y = _combine(o, read, cached.count, aggregation)
             y = y * (torch.arange(width, device=q.device)[None] < count[:, None])[..., None, None]
-            if out is None:
-                out = y.new_zeros(B, T + 1, *y.shape[2:])
+            if out is None:  # float32 at least: under autocast the reads of cached memories may come back in bf16
+                out = y.new_zeros(B, T + 1, *y.shape[2:], dtype=torch.promote_types(y.dtype, torch.float32))
             # Tokens past a row's count go to the spill column T, dropped below.
             index = torch.where(torch.arange(width, device=q.device)[None] < count[:, None],
                                 start[:, None] + torch.arange(width, device=q.device)[None], T)
-            out = out.scatter(1, index[..., None, None].expand_as(y), y)
+            out = out.scatter(1, index[..., None, None].expand_as(y), y.to(out.dtype))
         closes = (clock < (j + 1) * S) & (clock + lengths >= (j + 1) * S)
         cached = cached.push(closes, state.weights)
     if out is None:

@@ -52,6 +52,8 @@ class TitansMemorySpec:
     The MLP's skip is the identity when ``d_k == d_v`` and otherwise a linear map
     ``w0`` that belongs to the memory (learned initial value, trained in context).
     ``objective`` is ``"l2"`` (``||M(k) - v||^2``) or ``"dot"`` (``-<M(k), v>``).
+    ``grad_clip`` bounds the norm of each token's gradient over all the memory's weights
+    (``None``: unclipped, the papers' rule); see :func:`grad_factors`.
     """
 
     depth: int = 2
@@ -60,12 +62,15 @@ class TitansMemorySpec:
     d_v: int = 64
     expansion: int = 4
     objective: str = "l2"
+    grad_clip: float | None = None
 
     def __post_init__(self) -> None:
         if self.depth not in (1, 2):
             raise ValueError(f"memory depth must be 1 (linear) or 2 (MLP), got {self.depth}")
         if self.objective not in ("l2", "dot"):
             raise ValueError(f"objective must be 'l2' or 'dot', got {self.objective!r}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
 
     @property
     def hidden(self) -> int:
@@ -108,7 +113,26 @@ def memory_apply(spec: TitansMemorySpec, apply: Apply, z: torch.Tensor) -> torch
 
 
 def grad_factors(spec: TitansMemorySpec, weights: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor):
-    """Gradients of the objective as rank-1 factors ``{name: (A, B)}``, ``grad = A B^T`` per token."""
+    """Gradients of the objective as rank-1 factors ``{name: (A, B)}``, ``grad = A B^T`` per token.
+
+    With ``spec.grad_clip`` each token's gradient is rescaled so that its norm over all
+    the memory's weights is at most ``grad_clip``. A rank-1 gradient's Frobenius norm is
+    ``||A|| ||B||``, so the clip costs two vector norms per weight and never forms a matrix;
+    it is applied here, where every path (reference, step, chunked, cached) gets its
+    gradients, so the paths stay equal.
+    """
+    factors = _raw_grad_factors(spec, weights, k, v)
+    if spec.grad_clip is None:
+        return factors
+    wide = lambda x: x.to(torch.promote_types(x.dtype, torch.float32))  # noqa: E731  (bf16 inputs: norms in fp32)
+    squared = sum(wide(a).pow(2).sum(-1) * wide(b).pow(2).sum(-1) for a, b in factors.values())
+    # Why: the inner descent on an MLP memory diverges once the outer training makes values
+    # (hence errors) large; a bounded step keeps the memory finite whatever the gates do.
+    scale = (spec.grad_clip / squared.clamp_min(1e-30).sqrt()).clamp(max=1.0)
+    return {name: (a * scale.unsqueeze(-1).to(a.dtype), b) for name, (a, b) in factors.items()}
+
+
+def _raw_grad_factors(spec: TitansMemorySpec, weights: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor):
     apply = static_apply(weights)
 
     def d_loss(prediction):  # dL/dM(k)

@@ -37,7 +37,8 @@ class AtlasMemory(nn.Module):
         self.segment_size = config.segment_size
         self.aggregation = config.aggregation
         self.spec = TitansMemorySpec(depth=config.memory_depth, gated=config.memory_gated, d_k=config.feature_dim,
-                                     d_v=D, expansion=config.memory_expansion, objective=config.objective)
+                                     d_v=D, expansion=config.memory_expansion, objective=config.objective,
+                                     grad_clip=config.memory_grad_clip)
         self.options = dict(optimizer=config.inner_optimizer, omega_window=config.omega_window,
                             chunk_size=config.inner_chunk_size, ns_steps=config.ns_steps)
         self.q_proj = nn.Linear(hidden, H * D, bias=False)

@@ -30,7 +30,7 @@ class MCTitansLayer(nn.Module):
         self.num_heads, self.head_dim = H, D
         self.max_lr = config.max_lr
         self.spec = TitansMemorySpec(depth=config.memory_depth, gated=config.memory_gated, d_k=D, d_v=D,
-                                     expansion=config.memory_expansion)
+                                     expansion=config.memory_expansion, grad_clip=config.memory_grad_clip)
         self.options = MCOptions(
             segment_size=config.segment_size, segmentation=config.segmentation, cache_mode=config.cache_mode,
             aggregation=config.aggregation, ssc_topk=config.ssc_topk, chunk_size=config.inner_chunk_size,

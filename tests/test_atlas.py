@@ -65,6 +65,7 @@ def test_gradients_reach_every_parameter(overrides):
         ({"memory_depth": 1, "memory_gated": True}, "memory_gated"),
         ({"sliding_window": 0}, "sliding_window"),
         ({"inner_chunk_size": 0}, "inner_chunk_size"),
+        ({"memory_grad_clip": -1.0}, "memory_grad_clip"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field):

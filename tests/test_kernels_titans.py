@@ -175,3 +175,52 @@ def test_options_are_validated():
         MCOptions(segmentation="logarithmic", cache_mode="independent")
     with pytest.raises(ValueError, match="segment_size"):
         MCOptions(segment_size=0)
+
+
+# --- The in-context gradient clip (``TitansMemorySpec.grad_clip``) --------------------------------------------------
+
+CLIPPED = TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=2, grad_clip=0.5)
+
+
+def test_grad_clip_bounds_each_token_and_leaves_small_gradients_alone():
+    spec = TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=2, grad_clip=10.0)
+    init, _, k, v, *_ = inputs(spec)
+    k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (H, T, D)
+    raw = grad_factors(TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=2), init, k, v)
+    clipped = grad_factors(spec, init, k, v)
+    norm = lambda fs: sum(a.pow(2).sum(-1) * b.pow(2).sum(-1) for a, b in fs.values()).sqrt()  # noqa: E731
+    before, after = norm(raw), norm(clipped)
+    assert (before > 10).any() and (before < 10).any()  # the data exercise both sides of the bound
+    torch.testing.assert_close(after, before.clamp(max=10.0), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 5, 64])
+def test_clipped_titans_reference_chunk_step_agree(chunk):
+    init, q, k, v, _, alpha, eta, theta = inputs(CLIPPED)
+    ref = reference_titans(CLIPPED, q, k, v, alpha, eta, theta, init, chunk_size=chunk)
+    unclipped = reference_titans(TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=2), q, k, v, alpha, eta, theta,
+                                 init, chunk_size=chunk)
+    assert (ref - unclipped).abs().max() > 1e-6  # the clip is active on these inputs
+    out, _ = chunk_titans(CLIPPED, q, k, v, alpha, eta, theta, TitansState.initial(init, B), chunk_size=chunk)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    state, steps = TitansState.initial(init, B), []
+    for t in range(T):
+        o, state = step_titans(CLIPPED, q[:, t], k[:, t], v[:, t], alpha[:, t], eta[:, t], theta[:, t], state,
+                               chunk_size=chunk)
+        steps.append(o)
+    torch.testing.assert_close(torch.stack(steps, 1), ref, rtol=0, atol=1e-12)
+
+
+def test_grad_clip_prevents_the_runaway_of_the_in_context_descent():
+    """Large values and a large step make unclipped descent on an MLP memory overflow; the clip keeps it finite."""
+    spec = TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=2)
+    init, q, k, v, _, alpha, eta, theta = inputs(spec, dtype=torch.float32)
+    long = lambda x: x.repeat(1, 40, *([1] * (x.dim() - 2)))  # noqa: E731  840 tokens
+    q, k, v, alpha, eta, theta = (long(x) for x in (q, k, v, alpha, eta, theta))
+    alpha, eta, theta, v = torch.ones_like(alpha), torch.full_like(eta, 0.9), torch.full_like(theta, 0.5), 20 * v
+    args = (q, k, v, alpha, eta, theta)
+    wild, _ = chunk_titans(spec, *args, TitansState.initial(init, B), chunk_size=16)
+    assert not torch.isfinite(wild).all()
+    guarded = TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=2, grad_clip=10.0)
+    safe, _ = chunk_titans(guarded, *args, TitansState.initial(init, B), chunk_size=16)
+    assert torch.isfinite(safe).all()

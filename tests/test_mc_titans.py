@@ -71,6 +71,7 @@ def test_gradients_reach_every_parameter():
         ({"memory_depth": 1, "memory_gated": True}, "memory_gated"),
         ({"inner_chunk_size": 0}, "inner_chunk_size"),
         ({"max_lr": 0.0}, "max_lr"),
+        ({"memory_grad_clip": 0.0}, "memory_grad_clip"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field):
@@ -87,3 +88,18 @@ def test_defaults_and_meta_device_size():
         model = MCTitansForCausalLM(config)
     memory = sum(p.numel() for n, p in model.named_parameters() if ".memory_w" in n)
     assert memory == 24 * 4 * 2 * 256 * 1024  # W1 (256 x 1024) and W2 (1024 x 256) per head
+
+
+@pytest.mark.parametrize("clip", [None, 10.0])
+def test_memory_grad_clip_keeps_a_runaway_memory_finite(clip):
+    """Weights that drive values and the learning-rate gate up (what outer training did in a long bf16 run) make
+    the unclipped in-context descent overflow; the default clip keeps the logits finite."""
+    model = MCTitansForCausalLM(tiny_mc_titans_config(max_lr=1.0, memory_grad_clip=clip)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.attn.v_proj.weight.mul_(200)
+            layer.attn.lr_proj.bias.fill_(6.0)
+            layer.attn.momentum_proj.bias.fill_(3.0)
+            layer.attn.retention_proj.bias.fill_(12.0)
+        logits = model(torch.randint(1, 97, (2, 300), generator=torch.Generator().manual_seed(0))).logits
+    assert bool(torch.isfinite(logits).all()) == (clip is not None)

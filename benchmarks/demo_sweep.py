@@ -1,0 +1,97 @@
+"""Choose the demo's settings: train every family under several candidate settings, in parallel, one thread each.
+
+Each (candidate, family) pair is one job in a pool of single-threaded worker
+processes, so a many-core machine covers a grid in the time of its slowest job.
+The candidates are named overrides of :meth:`mnemo.demo.DemoSettings.quick`; the
+report gives, per candidate, every family's held-out MQAR accuracy and its
+seconds of single-thread training, and the margin of the weakest memory family
+over the Gated DeltaNet baseline.
+
+``python -m benchmarks.demo_sweep --workers 14 --out sweep/`` (``--only A,B`` picks candidates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+# Each candidate may name ``families`` to train only those (the baseline is always the same run per shape).
+CANDIDATES: dict[str, dict] = {
+    "quick": {},
+    "quick-800": dict(steps=800, eval_every=100),
+    "lr1e-3-800": dict(steps=800, eval_every=100, learning_rate=1e-3),
+    "bs64": dict(batch_size=64),
+    "dt-depth1": dict(families=("DeepTransformer",), model_overrides={"DeepTransformer": {"memory_depth": 1}}),
+    "dt-depth1-800": dict(families=("DeepTransformer",), steps=800, eval_every=100,
+                          model_overrides={"DeepTransformer": {"memory_depth": 1}}),
+    "dt-std0.05": dict(families=("DeepTransformer",), model_overrides={"DeepTransformer": {"memory_init_std": 0.05}}),
+    "dt-heads4": dict(families=("DeepTransformer",), model_overrides={"DeepTransformer": {"num_attention_heads": 4}}),
+    "atlas-atlas": dict(families=("Atlas",), atlas_preset="atlas"),
+    "atlas-omeganet": dict(families=("Atlas",), atlas_preset="omeganet"),
+    "atlas-swla": dict(families=("Atlas",), atlas_preset="swla"),
+    "atlas-dla-lr0.3": dict(families=("Atlas",), model_overrides={"Atlas": {"max_lr": 0.3}}),
+    "mct-mean": dict(families=("MC-Titans",), model_overrides={"MC-Titans": {"aggregation": "mean"}}),
+    "mct-lr0.1": dict(families=("MC-Titans",), model_overrides={"MC-Titans": {"max_lr": 0.1}}),
+    "mct-titans": dict(families=("MC-Titans",), model_overrides={"MC-Titans": {"segment_size": None}}),
+    "mct-linear": dict(families=("MC-Titans",), model_overrides={"MC-Titans": {"memory_depth": 1}}),
+    "mct-chunk4": dict(families=("MC-Titans",), model_overrides={"MC-Titans": {"inner_chunk_size": 4}}),
+}
+
+
+def _job(candidate: str, family: str, steps: int | None = None) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from mnemo.demo import DemoSettings, build_model, train_family
+
+    overrides = {k: v for k, v in CANDIDATES[candidate].items() if k != "families"}
+    if steps is not None:  # a smoke run of the grid
+        overrides.update(steps=steps, eval_every=steps, eval_samples=16)
+    settings = DemoSettings.quick(**overrides)
+    start = time.perf_counter()
+    result = train_family(family, build_model(family, settings), settings, progress=False)
+    return {"candidate": candidate, "family": family, "accuracy": result.final_accuracy,
+            "train_seconds": result.train_seconds, "wall_seconds": time.perf_counter() - start,
+            "curve": result.curve, "skipped": result.skipped_steps, "parameters": result.parameters}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=max(1, multiprocessing.cpu_count() - 2))
+    parser.add_argument("--only", default=None)
+    parser.add_argument("--out", default="demo-sweep")
+    parser.add_argument("--steps", type=int, default=None, help="train every candidate this many steps instead")
+    args = parser.parse_args()
+    from mnemo.demo import BASELINE, FAMILIES
+
+    names = args.only.split(",") if args.only else list(CANDIDATES)
+    jobs = [(c, f, args.steps) for c in names for f in CANDIDATES[c].get("families", FAMILIES)]
+    # Longest candidates first, so the pool does not end on one long job.
+    jobs.sort(key=lambda job: -CANDIDATES[job[0]].get("steps", 200) * CANDIDATES[job[0]].get("seq_len", 33))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for res in pool.map(_job, *zip(*jobs)):
+            results.append(res)
+            with (out / "sweep.jsonl").open("a") as handle:
+                handle.write(json.dumps(res) + "\n")
+    print("| candidate | " + " | ".join(FAMILIES) + " | weakest memory - baseline | seconds (sum) |")
+    print("|---|" + "---|" * (len(FAMILIES) + 2))
+    for c in names:
+        row = {r["family"]: r for r in results if r["candidate"] == c}
+        memories = [f for f in FAMILIES if f != BASELINE and f in row]
+        margin = (min(row[f]["accuracy"] for f in memories) - row[BASELINE]["accuracy"]
+                  if memories and BASELINE in row else float("nan"))
+        cells = [f"{100 * row[f]['accuracy']:.1f}% ({row[f]['train_seconds']:.0f}s)" if f in row else "-"
+                 for f in FAMILIES]
+        print(f"| {c} | " + " | ".join(cells) + f" | {100 * margin:+.1f} | {sum(r['train_seconds'] for r in row.values()):.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
