@@ -121,12 +121,15 @@ def long_context(model, args, report: dict) -> None:
             cache = out.past_key_values
             states_at.append({k: v.float().clone() for k, v in _states(cache).items()})
         tokens, logits = [], out.logits[:, -1]
+        finite = bool(torch.isfinite(logits).all())
         for _ in range(args.decode):
             nxt = logits.argmax(-1, keepdim=True)
             tokens.append(int(nxt))
             with torch.autocast(args.device, dtype=torch.bfloat16, enabled=bf16):
                 out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1]
+            finite &= bool(torch.isfinite(logits).all())
+        report["logits_finite" + ("_bf16" if bf16 else "")] = finite
         return tokens, states_at
 
     cuda = args.device == "cuda"
@@ -138,10 +141,13 @@ def long_context(model, args, report: dict) -> None:
     bf_tokens, bf_states = run(True)
     diverge = next((i for i, (a, b) in enumerate(zip(ref_tokens, bf_tokens)) if a != b), None)
     growth = []
-    for ref, got in zip(ref_states, bf_states):
-        num = sum(float((got[k] - ref[k]).pow(2).sum()) for k in ref)
-        den = sum(float(ref[k].pow(2).sum()) for k in ref)
+    for ref, got in zip(ref_states, bf_states):  # float64 sums: a large but finite state must not read as inf
+        num = sum(float((got[k].double() - ref[k].double()).pow(2).sum()) for k in ref)
+        den = sum(float(ref[k].double().pow(2).sum()) for k in ref)
         growth.append(math.sqrt(num / max(den, 1e-30)))
+    # Equal tokens mean nothing if both runs produced NaN logits (argmax of NaN is 0): report finiteness too.
+    report.update(states_finite=_finite(ref_states[-1].values()) and _finite(bf_states[-1].values()),
+                  state_max_abs=max((float(t.abs().max()) for t in ref_states[-1].values()), default=0.0))
     per_k = (growth[-1] - growth[0]) / max((len(growth) - 1) * args.piece / 1024, 1e-9) if len(growth) > 1 else 0.0
     report.update(context=prompt.shape[1], decode=args.decode, same_tokens=diverge is None,
                   first_divergence=diverge, state_rel_error_first=growth[0] if growth else None,
@@ -207,7 +213,8 @@ def main() -> int:
     for proc in procs.values():
         proc.wait()
     columns = ["family", "steps", "train_seconds", "first_loss", "last_loss", "nonfinite_loss", "nonfinite_grad",
-               "nonfinite_state", "context", "same_tokens", "first_divergence", "state_rel_error_last",
+               "nonfinite_state", "context", "logits_finite", "states_finite", "state_max_abs",
+               "same_tokens", "first_divergence", "state_rel_error_last",
                "state_error_growth_per_1k", "peak_memory_gib", "long_context_error"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))

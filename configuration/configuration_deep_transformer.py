@@ -30,6 +30,11 @@ class DeepTransformerConfig(PretrainedConfig):
         normalize: Softmax-normalise the memory reads (``False``: raw ``exp`` kernel).
         memory_init_std: Std of the learned initial ``W_1`` (a zero init would keep
             the branch at zero).
+        memory_grad_clip: bound on the norm of each pair's deep-branch gradient (``None``:
+            unclipped). The Hebbian update feeds on itself, so unclipped the branch's
+            ``W_1`` grows exponentially with the context (from 0.6 at 4K tokens to 875 at
+            16K at the default init, and to inf near 10K with init std 0.5); clipped it grows
+            at most linearly. The default 10 sits well above the norms of normal tokens.
     """
 
     model_type = "mnemo_deep_transformer"
@@ -52,6 +57,7 @@ class DeepTransformerConfig(PretrainedConfig):
         inner_chunk_size: int = 64,
         normalize: bool = True,
         memory_init_std: float = 0.02,
+        memory_grad_clip: float | None = 10.0,
         rope_theta: float = 10000.0,
         max_position_embeddings: int = 2048,
         norm_eps: float = 1e-6,
@@ -81,6 +87,7 @@ class DeepTransformerConfig(PretrainedConfig):
         self.inner_chunk_size = inner_chunk_size
         self.normalize = normalize
         self.memory_init_std = memory_init_std
+        self.memory_grad_clip = memory_grad_clip
         self.rope_theta = rope_theta
         self.max_position_embeddings = max_position_embeddings
         self.norm_eps = norm_eps
@@ -119,4 +126,6 @@ class DeepTransformerConfig(PretrainedConfig):
         check(self.memory_depth == 2 or self.learning_rule == "omega" or self.normalize, "normalize",
               "memory_depth=1 with the hebbian rule is softmax attention, which is normalised", self.normalize)
         check(self.memory_init_std >= 0, "memory_init_std", "must be >= 0", self.memory_init_std)
+        check(self.memory_grad_clip is None or self.memory_grad_clip > 0, "memory_grad_clip",
+              "must be > 0, or None for no clipping", self.memory_grad_clip)
         check_block(self)

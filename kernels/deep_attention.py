@@ -30,6 +30,12 @@ Layout: ``q, k, v`` ``(B, T, H, D)`` compacted per row (valid tokens first,
 the unfinished chunk (replayed on the next call, so any split of a sequence
 gives the same result), the accumulators committed at the last chunk start, and
 ``W_1`` there.
+
+``grad_clip`` bounds each pair's deep-branch gradient (``U_i``'s and ``W_1``'s parts
+together, before ``eta``): the Hebbian update feeds on itself (``U`` grows with ``W_1``,
+``sigma(A)`` with ``U``, ``W_1`` with ``sigma(A)``), so unclipped the branch's state
+grows exponentially with the context; clipped, ``U`` stays bounded and ``W_1`` grows at
+most linearly. The linear (attention) branch is never clipped.
 """
 
 from __future__ import annotations
@@ -50,6 +56,14 @@ __all__ = [
 ]
 
 LEARNING_RULES = ("hebbian", "omega")
+
+
+def _clip_scale(grad_u: torch.Tensor, r: torch.Tensor, sig: torch.Tensor, clip: float | None):
+    """Per pair: ``min(1, clip / ||(grad_u, r sig^T)||)``, trailing dim kept (1 when ``clip`` is None)."""
+    if clip is None:
+        return 1.0
+    squared = grad_u.pow(2).sum(-1) + r.pow(2).sum(-1) * sig.pow(2).sum(-1)
+    return (clip / squared.clamp_min(1e-30).sqrt()).clamp(max=1.0)[..., None]
 
 
 def gelu_derivative(x: torch.Tensor) -> torch.Tensor:
@@ -126,6 +140,7 @@ def reference_deep_attention(
     chunk_size: int = 64,
     normalize: bool = True,
     scale: float | None = None,
+    grad_clip: float | None = None,
 ) -> torch.Tensor:
     """Token-by-token definition (no initial state); returns ``o (B, T, H, d_v)`` (0 past ``lengths``)."""
     _check(memory_depth, learning_rule, omega_window, chunk_size)
@@ -169,8 +184,10 @@ def reference_deep_attention(
                         r_i = V[:, i]
                     if deep:
                         grad_u = torch.einsum("hvm,hv->hm", W1_s, r_i) * gelu_derivative(a_i)
+                        clip = _clip_scale(grad_u, r_i, sigma(a_i), grad_clip)
+                        grad_u, r_deep = grad_u * clip, r_i * clip
                         U = U.index_add(1, torch.tensor([i], device=U.device), (e_t * g_i * grad_u)[:, None])
-                        W1 = W1 + (e_t * g_i)[..., None] * r_i[:, :, None] * sigma(a_i)[:, None, :]
+                        W1 = W1 + (e_t * g_i)[..., None] * r_deep[:, :, None] * sigma(a_i)[:, None, :]
             y = read(q[b, t].to(dtype), K[:, : t + 1], R[:, : t + 1])
             if deep:
                 y = y + torch.einsum("hvm,hm->hv", W1, sigma(read(q[b, t].to(dtype), K[:, : t + 1], U[:, : t + 1])))
@@ -213,7 +230,7 @@ def _gather_time(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> t
 
 
 def _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, learning_rule, omega_window,
-                 chunk_size, normalize, scale):
+                 chunk_size, normalize, scale, grad_clip=None):
     B, T, H, dk = q.shape
     dv = v.shape[-1]
     dtype = torch.promote_types(v.dtype, torch.float32)
@@ -296,6 +313,9 @@ def _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lea
                 r_open = Vo
             if deep:
                 grad_u = (r_open @ W1) * gelu_derivative(a_open)
+                sig_open = sigma(a_open)
+                clip = _clip_scale(grad_u, r_open, sig_open, grad_clip)
+                grad_u, r_deep = grad_u * clip, r_open * clip
 
             # Window weights: token t' of the chunk updates pair i when i <= t' <= i + c - 1.
             t_chunk = torch.arange(a, a + C, device=device)
@@ -315,8 +335,7 @@ def _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lea
             E = gate * lr  # (B, H, C, n_open)
             A_t = w_out @ Up + (w_out[..., O] * E) @ grad_u
             s_t = sigma(A_t)
-            sig_open = sigma(a_open)
-            y = y + s_t @ W1.transpose(-1, -2) + ((s_t @ sig_open.transpose(-1, -2)) * E) @ r_open
+            y = y + s_t @ W1.transpose(-1, -2) + ((s_t @ sig_open.transpose(-1, -2)) * E) @ r_deep
         outputs[:, :, a:a + C] = y
 
         # End of chunk: commit this chunk's updates.
@@ -325,7 +344,7 @@ def _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lea
         if deep:
             E_end = E[:, :, -1]  # (B, H, n_open)
             U = U.index_add(2, O, E_end[..., None] * grad_u)
-            W1 = W1 + (r_open * E_end[..., None]).transpose(-1, -2) @ sig_open
+            W1 = W1 + (r_deep * E_end[..., None]).transpose(-1, -2) @ sig_open
 
     at_end = new_start >= Z
     if at_end.any():
@@ -412,6 +431,7 @@ def chunk_deep_attention(
     chunk_size: int = 64,
     normalize: bool = True,
     scale: float | None = None,
+    grad_clip: float | None = None,
 ) -> tuple[torch.Tensor, DeepAttentionState]:
     """Chunked deep attention over ``T`` new tokens per row; returns ``(o, state)``.
 
@@ -428,7 +448,7 @@ def chunk_deep_attention(
     if memory_depth == 2 and w1_init is None:
         raise ValueError("memory_depth=2 needs w1_init, the deep branch's initial W_1 (H, d_v, memory_hidden)")
     return _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, initial_state, memory_depth, learning_rule,
-                        omega_window, chunk_size, normalize, scale)
+                        omega_window, chunk_size, normalize, scale, grad_clip)
 
 
 def step_deep_attention(

@@ -40,6 +40,7 @@ class DeepAttention(nn.Module):
             omega_window=config.omega_window,
             chunk_size=config.inner_chunk_size,
             normalize=config.normalize,
+            grad_clip=config.memory_grad_clip,
         )
         if config.memory_depth == 2:
             self.eta_proj = nn.Linear(hidden, self.num_heads, bias=False)  # deep-branch learning rate

@@ -72,6 +72,7 @@ def test_gradients_reach_every_parameter():
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"memory_depth": 1, "normalize": False}, "normalize"),
         ({"inner_chunk_size": 0}, "inner_chunk_size"),
+        ({"memory_grad_clip": 0.0}, "memory_grad_clip"),
         ({"memory_hidden": 0}, "memory_hidden"),
         ({"hidden_size": 30, "num_attention_heads": 6}, "num_attention_heads"),
     ],

@@ -19,6 +19,10 @@ SETTINGS = [
     dict(memory_depth=2, learning_rule="omega", omega_window=3, chunk_size=4, normalize=True),
     dict(memory_depth=2, learning_rule="omega", omega_window=7, chunk_size=4, normalize=True),
     dict(memory_depth=1, learning_rule="omega", omega_window=2, chunk_size=64, normalize=False),
+    # The deep-branch gradient clip, small enough to act on most pairs of these inputs.
+    dict(memory_depth=2, learning_rule="hebbian", omega_window=1, chunk_size=4, normalize=True, grad_clip=0.3),
+    dict(memory_depth=2, learning_rule="omega", omega_window=3, chunk_size=4, normalize=True, grad_clip=0.3),
+    dict(memory_depth=2, learning_rule="hebbian", omega_window=1, chunk_size=5, normalize=False, grad_clip=0.3),
 ]
 
 
@@ -141,3 +145,36 @@ def test_option_errors():
         chunk_deep_attention(q, k, v, eta, gamma, w1, omega_window=2)
     with pytest.raises(ValueError, match="w1_init"):
         chunk_deep_attention(q, k, v, eta, gamma, None, memory_depth=2)
+
+
+@pytest.mark.parametrize("rule, window", [("hebbian", 1), ("omega", 3)])
+def test_grad_clip_acts_on_the_deep_branch_only(rule, window):
+    q, k, v, eta, gamma, w1 = make_inputs(2)
+    opts = dict(memory_depth=2, learning_rule=rule, omega_window=window, chunk_size=4)
+    free = reference_deep_attention(q, k, v, eta, gamma, w1, **opts)
+    clipped = reference_deep_attention(q, k, v, eta, gamma, w1, grad_clip=0.3, **opts)
+    assert (free - clipped).abs().max() > 1e-3
+    # With W_1 = 0 the deep branch is silent, and what is left (attention / the omega rule's
+    # linear branch) must not change with the clip.
+    zero = torch.zeros_like(w1)
+    eta0 = torch.zeros_like(eta)
+    torch.testing.assert_close(reference_deep_attention(q, k, v, eta0, gamma, zero, grad_clip=1e-3, **opts),
+                               reference_deep_attention(q, k, v, eta0, gamma, zero, **opts), rtol=0, atol=1e-12)
+
+
+def test_grad_clip_stops_the_runaway_of_the_hebbian_branch():
+    """Unclipped, the Hebbian deep branch feeds on itself (values sharing a direction, as trained ones do) and
+    overflows within a few thousand tokens; clipped, its W_1 grows at most linearly and the output stays finite."""
+    gen = torch.Generator().manual_seed(0)
+    n = 4096
+    q, k = (0.1 * torch.randn(1, n, 1, 8, generator=gen) for _ in range(2))
+    v = 1 + 0.1 * torch.randn(1, n, 1, 8, generator=gen)
+    eta = torch.full((1, n, 1), 0.5)
+    w1 = 0.5 * torch.randn(1, 8, 16, generator=gen)
+    opts = dict(memory_depth=2, learning_rule="hebbian", chunk_size=64)
+    wild, _ = chunk_deep_attention(q, k, v, eta, None, w1, **opts)
+    assert not torch.isfinite(wild).all()
+    safe, state = chunk_deep_attention(q, k, v, eta, None, w1, grad_clip=10.0, **opts)
+    assert torch.isfinite(safe).all()
+    # Linear growth at most: each pair adds at most eta * clip to W_1's norm.
+    assert float(state.w1.norm()) <= float(w1.norm()) + 0.5 * 10.0 * n
