@@ -94,7 +94,7 @@ def train(name: str, args, weights: Path | None = None) -> tuple[torch.nn.Module
     first = (first + losses)[:50]
     report.update(steps=step, train_seconds=round(elapsed + time.perf_counter() - start, 1),
                   first_loss=round(sum(first) / max(len(first), 1), 4),
-                  last_loss=round(sum(losses[-50:]) / max(len(losses[-50:]), 1), 4))
+                  last_loss=round(sum(losses[-50:]) / len(losses[-50:]), 4) if losses else report.get("last_loss"))
     if weights is not None:
         model.save_pretrained(weights)
         torch.save({"optimizer": optimizer.state_dict(), "generator": generator.get_state(), "step": step,
@@ -147,7 +147,8 @@ def long_context(model, args, report: dict) -> None:
         growth.append(math.sqrt(num / max(den, 1e-30)))
     # Equal tokens mean nothing if both runs produced NaN logits (argmax of NaN is 0): report finiteness too.
     report.update(states_finite=_finite(ref_states[-1].values()) and _finite(bf_states[-1].values()),
-                  state_max_abs=max((float(t.abs().max()) for t in ref_states[-1].values()), default=0.0))
+                  state_max_abs=max((float(t.abs().max()) for t in ref_states[-1].values() if t.numel()),
+                                    default=0.0))
     per_k = (growth[-1] - growth[0]) / max((len(growth) - 1) * args.piece / 1024, 1e-9) if len(growth) > 1 else 0.0
     report.update(context=prompt.shape[1], decode=args.decode, same_tokens=diverge is None,
                   first_divergence=diverge, state_rel_error_first=growth[0] if growth else None,
