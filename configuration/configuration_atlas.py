@@ -51,12 +51,9 @@ class AtlasConfig(PretrainedConfig):
         inner_optimizer: ``"gd"``, ``"momentum"`` or ``"muon"`` (Newton-Schulz with ``ns_steps``).
         inner_chunk_size: tokens whose gradients share the chunk-start weights.
         max_lr: the inner learning rate is ``max_lr * sigmoid(.)``.
-        memory_grad_clip: bound on the norm of each token's in-context gradient over all the
-            memory's weights (``None``: unclipped, as in the paper). In the demo's models the
-            largest norm measured was 0.4 at initialisation and 1.8 after some training, so
-            the default 10 leaves normal training alone; it stops the in-context descent of
-            an MLP memory from running away (to inf, then NaN) when the outer training drives
-            values and learning-rate gates up (a bf16 MQAR run did so after ~700 steps).
+        memory_grad_clip: bound on each token's in-context gradient norm over the memory's
+            weights (``None``: unclipped, the paper's rule); see
+            :class:`~mnemo.MCTitansConfig` for why the default is 10.
         conv_size: short convolutions on q, k and v.
         hybrid: ``None``, ``"mal"`` (sliding-window attention, then the memory) or ``"mag"``
             (both on the same input, ``RMSNorm(swa) * sigmoid(RMSNorm(memory))``).
