@@ -36,6 +36,9 @@ class MCTitansConfig(PretrainedConfig):
             ``"independent"`` (it restarts from its initial weights at each segment).
         aggregation: ``"residual"``, ``"grm"``, ``"soup"``, ``"ssc"`` or ``"mean"``.
         ssc_topk: cached memories each token reads with ``"ssc"``.
+        conv_size: width of causal depthwise short convolutions (SiLU) after the q, k and v
+            projections, as in the Titans paper; 0 (default) leaves them out, as FAMILIES.md
+            does. The decode cache then also keeps each row's last ``conv_size - 1`` inputs.
         hidden_ratio, intermediate_size: the SwiGLU MLP of each block.
     """
 
@@ -60,6 +63,7 @@ class MCTitansConfig(PretrainedConfig):
         cache_mode: str = "checkpoint",
         aggregation: str = "grm",
         ssc_topk: int = 2,
+        conv_size: int = 0,
         hidden_ratio: float = 3.0,
         intermediate_size: int | None = None,
         hidden_act: str = "silu",
@@ -89,6 +93,7 @@ class MCTitansConfig(PretrainedConfig):
         self.cache_mode = cache_mode
         self.aggregation = aggregation
         self.ssc_topk = ssc_topk
+        self.conv_size = conv_size
         self.hidden_ratio = hidden_ratio
         if intermediate_size is None:
             intermediate_size = swiglu_width(hidden_size, hidden_ratio)
@@ -125,6 +130,8 @@ class MCTitansConfig(PretrainedConfig):
               "'independent' is undefined with logarithmic segments (merged segments would need retraining); "
               "use 'checkpoint'", self.cache_mode)
         check(self.max_lr > 0, "max_lr", "must be > 0", self.max_lr)
+        check(isinstance(self.conv_size, int) and (self.conv_size == 0 or self.conv_size >= 2), "conv_size",
+              "must be 0 (no short convolutions) or an integer >= 2", self.conv_size)
         check(self.memory_grad_clip is None or self.memory_grad_clip > 0, "memory_grad_clip",
               "must be > 0, or None for no clipping", self.memory_grad_clip)
         check_block(self)

@@ -22,7 +22,7 @@ from .cache import LayerCache
 from .gates import GateProjection
 from .normalization import GatedRMSNorm
 from .padding import RowCompaction
-from .short_conv import ConvWindows, ShortConvolution
+from .short_conv import ShortConvolution, convolve_qkv
 
 
 class AtlasMemory(nn.Module):
@@ -64,24 +64,6 @@ class AtlasMemory(nn.Module):
     def memory_init(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, f"memory_{name}") for name in self.spec.shapes}
 
-    def _convolve(self, x, valid, cache):
-        """Short convs over each row's valid tokens, continuing the cached windows."""
-        B, T, _ = x.shape
-        lengths = valid.sum(1)
-        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-        windows = ConvWindows.build(cu, self.conv_size)
-        outs = []
-        for name, proj, conv in (("q", self.q_proj, self.q_conv1d), ("k", self.k_proj, self.k_conv1d),
-                                 ("v", self.v_proj, self.v_conv1d)):
-            window = cache.get(f"conv_{name}") if cache is not None else None
-            y, nxt = conv(proj(x)[valid], windows, window)
-            if cache is not None:
-                cache.update(**{f"conv_{name}": nxt})
-            full = y.new_zeros(B, T, y.shape[-1])
-            full[valid] = y
-            outs.append(full.view(B, T, self.num_heads, self.head_dim))
-        return outs
-
     def _cached_memory(self, q, k, v, alpha, lr, momentum, gamma, state, mask, cache):
         """The memory with Memory Caching; returns outputs, state and the cache entries to store."""
         B = q.shape[0]
@@ -106,7 +88,7 @@ class AtlasMemory(nn.Module):
         B, T, _ = hidden_states.shape
         H, D = self.num_heads, self.head_dim
         mask = valid.bool() if valid is not None else torch.ones(B, T, dtype=torch.bool, device=hidden_states.device)
-        q, k, v = self._convolve(hidden_states, mask, cache)
+        q, k, v = convolve_qkv(self, hidden_states, mask, cache, H, D)
         coefficients = getattr(self, "feature_coefficients", None)
         q = apply_feature_map(self.feature_map, l2_normalize(q.float()), coefficients)
         k = apply_feature_map(self.feature_map, l2_normalize(k.float()), coefficients)

@@ -1,7 +1,8 @@
 """The MC-Titans layer: Titans' deep memory read through Memory Caching (FAMILIES.md §2).
 
-Projections ``q, k, v`` and the gate projection ``u`` (its own, as the MC paper's
-ablation requires), per-head data-dependent gates named by role (retention,
+Projections ``q, k, v`` (optionally followed by Titans' short convolutions,
+``conv_size``) and the gate projection ``u`` (its own, as the MC paper's ablation
+requires), per-head data-dependent gates named by role (retention,
 momentum, learning rate), learned initial memory weights, and the gated RMSNorm
 output of the MoM family (a choice of this package: FAMILIES.md does not fix
 Titans' output head). The memory itself is the kernel API's ``mc_titans``.
@@ -19,6 +20,7 @@ from .cache import LayerCache
 from .gates import GateProjection
 from .normalization import GatedRMSNorm
 from .padding import RowCompaction
+from .short_conv import ShortConvolution, convolve_qkv
 
 
 
@@ -39,6 +41,10 @@ class MCTitansLayer(nn.Module):
         self.k_proj = nn.Linear(hidden, H * D, bias=False)
         self.v_proj = nn.Linear(hidden, H * D, bias=False)
         self.u_proj = nn.Linear(hidden, H * D, bias=False)
+        # Titans' short convolutions after the q, k, v projections (off by default: FAMILIES.md has none).
+        self.conv_size = config.conv_size
+        if self.conv_size:
+            self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConvolution(H * D, self.conv_size) for _ in range(3))
         # Initial gates: retention ~0.98, momentum ~0.5, learning rate ~0.12 max_lr. Larger
         # momentum and learning rates at initialisation make the inner loop diverge: the effective
         # step 2 lr / (1 - momentum) must stay well below 2 for unit-norm keys.
@@ -63,8 +69,13 @@ class MCTitansLayer(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = hidden_states.shape
         H, D = self.num_heads, self.head_dim
-        q, k, v, u = (proj(hidden_states).view(B, T, H, D) for proj in (self.q_proj, self.k_proj, self.v_proj,
-                                                                          self.u_proj))
+        if self.conv_size:
+            mask = valid.bool() if valid is not None else torch.ones(B, T, dtype=torch.bool,
+                                                                       device=hidden_states.device)
+            q, k, v = convolve_qkv(self, hidden_states, mask, cache, H, D)
+        else:
+            q, k, v = (proj(hidden_states).view(B, T, H, D) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        u = self.u_proj(hidden_states).view(B, T, H, D)
         alpha = torch.sigmoid(self.retention_proj(hidden_states).float())
         eta = torch.sigmoid(self.momentum_proj(hidden_states).float())
         theta = self.max_lr * torch.sigmoid(self.lr_proj(hidden_states).float())
@@ -81,7 +92,7 @@ class MCTitansLayer(nn.Module):
         o, state = chunk_mc_titans(self.spec, self.options, q, k, v, u, alpha, eta, theta, init, state,
                                    lengths=lengths)
         if cache is not None:
-            cache.states = state.tensors()
+            cache.update(**state.tensors())
         if rows is not None:
             o = rows.restore(o)
         gate = self.g_proj(hidden_states).view(B, T, H, D)

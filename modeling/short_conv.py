@@ -76,3 +76,26 @@ class ShortConvolution(nn.Conv1d):
         for j in range(1, k):
             y = y + source.index_select(0, windows.taps[:, j]) * weight[:, j]
         return F.silu(y), source[windows.next_window]
+
+
+def convolve_qkv(layer: nn.Module, x: torch.Tensor, valid: torch.Tensor, cache, heads: int, head_dim: int):
+    """``q, k, v`` ``(B, T, heads, head_dim)`` of a layer with ``{q,k,v}_proj`` and ``{q,k,v}_conv1d``.
+
+    Each projection is convolved over each row's valid tokens only (padding never
+    enters a window), continuing the windows ``conv_q/k/v`` stored in ``cache``
+    and storing the next ones; padded positions come back as zeros.
+    """
+    B, T, _ = x.shape
+    lengths = valid.sum(1)
+    windows = ConvWindows.build(F.pad(lengths.cumsum(0), (1, 0)), layer.q_conv1d.kernel_size[0])
+    outs = []
+    for name in ("q", "k", "v"):
+        proj, conv = getattr(layer, f"{name}_proj"), getattr(layer, f"{name}_conv1d")
+        window = cache.get(f"conv_{name}") if cache is not None else None
+        y, nxt = conv(proj(x)[valid], windows, window)
+        if cache is not None:
+            cache.update(**{f"conv_{name}": nxt})
+        full = y.new_zeros(B, T, y.shape[-1])
+        full[valid] = y
+        outs.append(full.view(B, T, heads, head_dim))
+    return outs

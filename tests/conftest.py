@@ -91,6 +91,7 @@ MC_VARIANTS = {
     "ssc-linear": {"aggregation": "ssc", "ssc_topk": 1, "memory_depth": 1},
     "log-mean-gated": {"segmentation": "logarithmic", "aggregation": "mean", "memory_gated": True},
     "plain-titans": {"segment_size": None},
+    "grm-conv": {"conv_size": 3},
 }
 
 def tiny_atlas_config(preset: str = "atlas", **overrides) -> AtlasConfig:

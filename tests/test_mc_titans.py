@@ -72,6 +72,7 @@ def test_gradients_reach_every_parameter():
         ({"inner_chunk_size": 0}, "inner_chunk_size"),
         ({"max_lr": 0.0}, "max_lr"),
         ({"memory_grad_clip": 0.0}, "memory_grad_clip"),
+        ({"conv_size": 1}, "conv_size"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field):
