@@ -59,7 +59,8 @@ def _demo(args: argparse.Namespace) -> int:
     out = Path(args.output)
     print(f"mnemo demo: multi-query associative recall ({settings.num_pairs} key-value pairs, then queries; "
           f"sequences of {settings.seq_len} tokens), {settings.steps} training steps per model on {settings.device}.")
-    print("Memory models should recall what a single fixed-size memory (Gated DeltaNet) forgets.\n")
+    print("Each memory family is measured against the plain recurrent baseline: one fixed-size gated-delta memory "
+          "(Gated DeltaNet).\n")
     results, models = run_demo(settings, progress=not args.no_progress)
     print("\n" + results_table(results))
     json_path, csv_path = write_results(results, out, settings)
