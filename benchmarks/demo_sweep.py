@@ -19,8 +19,14 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-# Each candidate may name ``families`` to train only those (the baseline is always the same run per shape).
-CANDIDATES: dict[str, dict] = {
+# Each candidate may name ``families`` to train only those. Grids: ``learning`` (how fast each family learns
+# the quick task) and ``capacity`` (more pairs than the baseline's state holds comfortably).
+def _pairs(n: int, queries: int = 8, **rest) -> dict:
+    return dict(num_pairs=n, num_queries=queries, vocab_size=4 + 2 * (n + 8), seq_len=2 * n + 1 + 2 * queries, **rest)
+
+
+GRIDS: dict[str, dict[str, dict]] = {
+    "learning": {
     "quick": {},
     "quick-800": dict(steps=800, eval_every=100),
     "lr1e-3-800": dict(steps=800, eval_every=100, learning_rate=1e-3),
@@ -39,7 +45,19 @@ CANDIDATES: dict[str, dict] = {
     "mct-titans": dict(families=("MC-Titans",), model_overrides={"MC-Titans": {"segment_size": None}}),
     "mct-linear": dict(families=("MC-Titans",), model_overrides={"MC-Titans": {"memory_depth": 1}}),
     "mct-chunk4": dict(families=("MC-Titans",), model_overrides={"MC-Titans": {"inner_chunk_size": 4}}),
+},
+    "capacity": {
+        "quick": {},
+        "n16-400": _pairs(16, steps=400, eval_every=50),
+        "n24-400": _pairs(24, steps=400, eval_every=50),
+        "n32-600": _pairs(32, steps=600, eval_every=100),
+        "n24-800-cos": _pairs(24, steps=800, eval_every=100, final_lr_ratio=0.1),
+        "h4-n16-400": _pairs(16, steps=400, eval_every=50, num_heads=4),
+        "h4-n24-600": _pairs(24, steps=600, eval_every=100, num_heads=4),
+        "d32-n16-400": _pairs(16, steps=400, eval_every=50, hidden_size=32),
+    },
 }
+CANDIDATES: dict[str, dict] = {name: c for grid in GRIDS.values() for name, c in grid.items()}
 
 
 def _job(candidate: str, family: str, steps: int | None = None) -> dict:
@@ -63,12 +81,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=max(1, multiprocessing.cpu_count() - 2))
     parser.add_argument("--only", default=None)
+    parser.add_argument("--grid", choices=tuple(GRIDS), default="learning")
     parser.add_argument("--out", default="demo-sweep")
     parser.add_argument("--steps", type=int, default=None, help="train every candidate this many steps instead")
     args = parser.parse_args()
     from mnemo.demo import BASELINE, FAMILIES
 
-    names = args.only.split(",") if args.only else list(CANDIDATES)
+    names = args.only.split(",") if args.only else list(GRIDS[args.grid])
     jobs = [(c, f, args.steps) for c in names for f in CANDIDATES[c].get("families", FAMILIES)]
     # Longest candidates first, so the pool does not end on one long job.
     jobs.sort(key=lambda job: -CANDIDATES[job[0]].get("steps", 200) * CANDIDATES[job[0]].get("seq_len", 33))
