@@ -16,7 +16,7 @@ import argparse
 import json
 import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 # Each candidate may name ``families`` to train only those. Grids: ``learning`` (how fast each family learns
@@ -95,7 +95,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = []
     with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for res in pool.map(_job, *zip(*jobs)):
+        # Written as each job ends (not in submission order), so a time limit keeps every finished job.
+        for future in as_completed([pool.submit(_job, *job) for job in jobs]):
+            res = future.result()
             results.append(res)
             with (out / "sweep.jsonl").open("a") as handle:
                 handle.write(json.dumps(res) + "\n")
