@@ -46,6 +46,7 @@ import torch
 from torch.nn import functional as F
 
 from .backend import resolve_backend
+from .norms import clip_scale
 
 __all__ = [
     "DeepAttentionState",
@@ -58,12 +59,12 @@ __all__ = [
 LEARNING_RULES = ("hebbian", "omega")
 
 
-def _clip_scale(grad_u: torch.Tensor, r: torch.Tensor, sig: torch.Tensor, clip: float | None):
-    """Per pair: ``min(1, clip / ||(grad_u, r sig^T)||)``, trailing dim kept (1 when ``clip`` is None)."""
+def _clip_pair(grad_u: torch.Tensor, r: torch.Tensor, sig: torch.Tensor, clip: float | None):
+    """``(grad_u, r)`` scaled so that each pair's deep-branch gradient ``(grad_u, r sig^T)`` has norm <= ``clip``."""
     if clip is None:
-        return 1.0
-    squared = grad_u.pow(2).sum(-1) + r.pow(2).sum(-1) * sig.pow(2).sum(-1)
-    return (clip / squared.clamp_min(1e-30).sqrt()).clamp(max=1.0)[..., None]
+        return grad_u, r
+    scale = clip_scale(grad_u.pow(2).sum(-1) + r.pow(2).sum(-1) * sig.pow(2).sum(-1), clip)[..., None]
+    return grad_u * scale, r * scale
 
 
 def gelu_derivative(x: torch.Tensor) -> torch.Tensor:
@@ -184,8 +185,7 @@ def reference_deep_attention(
                         r_i = V[:, i]
                     if deep:
                         grad_u = torch.einsum("hvm,hv->hm", W1_s, r_i) * gelu_derivative(a_i)
-                        clip = _clip_scale(grad_u, r_i, sigma(a_i), grad_clip)
-                        grad_u, r_deep = grad_u * clip, r_i * clip
+                        grad_u, r_deep = _clip_pair(grad_u, r_i, sigma(a_i), grad_clip)
                         U = U.index_add(1, torch.tensor([i], device=U.device), (e_t * g_i * grad_u)[:, None])
                         W1 = W1 + (e_t * g_i)[..., None] * r_deep[:, :, None] * sigma(a_i)[:, None, :]
             y = read(q[b, t].to(dtype), K[:, : t + 1], R[:, : t + 1])
@@ -314,8 +314,7 @@ def _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lea
             if deep:
                 grad_u = (r_open @ W1) * gelu_derivative(a_open)
                 sig_open = sigma(a_open)
-                clip = _clip_scale(grad_u, r_open, sig_open, grad_clip)
-                grad_u, r_deep = grad_u * clip, r_open * clip
+                grad_u, r_deep = _clip_pair(grad_u, r_open, sig_open, grad_clip)
 
             # Window weights: token t' of the chunk updates pair i when i <= t' <= i + c - 1.
             t_chunk = torch.arange(a, a + C, device=device)

@@ -34,6 +34,7 @@ from torch.nn import functional as F
 
 from .backend import resolve_backend
 from .deep_attention import gelu_derivative
+from .norms import clip_scale
 
 __all__ = [
     "TitansMemorySpec",
@@ -128,7 +129,7 @@ def grad_factors(spec: TitansMemorySpec, weights: dict[str, torch.Tensor], k: to
     squared = sum(wide(a).pow(2).sum(-1) * wide(b).pow(2).sum(-1) for a, b in factors.values())
     # Why: the inner descent on an MLP memory diverges once the outer training makes values
     # (hence errors) large; a bounded step keeps the memory finite whatever the gates do.
-    scale = (spec.grad_clip / squared.clamp_min(1e-30).sqrt()).clamp(max=1.0)
+    scale = clip_scale(squared, spec.grad_clip)
     return {name: (a * scale.unsqueeze(-1).to(a.dtype), b) for name, (a, b) in factors.items()}
 
 
