@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .backend import resolve_backend
-from .norms import l2_normalize
+from .norms import L2_EPS, l2_normalize
 
 __all__ = ["reference_gated_delta", "chunk_gated_delta", "step_gated_delta"]
 
@@ -128,6 +128,12 @@ def step_gated_delta(
     """One token per sequence: ``q, k`` ``(N, H, d_k)``, ``v`` ``(N, H, d_v)``, ``g, beta`` ``(N, H)``,
     ``state`` ``(N, H, d_k, d_v)``. Returns ``(o, new_state)``; ``state`` is not modified."""
     out_dtype = v.dtype
+    if state.dtype != torch.float64 and resolve_backend(q, has_triton_impl=_triton_covers(q, v, 16)) == "triton":
+        from .gated_delta_triton import step
+
+        K = q.shape[-1]
+        o, new_state = step(q, k, v, g, beta, state, K**-0.5 if scale is None else scale, use_qk_l2norm, L2_EPS)
+        return o.to(out_dtype), new_state
     dtype = torch.promote_types(_compute_dtype(v), state.dtype)
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm, dtype)
     v, beta = v.to(dtype), beta.to(dtype)
@@ -143,23 +149,24 @@ def step_gated_delta(
 # --------------------------------------------------------------------------- chunked
 
 
-def _chunk_dense(q, k, v, g, beta, S, chunk_size: int):
-    """Chunked WY form on dense ``(N, H, T, D)`` tensors, ``T`` a multiple of ``chunk_size``.
+def intra_chunk_terms(q, k, v, g, beta):
+    """Everything about a chunk that does not depend on the state entering it.
 
-    Within a chunk with cumulative log-decay ``G`` the state after token ``t`` is
-    ``S_t = e^{G_t} S_0 + sum_{j<=t} e^{G_t - G_j} k_j d_j^T`` where the effective
-    writes ``d = beta * (v - ...)`` solve the unit lower-triangular system
-    ``(I + A) D = beta V - diag(beta e^G) K S_0`` with
-    ``A_ij = beta_i e^{G_i - G_j} k_i.k_j`` for ``j < i``. Everything but the
-    carry of ``S`` across chunks is batched over all chunks at once.
+    ``q, k, v`` are ``(..., C, D)`` and ``g, beta`` ``(..., C)``, one chunk per
+    leading index. Within a chunk with cumulative log-decay ``G`` the state after
+    token ``t`` is ``S_t = e^{G_t} S_0 + sum_{j<=t} e^{G_t - G_j} k_j d_j^T``, where
+    the effective writes ``d = beta * (v - ...)`` solve the unit lower-triangular
+    system ``(I + A) D = beta V - diag(beta e^G) K S_0`` with
+    ``A_ij = beta_i e^{G_i - G_j} k_i.k_j`` for ``j < i``. Returns the pieces of
+    the chunk-to-chunk recurrence (:func:`scan_chunks_torch`)::
+
+        D   = U - W S             (the chunk's writes, given its entering state S)
+        O   = Q_decayed S + P D   (its outputs)
+        S'  = gamma S + K_decayed^T D
+
+    as ``(U, W, P, Q_decayed, K_decayed, gamma)``; ``gamma`` has shape ``(...)``.
     """
-    N, H, T, K = k.shape
-    V = v.shape[-1]
-    C = chunk_size
-    n = T // C
-    q, k, v = (x.reshape(N, H, n, C, x.shape[-1]) for x in (q, k, v))
-    g, beta = g.reshape(N, H, n, C), beta.reshape(N, H, n, C)
-
+    C = q.shape[-2]
     G = g.cumsum(-1)
     idx = torch.arange(C, device=q.device)
     causal = idx[:, None] >= idx[None, :]
@@ -167,14 +174,29 @@ def _chunk_dense(q, k, v, g, beta, S, chunk_size: int):
     decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     strict = decay.masked_fill(torch.eye(C, dtype=torch.bool, device=q.device), 0.0)
     A = (k @ k.transpose(-1, -2)) * strict * beta[..., :, None]
+    V = v.shape[-1]
     rhs = torch.cat([beta[..., None] * v, (beta * G.exp())[..., None] * k], dim=-1)
     # unitriangular: the solver takes the diagonal of A as ones.
     UW = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
-    U, W = UW[..., :V], UW[..., V:]
     P = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * G.exp()[..., None]
     k_decayed = k * (G[..., -1:] - G).exp()[..., None]
-    chunk_decay = G[..., -1].exp()[..., None, None]
+    return UW[..., :V], UW[..., V:], P, q_decayed, k_decayed, G[..., -1].exp()
+
+
+def _chunk_dense(q, k, v, g, beta, S, chunk_size: int):
+    """Chunked WY form on dense ``(N, H, T, D)`` tensors, ``T`` a multiple of ``chunk_size``.
+
+    The intra-chunk terms (:func:`intra_chunk_terms`) are batched over all chunks
+    at once; only the carry of ``S`` across chunks is a loop.
+    """
+    N, H, T, K = k.shape
+    V = v.shape[-1]
+    C = chunk_size
+    n = T // C
+    q, k, v = (x.reshape(N, H, n, C, x.shape[-1]) for x in (q, k, v))
+    U, W, P, q_decayed, k_decayed, chunk_decay = intra_chunk_terms(q, k, v, g.reshape(N, H, n, C), beta.reshape(N, H, n, C))
+    chunk_decay = chunk_decay[..., None, None]
 
     # Chunk-major copies so that the sequential carry reads contiguous blocks.
     # unbind (not indexing) keeps the backward linear in the number of chunks.
@@ -236,6 +258,52 @@ def _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2no
     return o.unsqueeze(0).to(out_dtype), S
 
 
+def _chunk_rows(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The flat chunk layout of a packed batch: each sequence padded to whole chunks, back to back.
+
+    Returns the row of every packed token in a ``(n_chunks * chunk_size)`` grid,
+    each sequence's first chunk (``N + 1`` offsets) and the number of chunks.
+    """
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    chunks = (lengths + chunk_size - 1) // chunk_size
+    offsets = torch.nn.functional.pad(chunks.cumsum(0), (1, 0))
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+    local = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - cu_seqlens[seq]
+    return offsets[seq] * chunk_size + local, offsets, int(offsets[-1])
+
+
+def _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size):
+    """The chunked form over the flat chunk layout; the state scan runs in Triton."""
+    from .gated_delta_triton import scan_chunks
+
+    n = _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
+    low_precision = v.dtype in (torch.bfloat16, torch.float16)
+    q, k, v, g, beta, out_dtype = _prepare_sequence_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    cu = torch.arange(B + 1, device=q.device) * T if cu_seqlens is None else cu_seqlens.to(q.device)
+    rows, offsets, n_chunks = _chunk_rows(cu, chunk_size)
+    S0 = None if initial_state is None else initial_state.to(q.dtype)
+    if n_chunks == 0 or n == 0:
+        return v.new_zeros(B, T, H, V).to(out_dtype), q.new_zeros(n, H, K, V) if S0 is None else S0
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape((B * T,) + x.shape[2:])
+        grid = flat.new_zeros((n_chunks * chunk_size,) + x.shape[2:]).index_copy(0, rows, flat)
+        return grid.view((n_chunks, chunk_size) + x.shape[2:]).transpose(1, 2)
+
+    terms = intra_chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta)))
+    O, S = scan_chunks(*terms, S0, offsets, low_precision)
+    o = O.transpose(1, 2).reshape(n_chunks * chunk_size, H, V).index_select(0, rows)
+    return o.view(B, T, H, V).to(out_dtype), S
+
+
+def _triton_covers(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> bool:
+    from .gated_delta_triton import supports
+
+    return q.dtype != torch.float64 and supports(q.shape[-1], v.shape[-1], chunk_size)
+
+
 def chunk_gated_delta(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -252,8 +320,11 @@ def chunk_gated_delta(
     """Chunked gated delta rule; returns ``(o, final_state)`` (final state float32).
 
     Sequences of length 0 in a varlen batch return their initial state unchanged.
+    The Triton path covers head dimensions up to 256, chunk sizes 16, 32 and 64
+    and float32/bf16/fp16 inputs; other problems run on the PyTorch path.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    resolve_backend(q, has_triton_impl=False)
+    if resolve_backend(q, has_triton_impl=_triton_covers(q, v, chunk_size)) == "triton":
+        return _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size)
     return _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size)

@@ -1,9 +1,41 @@
-"""Shared fixtures: tiny MoM configurations and deterministic seeds."""
+"""Shared fixtures: tiny model configurations, deterministic seeds, and Triton's interpreter on CPU."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run under Triton's interpreter (tiny shapes only).
+# The variable must be set before the first kernel is decorated, i.e. before the
+# first call that selects the Triton backend.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _fix_triton_interpreter_scalars() -> None:
+    """Triton 3.6's interpreter turns a scalar into an index with ``int(array of shape (1,))``,
+    an error since NumPy 2.4; every kernel loop with a runtime bound hits it. Read the
+    element instead (the interpreter restores the attribute after each launch)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "index_fixed", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.index_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_triton_interpreter_scalars()
 
 from mnemo import (
     AtlasConfig,

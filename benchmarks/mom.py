@@ -1,0 +1,191 @@
+"""MoM on the GPU: mnemo's layer and model beside the anchors, one process, one table.
+
+Same work as shared/anchors/bench_anchors.py: bf16, hidden 1024, 4 heads x 256,
+4 memories top-2 + shared, 16,384 tokens per batch at T=2048 and T=8192, and
+4-layer models decoding after 1K / 16K / 64K-token prompts. Run on the GPU machine
+with mnemo installed (``python benchmarks/mom.py``; ``ONLY=train|kernel|decode``
+runs one part; ``ANCHOR_DECODE=1`` adds fla's MoM to the decoding rows). The anchors need flash-linear-attention 0.6.0. Prints JSON lines and
+writes ``$OUT/mom.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mnemo import MoMConfig, MoMForCausalLM
+from mnemo.kernels import chunk_gated_delta, use_backend
+from mnemo.modeling.mom_layer import MoMMemoryLayer
+
+D, TOKENS, DEV, DT = 1024, 16384, "cuda", torch.bfloat16
+results: dict = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}}
+try:
+    import transformers
+    import triton
+
+    results["env"].update(triton=triton.__version__, transformers=transformers.__version__)
+except ImportError:
+    pass
+
+
+def record(**row):
+    results.setdefault("rows", []).append(row)
+    print(json.dumps(row), flush=True)
+
+
+def bench(fn, warmup=3, iters=10):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def fla_modules():
+    """fla's layers and models, or None; its Hopper guard is lifted for timing only (see ANCHORS.md)."""
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        import fla.layers
+        import fla.models
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception as exc:  # the anchors are optional
+        record(what="fla_import", err=repr(exc)[:200])
+        return None
+    return fla.layers, fla.models, chunk_gated_delta_rule
+
+
+class SdpaAttention(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.h = h
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+
+
+def mom_config(**kw) -> MoMConfig:
+    return MoMConfig(hidden_size=D, num_heads=4, head_dim=256, num_memories=4, topk=2, shared_memory=True, **kw)
+
+
+def train(fla):
+    layers = {"mnemo_mom_triton": ("triton", lambda: MoMMemoryLayer(mom_config(), 0)),
+              "mnemo_mom_torch": ("torch", lambda: MoMMemoryLayer(mom_config(), 0)),
+              "sdpa_attention_16x64": ("torch", lambda: SdpaAttention(D, 16))}
+    if fla is not None:
+        layers["fla_mom"] = ("torch", lambda: fla[0].MomAttention(
+            hidden_size=D, head_dim=256, num_heads=4, expand_v=1, num_memories=4, topk=2, shared_mem=True))
+        layers["fla_gated_deltanet"] = ("torch", lambda: fla[0].GatedDeltaNet(
+            hidden_size=D, head_dim=256, num_heads=4, expand_v=1))
+    for T in (2048, 8192):
+        B = TOKENS // T
+        for name, (backend, make) in layers.items():
+            try:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                layer = make().to(DEV, DT)
+                x = torch.randn(B, T, D, device=DEV, dtype=DT, requires_grad=True)
+
+                def step():
+                    x.grad = None
+                    out = layer(x)
+                    (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+
+                with use_backend(backend):
+                    ms = bench(step, warmup=2, iters=5)
+                record(what="train_fwd_bwd", layer=name, T=T, B=B, ms=round(ms, 2),
+                       peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+                del layer, x
+            except Exception as exc:
+                record(what="train_fwd_bwd", layer=name, T=T, B=B, err=repr(exc)[:300])
+
+
+def kernel(fla):
+    """The recurrence alone, 4 heads x 256, bf16: 16K tokens (B=8, T=2K) and 48K (B=24)."""
+    for B in (8, 24):
+        T = 2048
+        gen = torch.Generator(device=DEV).manual_seed(0)
+        q, k, v = (torch.randn(B, T, 4, 256, device=DEV, dtype=DT, generator=gen).requires_grad_() for _ in range(3))
+        g = (-F.softplus(torch.randn(B, T, 4, device=DEV, generator=gen))).requires_grad_()
+        beta = torch.rand(B, T, 4, device=DEV, generator=gen).requires_grad_()
+        runs = {"mnemo_triton": lambda: chunk_gated_delta(q, k, v, g, beta)}
+        if fla is not None:
+            runs["fla_chunk_gated_delta_rule"] = lambda: fla[2](q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        for name, fn in runs.items():
+            with use_backend("triton" if name.startswith("mnemo") else "torch"):
+                fwd = bench(lambda: fn(), warmup=2, iters=10)
+                both = bench(lambda: fn()[0].float().sum().backward(), warmup=2, iters=10)
+            record(what="kernel", impl=name, B=B, T=T, fwd_ms=round(fwd, 2), fwd_bwd_ms=round(both, 2))
+
+
+def decode(fla):
+    models = {"mnemo_mom": lambda: MoMForCausalLM(mom_config(num_hidden_layers=4, vocab_size=32000))}
+    if fla is not None and os.environ.get("ANCHOR_DECODE"):  # ANCHORS.md has them; ~1 s per token at B=16
+        models["fla_mom"] = lambda: fla[1].MomForCausalLM(fla[1].MomConfig(
+            hidden_size=D, num_hidden_layers=4, num_heads=4, head_dim=256, expand_v=1, num_memories=4, topk=2,
+            shared_mem=True, vocab_size=32000))
+    for name, make in models.items():
+        model = make().to(DEV, DT).eval()
+        for B, P in ((1, 1024), (1, 16384), (1, 65536), (16, 1024), (16, 16384)):
+            try:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                ids = torch.randint(0, 32000, (B, P), device=DEV)
+                with torch.no_grad():
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    out = model(input_ids=ids, use_cache=True)
+                    torch.cuda.synchronize()
+                    prefill = time.perf_counter() - start
+                    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                    for _ in range(8):
+                        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+                        cache = out.past_key_values
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(32):
+                        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+                        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                    torch.cuda.synchronize()
+                ms = (time.perf_counter() - start) / 32 * 1e3
+                row = dict(what="decode", model=name, B=B, prompt=P, ms_per_token=round(ms, 2),
+                           prefill_s=round(prefill, 2), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+                if name.startswith("mnemo") and P == 1024:
+                    with torch.no_grad():
+                        model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+                        torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+                        torch.cuda.synchronize()
+                    row["generate_tok_per_s"] = round(B * 64 / (time.perf_counter() - start))
+                record(**row)
+            except Exception as exc:
+                record(what="decode", model=name, B=B, prompt=P, err=repr(exc)[:300])
+        del model
+
+
+def main():
+    fla = fla_modules()
+    only = os.environ.get("ONLY")
+    for part in (kernel, train, decode):
+        if not only or only == part.__name__:
+            part(fla)
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "mom.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

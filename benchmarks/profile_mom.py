@@ -1,0 +1,41 @@
+"""Where one MoM layer's forward+backward spends its GPU time (torch.profiler), bf16, hidden 1024.
+
+``python benchmarks/profile_mom.py`` on the GPU machine prints the kernels by total
+CUDA time for the layer (B=8, T=2048) and for the gated delta rule alone (48K tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mnemo import MoMConfig
+from mnemo.kernels import chunk_gated_delta
+from mnemo.modeling.mom_layer import MoMMemoryLayer
+
+
+def show(fn, title, rows=25):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"=== {title}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
+
+
+def main():
+    layer = MoMMemoryLayer(MoMConfig(hidden_size=1024, num_heads=4, head_dim=256), 0).cuda().bfloat16()
+    x = torch.randn(8, 2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    show(lambda: layer(x)[0].float().sum().backward(), "MoM layer fwd+bwd, B=8 T=2048")
+    q, k, v = (torch.randn(1, 49152, 4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = (-torch.rand(1, 49152, 4, device="cuda")).requires_grad_()
+    beta = torch.rand(1, 49152, 4, device="cuda").requires_grad_()
+    cu = torch.arange(25, device="cuda") * 2048
+    show(lambda: chunk_gated_delta(q, k, v, g, beta, cu_seqlens=cu)[0].float().sum().backward(),
+         "chunk_gated_delta fwd+bwd, 24 x 2048 tokens")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,380 @@
+"""Triton path of the gated delta rule: the chunk-to-chunk state scan and the decode step.
+
+The chunked form (``gated_delta.intra_chunk_terms``) splits the recurrence into
+terms that are independent across chunks, batched on the whole packed batch at
+once in PyTorch, and a scan that carries the state from chunk to chunk::
+
+    D_c     = U_c - W_c S_c
+    O_c     = Qd_c S_c + P_c D_c
+    S_{c+1} = gamma_c S_c + Kd_c^T D_c
+
+The scan is the only sequential part. :func:`scan_chunks` runs it in one launch
+for every (sequence, head, block of value columns): a column block of the state
+never mixes with another one, so the state of one program is a ``(d_k, BV)``
+tile held in registers for the whole sequence, and sequences of any lengths
+(the routed subsequences of MoM) share the launch through per-sequence chunk
+offsets. Its backward is a second scan in reverse, for ``dD_c`` and the state
+gradients; every other gradient is then one batched matmul.
+
+:func:`step` fuses one decoding step (L2 norm, decay, delta write, read) for all
+sequences and heads in one launch.
+
+Triton 3.6 on Hopper miscompiles ``tl.dot`` of a transposed ``tl.dot`` result
+(see the project's Triton notes): every transposed operand here is loaded
+transposed from memory, never produced by ``tl.trans``.
+
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # machines without Triton use the PyTorch path
+    triton = None
+
+__all__ = ["scan_chunks", "step", "supports"]
+
+MAX_HEAD_DIM = 256
+
+
+def supports(key_dim: int, value_dim: int, chunk_size: int) -> bool:
+    """Whether these kernels cover the shape (else the caller uses the PyTorch path)."""
+    return (
+        triton is not None
+        and key_dim <= MAX_HEAD_DIM
+        and value_dim <= MAX_HEAD_DIM
+        and chunk_size in (16, 32, 64)
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _ck(ptr, kb: tl.constexpr, r, K, BK: tl.constexpr):
+        """Columns ``kb * BK ...`` of a row-major ``(C, K)`` chunk matrix: a ``(C, BK)`` tile."""
+        kk = kb * BK + tl.arange(0, BK)
+        return tl.load(ptr + r[:, None] * K + kk[None, :], mask=(r[:, None] >= 0) & (kk[None, :] < K), other=0.0)
+
+    @triton.jit
+    def _kc(ptr, kb: tl.constexpr, r, K, BK: tl.constexpr):
+        """The same tile read transposed from memory: ``(BK, C)``."""
+        kk = kb * BK + tl.arange(0, BK)
+        return tl.load(ptr + r[None, :] * K + kk[:, None], mask=(kk[:, None] < K) & (r[None, :] >= 0), other=0.0)
+
+    @triton.jit
+    def _kv_ptrs(ptr, kb: tl.constexpr, vv, K, V, BK: tl.constexpr):
+        """Pointers and mask of rows ``kb * BK ...``, columns ``vv`` of a ``(K, V)`` state."""
+        kk = kb * BK + tl.arange(0, BK)
+        return ptr + kk[:, None] * V + vv[None, :], (kk[:, None] < K) & (vv[None, :] < V)
+
+    @triton.jit
+    def _load_kv(ptr, kb: tl.constexpr, vv, K, V, BK: tl.constexpr):
+        p, m = _kv_ptrs(ptr, kb, vv, K, V, BK)
+        return tl.load(p, mask=m, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _store_kv(ptr, kb: tl.constexpr, vv, K, V, BK: tl.constexpr, x):
+        p, m = _kv_ptrs(ptr, kb, vv, K, V, BK)
+        tl.store(p, x, mask=m)
+
+    # The state of one program is up to four (BK, BV) tiles s0..s3 (d_k <= 4 * BK):
+    # one (d_k, BV) tile would put whole (C, d_k) operands in shared memory.
+
+    @triton.jit
+    def _scan_forward_kernel(
+        U, W, P, QD, KD, GAMMA, S0, O, D, STATES, SF, OFFSETS,
+        H, K, V,
+        C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr,
+        HAS_S0: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        i_nh = tl.program_id(0)
+        i_v = tl.program_id(1)
+        i_n = i_nh // H
+        i_h = i_nh % H
+        c_start = tl.load(OFFSETS + i_n).to(tl.int64)
+        c_end = tl.load(OFFSETS + i_n + 1).to(tl.int64)
+
+        r = tl.arange(0, C)
+        vv = i_v * BV + tl.arange(0, BV)
+        cv_off = r[:, None] * V + vv[None, :]
+        cv_mask = (r[:, None] >= 0) & (vv[None, :] < V)
+        cc_off = r[:, None] * C + r[None, :]
+
+        s0 = tl.zeros([BK, BV], dtype=tl.float32)
+        s1 = tl.zeros([BK, BV], dtype=tl.float32)
+        s2 = tl.zeros([BK, BV], dtype=tl.float32)
+        s3 = tl.zeros([BK, BV], dtype=tl.float32)
+        state = i_nh.to(tl.int64) * K * V
+        if HAS_S0:
+            s0 = _load_kv(S0 + state, 0, vv, K, V, BK)
+            if NK > 1:
+                s1 = _load_kv(S0 + state, 1, vv, K, V, BK)
+            if NK > 2:
+                s2 = _load_kv(S0 + state, 2, vv, K, V, BK)
+            if NK > 3:
+                s3 = _load_kv(S0 + state, 3, vv, K, V, BK)
+
+        for c in range(c_start, c_end):
+            ch = c * H + i_h
+            w, qd, kd = W + ch * C * K, QD + ch * C * K, KD + ch * C * K
+            if SAVE:
+                _store_kv(STATES + ch * K * V, 0, vv, K, V, BK, s0)
+                if NK > 1:
+                    _store_kv(STATES + ch * K * V, 1, vv, K, V, BK, s1)
+                if NK > 2:
+                    _store_kv(STATES + ch * K * V, 2, vv, K, V, BK, s2)
+                if NK > 3:
+                    _store_kv(STATES + ch * K * V, 3, vv, K, V, BK, s3)
+            # D = U - W S and O = Qd S + P D
+            d = tl.load(U + ch * C * V + cv_off, mask=cv_mask, other=0.0)
+            d -= tl.dot(_ck(w, 0, r, K, BK), s0, input_precision=PRECISION)
+            o = tl.dot(_ck(qd, 0, r, K, BK), s0, input_precision=PRECISION)
+            if NK > 1:
+                d -= tl.dot(_ck(w, 1, r, K, BK), s1, input_precision=PRECISION)
+                o += tl.dot(_ck(qd, 1, r, K, BK), s1, input_precision=PRECISION)
+            if NK > 2:
+                d -= tl.dot(_ck(w, 2, r, K, BK), s2, input_precision=PRECISION)
+                o += tl.dot(_ck(qd, 2, r, K, BK), s2, input_precision=PRECISION)
+            if NK > 3:
+                d -= tl.dot(_ck(w, 3, r, K, BK), s3, input_precision=PRECISION)
+                o += tl.dot(_ck(qd, 3, r, K, BK), s3, input_precision=PRECISION)
+            if SAVE:
+                tl.store(D + ch * C * V + cv_off, d, mask=cv_mask)
+            o += tl.dot(tl.load(P + ch * C * C + cc_off), d, input_precision=PRECISION)
+            tl.store(O + ch * C * V + cv_off, o, mask=cv_mask)
+            # S <- gamma S + Kd^T D
+            gamma = tl.load(GAMMA + ch)
+            s0 = gamma * s0 + tl.dot(_kc(kd, 0, r, K, BK), d, input_precision=PRECISION)
+            if NK > 1:
+                s1 = gamma * s1 + tl.dot(_kc(kd, 1, r, K, BK), d, input_precision=PRECISION)
+            if NK > 2:
+                s2 = gamma * s2 + tl.dot(_kc(kd, 2, r, K, BK), d, input_precision=PRECISION)
+            if NK > 3:
+                s3 = gamma * s3 + tl.dot(_kc(kd, 3, r, K, BK), d, input_precision=PRECISION)
+
+        _store_kv(SF + state, 0, vv, K, V, BK, s0)
+        if NK > 1:
+            _store_kv(SF + state, 1, vv, K, V, BK, s1)
+        if NK > 2:
+            _store_kv(SF + state, 2, vv, K, V, BK, s2)
+        if NK > 3:
+            _store_kv(SF + state, 3, vv, K, V, BK, s3)
+
+    @triton.jit
+    def _scan_backward_kernel(
+        W, QD, KD, GAMMA, DO, PT_DO, DSF, DD, DS_NEXT, DS0, OFFSETS,
+        H, K, V,
+        C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr,
+        HAS_DSF: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        i_nh = tl.program_id(0)
+        i_v = tl.program_id(1)
+        i_n = i_nh // H
+        i_h = i_nh % H
+        c_start = tl.load(OFFSETS + i_n).to(tl.int64)
+        c_end = tl.load(OFFSETS + i_n + 1).to(tl.int64)
+
+        r = tl.arange(0, C)
+        vv = i_v * BV + tl.arange(0, BV)
+        cv_off = r[:, None] * V + vv[None, :]
+        cv_mask = (r[:, None] >= 0) & (vv[None, :] < V)
+
+        ds0 = tl.zeros([BK, BV], dtype=tl.float32)
+        ds1 = tl.zeros([BK, BV], dtype=tl.float32)
+        ds2 = tl.zeros([BK, BV], dtype=tl.float32)
+        ds3 = tl.zeros([BK, BV], dtype=tl.float32)
+        state = i_nh.to(tl.int64) * K * V
+        if HAS_DSF:
+            ds0 = _load_kv(DSF + state, 0, vv, K, V, BK)
+            if NK > 1:
+                ds1 = _load_kv(DSF + state, 1, vv, K, V, BK)
+            if NK > 2:
+                ds2 = _load_kv(DSF + state, 2, vv, K, V, BK)
+            if NK > 3:
+                ds3 = _load_kv(DSF + state, 3, vv, K, V, BK)
+
+        for j in range(0, c_end - c_start):
+            c = c_end - 1 - j
+            ch = c * H + i_h
+            w, qd, kd = W + ch * C * K, QD + ch * C * K, KD + ch * C * K
+            # ds* is the gradient of the state leaving chunk c.
+            _store_kv(DS_NEXT + ch * K * V, 0, vv, K, V, BK, ds0)
+            if NK > 1:
+                _store_kv(DS_NEXT + ch * K * V, 1, vv, K, V, BK, ds1)
+            if NK > 2:
+                _store_kv(DS_NEXT + ch * K * V, 2, vv, K, V, BK, ds2)
+            if NK > 3:
+                _store_kv(DS_NEXT + ch * K * V, 3, vv, K, V, BK, ds3)
+            # dD = P^T dO + Kd dS'
+            dd = tl.load(PT_DO + ch * C * V + cv_off, mask=cv_mask, other=0.0)
+            dd += tl.dot(_ck(kd, 0, r, K, BK), ds0, input_precision=PRECISION)
+            if NK > 1:
+                dd += tl.dot(_ck(kd, 1, r, K, BK), ds1, input_precision=PRECISION)
+            if NK > 2:
+                dd += tl.dot(_ck(kd, 2, r, K, BK), ds2, input_precision=PRECISION)
+            if NK > 3:
+                dd += tl.dot(_ck(kd, 3, r, K, BK), ds3, input_precision=PRECISION)
+            tl.store(DD + ch * C * V + cv_off, dd, mask=cv_mask)
+            # dS = gamma dS' + Qd^T dO - W^T dD
+            do = tl.load(DO + ch * C * V + cv_off, mask=cv_mask, other=0.0)
+            gamma = tl.load(GAMMA + ch)
+            ds0 = gamma * ds0 + tl.dot(_kc(qd, 0, r, K, BK), do, input_precision=PRECISION) - tl.dot(
+                _kc(w, 0, r, K, BK), dd, input_precision=PRECISION)
+            if NK > 1:
+                ds1 = gamma * ds1 + tl.dot(_kc(qd, 1, r, K, BK), do, input_precision=PRECISION) - tl.dot(
+                    _kc(w, 1, r, K, BK), dd, input_precision=PRECISION)
+            if NK > 2:
+                ds2 = gamma * ds2 + tl.dot(_kc(qd, 2, r, K, BK), do, input_precision=PRECISION) - tl.dot(
+                    _kc(w, 2, r, K, BK), dd, input_precision=PRECISION)
+            if NK > 3:
+                ds3 = gamma * ds3 + tl.dot(_kc(qd, 3, r, K, BK), do, input_precision=PRECISION) - tl.dot(
+                    _kc(w, 3, r, K, BK), dd, input_precision=PRECISION)
+
+        _store_kv(DS0 + state, 0, vv, K, V, BK, ds0)
+        if NK > 1:
+            _store_kv(DS0 + state, 1, vv, K, V, BK, ds1)
+        if NK > 2:
+            _store_kv(DS0 + state, 2, vv, K, V, BK, ds2)
+        if NK > 3:
+            _store_kv(DS0 + state, 3, vv, K, V, BK, ds3)
+
+    @triton.jit
+    def _step_kernel(
+        Q, K_, V_, G, BETA, S, O, S_OUT,
+        K, V, scale, eps,
+        BK: tl.constexpr, BV: tl.constexpr, HAS_G: tl.constexpr, L2NORM: tl.constexpr,
+    ):
+        i_nh = tl.program_id(0).to(tl.int64)
+        i_v = tl.program_id(1)
+        kk = tl.arange(0, BK)
+        vv = i_v * BV + tl.arange(0, BV)
+        mk = kk < K
+        mv = vv < V
+        q = tl.load(Q + i_nh * K + kk, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(K_ + i_nh * K + kk, mask=mk, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + eps))
+            k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps))
+        q = q * scale
+        v = tl.load(V_ + i_nh * V + vv, mask=mv, other=0.0).to(tl.float32)
+        beta = tl.load(BETA + i_nh).to(tl.float32)
+        kv_off = i_nh * K * V + kk[:, None] * V + vv[None, :]
+        kv_mask = mk[:, None] & mv[None, :]
+        s = tl.load(S + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        if HAS_G:
+            s = s * tl.exp(tl.load(G + i_nh).to(tl.float32))
+        residual = v - tl.sum(s * k[:, None], axis=0)
+        s = s + k[:, None] * (beta * residual)[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(S_OUT + kv_off, s, mask=kv_mask)
+        tl.store(O + i_nh * V + vv, o, mask=mv)
+
+
+def _block(dim: int) -> int:
+    return max(16, triton.next_power_of_2(dim))
+
+
+def _state_tiles(key_dim: int) -> tuple[int, int]:
+    """``(BK, NK)``: the state's row tile and how many of them cover ``d_k``."""
+    BK = min(64, _block(key_dim))
+    return BK, triton.cdiv(key_dim, BK)
+
+
+def _precision(low_precision: bool) -> str:
+    # float32 problems get exact float32 products; bf16/fp16 ones TF32 tensor cores,
+    # which keep more mantissa (10 bits) than the inputs had.
+    return "tf32" if low_precision else "ieee"
+
+
+_SCAN_BV = 32
+_SCAN_WARPS = 8
+# No software pipelining of the chunk loop: its tiles already fill much of the shared memory.
+
+
+def _scan_forward(U, W, P, Qd, Kd, gamma, S0, offsets, save: bool, low_precision: bool):
+    n_chunks, H, C, V = U.shape
+    K = W.shape[-1]
+    N = offsets.numel() - 1
+    O = torch.empty_like(U)
+    SF = U.new_empty(N, H, K, V)
+    D = torch.empty_like(U) if save else U.new_empty(0)
+    states = U.new_empty(n_chunks, H, K, V) if save else U.new_empty(0)
+    grid = (N * H, triton.cdiv(V, _SCAN_BV))
+    BK, NK = _state_tiles(K)
+    _scan_forward_kernel[grid](
+        U, W, P, Qd, Kd, gamma, S0 if S0 is not None else U, O, D, states, SF, offsets,
+        H, K, V, C=C, BK=BK, NK=NK, BV=_SCAN_BV, HAS_S0=S0 is not None, SAVE=save,
+        PRECISION=_precision(low_precision), num_warps=_SCAN_WARPS, num_stages=1,
+    )
+    return O, SF, D, states
+
+
+class _ScanChunks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, U, W, P, Qd, Kd, gamma, S0, offsets, low_precision):
+        U, W, P, Qd, Kd, gamma = (x.contiguous() for x in (U, W, P, Qd, Kd, gamma))
+        S0 = None if S0 is None else S0.contiguous()
+        save = any(ctx.needs_input_grad[:7])
+        O, SF, D, states = _scan_forward(U, W, P, Qd, Kd, gamma, S0, offsets, save, low_precision)
+        if save:
+            ctx.save_for_backward(W, P, Qd, Kd, gamma, D, states, offsets)
+        ctx.low_precision = low_precision
+        ctx.has_s0 = S0 is not None
+        return O, SF
+
+    @staticmethod
+    def backward(ctx, dO, dSF):
+        W, P, Qd, Kd, gamma, D, states, offsets = ctx.saved_tensors
+        n_chunks, H, C, V = D.shape
+        K = W.shape[-1]
+        N = offsets.numel() - 1
+        dO = torch.zeros_like(D) if dO is None else dO.contiguous().to(D.dtype)
+        pt_do = (P.transpose(-1, -2) @ dO).contiguous()
+        dD = torch.empty_like(D)
+        ds_next = torch.empty_like(states)
+        dS0 = D.new_empty(N, H, K, V)
+        grid = (N * H, triton.cdiv(V, _SCAN_BV))
+        BK, NK = _state_tiles(K)
+        _scan_backward_kernel[grid](
+            W, Qd, Kd, gamma, dO, pt_do, dSF.contiguous() if dSF is not None else dO, dD, ds_next, dS0, offsets,
+            H, K, V, C=C, BK=BK, NK=NK, BV=_SCAN_BV, HAS_DSF=dSF is not None,
+            PRECISION=_precision(ctx.low_precision), num_warps=_SCAN_WARPS, num_stages=1,
+        )
+        states_t = states.transpose(-1, -2)
+        dW = -(dD @ states_t)
+        dQd = dO @ states_t
+        dP = dO @ D.transpose(-1, -2)
+        dKd = D @ ds_next.transpose(-1, -2)
+        dgamma = (states * ds_next).sum((-1, -2))
+        return dD, dW, dP, dQd, dKd, dgamma, dS0 if ctx.has_s0 else None, None, None
+
+
+def scan_chunks(U, W, P, Qd, Kd, gamma, S0, offsets: torch.Tensor, low_precision: bool = False):
+    """Run the chunk-to-chunk scan over a flat list of chunks.
+
+    ``U, Qd`` ... are ``(n_chunks, H, C, D)`` (``P`` ``(n_chunks, H, C, C)``,
+    ``gamma`` ``(n_chunks, H)``), float32; sequence ``i`` owns chunks
+    ``offsets[i]:offsets[i + 1]``. ``S0`` is ``(N, H, d_k, d_v)`` or ``None``.
+    Returns the outputs ``(n_chunks, H, C, d_v)`` and the final states.
+    """
+    return _ScanChunks.apply(U, W, P, Qd, Kd, gamma, S0, offsets, low_precision)
+
+
+def step(q, k, v, g, beta, state, scale: float, use_qk_l2norm: bool, eps: float):
+    """One fused decoding step; shapes as ``gated_delta.step_gated_delta``. Float32 state and output."""
+    N, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    g = None if g is None else g.contiguous()
+    state = state.contiguous()
+    o = torch.empty(N, H, V, dtype=torch.float32, device=v.device)
+    new_state = torch.empty(N, H, K, V, dtype=torch.float32, device=v.device)
+    BV = min(64, _block(V))
+    _step_kernel[(N * H, triton.cdiv(V, BV))](
+        q, k, v, g if g is not None else beta, beta, state, o, new_state,
+        K, V, scale, eps, BK=_block(K), BV=BV, HAS_G=g is not None, L2NORM=use_qk_l2norm, num_warps=4,
+    )
+    return o, new_state

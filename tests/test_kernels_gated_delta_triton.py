@@ -1,0 +1,118 @@
+"""Triton path of the gated delta rule == the float64 reference (outputs, states, every gradient).
+
+Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
+set in conftest), so the shapes are tiny; tests/test_gpu_triton.py repeats the
+comparison at real shapes on CUDA, where code generation can go wrong.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_mom
+from mnemo.kernels import chunk_gated_delta, reference_gated_delta, step_gated_delta, use_backend
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_inputs(B, T, H, K, V, gated=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    g = -torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 2 if gated else None
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    return q, k, v, g, beta
+
+
+def outputs_and_grads(fn, inputs, S0, **kwargs):
+    """Outputs, final state and the gradients of every input of a fixed scalar loss."""
+    leaves = [None if x is None else x.detach().clone().requires_grad_() for x in (*inputs, S0)]
+    o, s = fn(*leaves[:5], initial_state=leaves[5], **kwargs)
+    (o.double().sin().sum() + s.double().cos().sum()).backward()
+    return o.detach(), s.detach(), [None if x is None else x.grad for x in leaves]
+
+
+def assert_matches_reference(inputs, S0, cu_seqlens=None, chunk_size=16, atol=2e-5):
+    ref = outputs_and_grads(reference_gated_delta, inputs, S0, cu_seqlens=cu_seqlens)
+    inputs32 = [None if x is None else x.float().to(DEVICE) for x in inputs]
+    S0_32 = None if S0 is None else S0.float().to(DEVICE)
+    cu = None if cu_seqlens is None else cu_seqlens.to(DEVICE)
+    with use_backend("triton"):
+        tri = outputs_and_grads(chunk_gated_delta, inputs32, S0_32, cu_seqlens=cu, chunk_size=chunk_size)
+    assert tri[0].dtype == torch.float32 and tri[1].dtype == torch.float32
+    torch.testing.assert_close(tri[0].cpu().double(), ref[0], rtol=0, atol=atol, msg="output")
+    torch.testing.assert_close(tri[1].cpu().double(), ref[1], rtol=0, atol=atol, msg="final state")
+    for name, a, b in zip("q k v g beta S0".split(), tri[2], ref[2]):
+        if b is not None:
+            scale = max(1.0, b.abs().max().item())
+            torch.testing.assert_close(a.cpu().double(), b, rtol=0, atol=atol * 5 * scale, msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+@pytest.mark.parametrize("gated", [True, False])
+def test_chunk_equals_reference(chunk_size, gated):
+    inputs = make_inputs(2, 37, 2, 8, 12, gated=gated, seed=chunk_size)
+    S0 = torch.randn(2, 2, 8, 12, dtype=torch.float64)
+    assert_matches_reference(inputs, S0, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("K", [5, 130, 256])
+def test_chunk_without_initial_state_and_odd_head_dims(K):
+    # Odd sizes are padded to power-of-two tiles; d_k > 64 spreads the state over 2-4 row tiles.
+    assert_matches_reference(make_inputs(1, 21, 2, K, 20, seed=3), None)
+    assert_matches_reference(make_inputs(1, 19, 1, K, 20, seed=4), torch.randn(1, 1, K, 20, dtype=torch.float64))
+
+
+def test_varlen_with_empty_sequences_equals_reference():
+    lengths = [5, 0, 35, 1, 17, 0]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    inputs = make_inputs(1, int(cu[-1]), 2, 8, 8, seed=1)
+    S0 = torch.randn(len(lengths), 2, 8, 8, dtype=torch.float64)
+    assert_matches_reference(inputs, S0, cu_seqlens=cu)
+    with use_backend("triton"):
+        _, s = chunk_gated_delta(*(x.float() for x in inputs), initial_state=S0.float(), cu_seqlens=cu, chunk_size=16)
+    assert torch.equal(s[1], S0[1].float()), "an empty sequence must return its initial state unchanged"
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_step_equals_reference_step(gated, l2norm):
+    q, k, v, g, beta = (None if x is None else x[:, 0] for x in make_inputs(3, 1, 2, 8, 20, gated=gated, seed=4))
+    state = torch.randn(3, 2, 8, 20, dtype=torch.float64)
+    o_ref, s_ref = step_gated_delta(q, k, v, g, beta, state, use_qk_l2norm=l2norm, scale=0.3)
+    with use_backend("triton"):
+        o, s = step_gated_delta(*(None if x is None else x.float() for x in (q, k, v, g, beta, state)),
+                                use_qk_l2norm=l2norm, scale=0.3)
+    # float32 rounding of float64 values: unnormalised keys give states of size ~10.
+    torch.testing.assert_close(o.double(), o_ref, rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(s.double(), s_ref, rtol=1e-6, atol=2e-6)
+
+
+def test_unsupported_shapes_name_the_reason():
+    q, k, v, g, beta = (x.float() for x in make_inputs(1, 4, 1, 4, 4))
+    with use_backend("triton"), pytest.raises(NotImplementedError, match="Triton"):
+        chunk_gated_delta(q, k, v, g, beta, chunk_size=8)
+    # Automatic selection on CPU tensors takes the PyTorch path, whatever the shape.
+    chunk_gated_delta(q, k, v, g, beta, chunk_size=8)
+
+
+def test_mom_model_triton_equals_torch_path():
+    """The whole MoM model, left-padded batch and cached generation, on both paths."""
+    model = tiny_mom(chunk_size=16).to(DEVICE)
+    ids = torch.randint(1, 97, (2, 37), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    with torch.no_grad():
+        with use_backend("torch"):
+            ref = model(ids, attention_mask=mask).logits
+            gen_ref = model.generate(ids[:, :20], attention_mask=mask[:, :20], max_new_tokens=5, do_sample=False)
+        with use_backend("triton"):
+            out = model(ids, attention_mask=mask).logits
+            gen = model.generate(ids[:, :20], attention_mask=mask[:, :20], max_new_tokens=5, do_sample=False)
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-5)
+    assert torch.equal(gen, gen_ref)
