@@ -4,7 +4,7 @@ Same work as shared/anchors/bench_anchors.py: bf16, hidden 1024, 4 heads x 256,
 4 memories top-2 + shared, 16,384 tokens per batch at T=2048 and T=8192, and
 4-layer models decoding after 1K / 16K / 64K-token prompts. Run on the GPU machine
 with mnemo installed (``python benchmarks/mom.py``; ``ONLY=train|kernel|decode``
-runs one part; ``ANCHOR_DECODE=1`` adds fla's MoM to the decoding rows). The anchors need flash-linear-attention 0.6.0. Prints JSON lines and
+runs one part; ``ANCHORS=1`` adds fla's layers, ``ANCHOR_DECODE=1`` also its MoM model). The anchors need flash-linear-attention 0.6.0. Prints JSON lines and
 writes ``$OUT/mom.json``.
 """
 
@@ -50,7 +50,10 @@ def bench(fn, warmup=3, iters=10):
 
 
 def fla_modules():
-    """fla's layers and models, or None; its Hopper guard is lifted for timing only (see ANCHORS.md)."""
+    """fla's layers and models with ``ANCHORS=1``, else None; its Hopper guard is lifted for timing only
+    (see ANCHORS.md). fla autotunes on first use, which takes minutes."""
+    if not os.environ.get("ANCHORS"):
+        return None
     try:
         import fla.ops.common.chunk_o as chunk_o
 
@@ -128,7 +131,10 @@ def kernel(fla):
             with use_backend("triton" if name.startswith("mnemo") else "torch"):
                 fwd = bench(lambda: fn(), warmup=2, iters=10)
                 both = bench(lambda: fn()[0].float().sum().backward(), warmup=2, iters=10)
-            record(what="kernel", impl=name, B=B, T=T, fwd_ms=round(fwd, 2), fwd_bwd_ms=round(both, 2))
+                with torch.no_grad():
+                    inference = bench(lambda: fn(), warmup=2, iters=10)
+            record(what="kernel", impl=name, B=B, T=T, fwd_ms=round(fwd, 2), fwd_bwd_ms=round(both, 2),
+                   no_grad_fwd_ms=round(inference, 2))
 
 
 def decode(fla):

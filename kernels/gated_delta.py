@@ -258,41 +258,60 @@ def _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2no
     return o.unsqueeze(0).to(out_dtype), S
 
 
-def _chunk_rows(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int):
     """The flat chunk layout of a packed batch: each sequence padded to whole chunks, back to back.
 
     Returns the row of every packed token in a ``(n_chunks * chunk_size)`` grid,
-    each sequence's first chunk (``N + 1`` offsets) and the number of chunks.
+    each sequence's first chunk (``N + 1`` offsets), each chunk's first token and
+    length, and the number of chunks.
     """
+    device = cu_seqlens.device
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     chunks = (lengths + chunk_size - 1) // chunk_size
     offsets = torch.nn.functional.pad(chunks.cumsum(0), (1, 0))
-    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
-    local = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - cu_seqlens[seq]
-    return offsets[seq] * chunk_size + local, offsets, int(offsets[-1])
+    n_chunks = int(offsets[-1])
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+    local = torch.arange(int(cu_seqlens[-1]), device=device) - cu_seqlens[seq]
+    rows = offsets[seq] * chunk_size + local
+    chunk_seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), chunks)
+    chunk_start = cu_seqlens[chunk_seq] + (torch.arange(n_chunks, device=device) - offsets[chunk_seq]) * chunk_size
+    chunk_len = torch.minimum(cu_seqlens[chunk_seq + 1] - chunk_start, torch.full_like(chunk_start, chunk_size))
+    return rows, offsets, chunk_start, chunk_len.to(torch.int32), n_chunks
 
 
 def _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size):
-    """The chunked form over the flat chunk layout; the state scan runs in Triton."""
-    from .gated_delta_triton import scan_chunks
+    """The chunked form over the flat chunk layout; the state scan runs in Triton, and so do the
+    intra-chunk terms when no gradient is needed."""
+    from .gated_delta_triton import intra_chunk_terms_packed, scan_chunks
 
     n = _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
-    low_precision = v.dtype in (torch.bfloat16, torch.float16)
-    q, k, v, g, beta, out_dtype = _prepare_sequence_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
+    out_dtype = v.dtype
+    low_precision = out_dtype in (torch.bfloat16, torch.float16)
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
     B, T, H, K = q.shape
     V = v.shape[-1]
     cu = torch.arange(B + 1, device=q.device) * T if cu_seqlens is None else cu_seqlens.to(q.device)
-    rows, offsets, n_chunks = _chunk_rows(cu, chunk_size)
-    S0 = None if initial_state is None else initial_state.to(q.dtype)
+    rows, offsets, chunk_start, chunk_len, n_chunks = _chunk_layout(cu, chunk_size)
+    S0 = None if initial_state is None else initial_state.float()
     if n_chunks == 0 or n == 0:
-        return v.new_zeros(B, T, H, V).to(out_dtype), q.new_zeros(n, H, K, V) if S0 is None else S0
+        return v.new_zeros(B, T, H, V), q.new_zeros(n, H, K, V, dtype=torch.float32) if S0 is None else S0
 
-    def to_chunks(x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape((B * T,) + x.shape[2:])
-        grid = flat.new_zeros((n_chunks * chunk_size,) + x.shape[2:]).index_copy(0, rows, flat)
-        return grid.view((n_chunks, chunk_size) + x.shape[2:]).transpose(1, 2)
+    if needs_grad:
+        q, k, v, g, beta, _ = _prepare_sequence_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
 
-    terms = intra_chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta)))
+        def to_chunks(x: torch.Tensor) -> torch.Tensor:
+            flat = x.reshape((B * T,) + x.shape[2:])
+            grid = flat.new_zeros((n_chunks * chunk_size,) + x.shape[2:]).index_copy(0, rows, flat)
+            return grid.view((n_chunks, chunk_size) + x.shape[2:]).transpose(1, 2)
+
+        terms = intra_chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta)))
+    else:
+        terms = intra_chunk_terms_packed(
+            *(None if x is None else x.reshape((B * T,) + x.shape[2:]) for x in (q, k, v, g, beta)),
+            chunk_start, chunk_len, chunk_size, K**-0.5 if scale is None else scale, use_qk_l2norm, L2_EPS,
+            low_precision,
+        )
     O, S = scan_chunks(*terms, S0, offsets, low_precision)
     o = O.transpose(1, 2).reshape(n_chunks * chunk_size, H, V).index_select(0, rows)
     return o.view(B, T, H, V).to(out_dtype), S

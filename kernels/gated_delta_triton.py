@@ -16,6 +16,10 @@ tile held in registers for the whole sequence, and sequences of any lengths
 offsets. Its backward is a second scan in reverse, for ``dD_c`` and the state
 gradients; every other gradient is then one batched matmul.
 
+Without gradients (prefill, evaluation) the intra-chunk terms come from one
+kernel too (:func:`intra_chunk_terms_packed`), read straight from the packed
+tokens; with gradients they stay PyTorch, whose autograd gives their backward.
+
 :func:`step` fuses one decoding step (L2 norm, decay, delta write, read) for all
 sequences and heads in one launch.
 
@@ -35,7 +39,7 @@ try:
 except ImportError:  # machines without Triton use the PyTorch path
     triton = None
 
-__all__ = ["scan_chunks", "step", "supports"]
+__all__ = ["intra_chunk_terms_packed", "scan_chunks", "step", "supports"]
 
 MAX_HEAD_DIM = 256
 
@@ -242,6 +246,91 @@ if triton is not None:
             _store_kv(DS0 + state, 3, vv, K, V, BK, ds3)
 
     @triton.jit
+    def _intra_forward_kernel(
+        Q, K_, V_, G, BETA, CH_START, CH_LEN, U, W, PM, QD, KD, GAMMA,
+        H, K, V, scale, eps,
+        C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+        HAS_G: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """``intra_chunk_terms`` of one (chunk, head), read straight from the packed tokens."""
+        ch = tl.program_id(0).to(tl.int64)
+        i_h = tl.program_id(1)
+        t0 = tl.load(CH_START + ch).to(tl.int64)
+        length = tl.load(CH_LEN + ch)
+        r = tl.arange(0, C)
+        valid = r < length
+        tok = t0 + r
+        if HAS_G:
+            g = tl.load(G + tok * H + i_h, mask=valid, other=0.0).to(tl.float32)
+        else:
+            g = tl.zeros([C], dtype=tl.float32)
+        beta = tl.load(BETA + tok * H + i_h, mask=valid, other=0.0).to(tl.float32)
+        G_cum = tl.cumsum(g, axis=0)
+        G_last = tl.sum(g, axis=0)
+
+        # Gram matrices K K^T and Q K^T and the squared norms, over column blocks of d_k.
+        qk_base = tok * H * K + i_h * K
+        kk = tl.zeros([C, C], dtype=tl.float32)
+        qk = tl.zeros([C, C], dtype=tl.float32)
+        q_sq = tl.zeros([C], dtype=tl.float32)
+        k_sq = tl.zeros([C], dtype=tl.float32)
+        for kb in tl.static_range(NK):
+            cols = kb * BK + tl.arange(0, BK)
+            m = valid[:, None] & (cols[None, :] < K)
+            m_t = (cols[:, None] < K) & valid[None, :]
+            q_b = tl.load(Q + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            k_b = tl.load(K_ + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            k_t = tl.load(K_ + qk_base[None, :] + cols[:, None], mask=m_t, other=0.0).to(tl.float32)
+            kk += tl.dot(k_b, k_t, input_precision=PRECISION)
+            qk += tl.dot(q_b, k_t, input_precision=PRECISION)
+            q_sq += tl.sum(q_b * q_b, axis=1)
+            k_sq += tl.sum(k_b * k_b, axis=1)
+        if L2NORM:
+            rq = scale / tl.sqrt(q_sq + eps)
+            rk = 1.0 / tl.sqrt(k_sq + eps)
+        else:
+            rq = tl.zeros([C], dtype=tl.float32) + scale
+            rk = tl.zeros([C], dtype=tl.float32) + 1.0
+
+        causal = r[:, None] >= r[None, :]
+        # exp of masked differences, never of a positive number (as in intra_chunk_terms)
+        decay = tl.exp(tl.where(causal, G_cum[:, None] - G_cum[None, :], float("-inf")))
+        kk = kk * rk[:, None] * rk[None, :]
+        A = tl.where(r[:, None] > r[None, :], kk * decay * beta[:, None], 0.0)
+        P = qk * rq[:, None] * rk[None, :] * decay
+        chh = ch * H + i_h
+        tl.store(PM + chh * C * C + r[:, None] * C + r[None, :], P)
+        tl.store(GAMMA + chh, tl.exp(G_last))
+
+        # (I + A)^{-1} by forward substitution, one row at a time: rows i.. are still e_i,
+        # and row i of A is zero from column i on, so a full-width product is exact.
+        T = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+        for i in range(1, C):
+            a_i = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)
+            row = tl.where(r == i, 1.0, -tl.sum(a_i[:, None] * T, axis=0))
+            T = tl.where(r[:, None] == i, row[None, :], T)
+
+        for vb in tl.static_range(NV):
+            cols = vb * BV + tl.arange(0, BV)
+            m = valid[:, None] & (cols[None, :] < V)
+            v_b = tl.load(V_ + (tok * H * V + i_h * V)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            u = tl.dot(T, v_b * beta[:, None], input_precision=PRECISION)
+            tl.store(U + chh * C * V + r[:, None] * V + cols[None, :], u, mask=(r[:, None] >= 0) & (cols[None, :] < V))
+        w_scale = beta * tl.exp(G_cum) * rk
+        q_scale = rq * tl.exp(G_cum)
+        k_scale = rk * tl.exp(G_last - G_cum)
+        for kb in tl.static_range(NK):
+            cols = kb * BK + tl.arange(0, BK)
+            m = valid[:, None] & (cols[None, :] < K)
+            out = chh * C * K + r[:, None] * K + cols[None, :]
+            out_mask = (r[:, None] >= 0) & (cols[None, :] < K)
+            k_b = tl.load(K_ + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            q_b = tl.load(Q + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            tl.store(W + out, tl.dot(T, k_b * w_scale[:, None], input_precision=PRECISION), mask=out_mask)
+            tl.store(QD + out, q_b * q_scale[:, None], mask=out_mask)
+            tl.store(KD + out, k_b * k_scale[:, None], mask=out_mask)
+
+    @triton.jit
     def _step_kernel(
         Q, K_, V_, G, BETA, S, O, S_OUT,
         K, V, scale, eps,
@@ -361,6 +450,34 @@ def scan_chunks(U, W, P, Qd, Kd, gamma, S0, offsets: torch.Tensor, low_precision
     Returns the outputs ``(n_chunks, H, C, d_v)`` and the final states.
     """
     return _ScanChunks.apply(U, W, P, Qd, Kd, gamma, S0, offsets, low_precision)
+
+
+def intra_chunk_terms_packed(q, k, v, g, beta, chunk_start, chunk_len, chunk_size: int, scale: float,
+                             use_qk_l2norm: bool, eps: float, low_precision: bool):
+    """``gated_delta.intra_chunk_terms`` for every chunk of a packed batch, in one launch, without autograd.
+
+    ``q, k`` ``(P, H, d_k)``, ``v`` ``(P, H, d_v)``, ``g`` (or ``None``) and ``beta`` ``(P, H)``
+    as given (L2 norm and ``scale`` are applied here); chunk ``c`` holds tokens
+    ``chunk_start[c] ...`` (``chunk_len[c]`` of them). Returns float32
+    ``(U, W, P, Q_decayed, K_decayed, gamma)`` in the flat chunk layout.
+    """
+    P_tokens, H, K = q.shape
+    V = v.shape[-1]
+    n_chunks, C = chunk_start.numel(), chunk_size
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    g = None if g is None else g.contiguous()
+    f32 = dict(dtype=torch.float32, device=q.device)
+    U, W = torch.empty(n_chunks, H, C, V, **f32), torch.empty(n_chunks, H, C, K, **f32)
+    Pm, gamma = torch.empty(n_chunks, H, C, C, **f32), torch.empty(n_chunks, H, **f32)
+    Qd, Kd = torch.empty_like(W), torch.empty_like(W)
+    BK, NK = _state_tiles(K)
+    BV = min(64, _block(V))
+    _intra_forward_kernel[(n_chunks, H)](
+        q, k, v, g if g is not None else beta, beta, chunk_start, chunk_len, U, W, Pm, Qd, Kd, gamma,
+        H, K, V, scale, eps, C=C, BK=BK, NK=NK, BV=BV, NV=triton.cdiv(V, BV), HAS_G=g is not None,
+        L2NORM=use_qk_l2norm, PRECISION=_precision(low_precision), num_warps=8, num_stages=1,
+    )
+    return U, W, Pm, Qd, Kd, gamma
 
 
 def step(q, k, v, g, beta, state, scale: float, use_qk_l2norm: bool, eps: float):
