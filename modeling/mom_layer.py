@@ -22,7 +22,7 @@ from ..kernels.cached_linear import chunk_mc_gated_delta
 from ..kernels.gated_delta import chunk_gated_delta, step_gated_delta
 from .cache import LayerCache
 from .normalization import GatedRMSNorm
-from .routing import route
+from .routing import balance_loss, route, top_memories
 from .short_conv import ConvWindows, ShortConvolution
 
 
@@ -126,6 +126,68 @@ class MoMMemoryLayer(nn.Module):
                   "mc_count": cached_count, "mc_seen": after}
         return o, state, stored
 
+    def _decode_step(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, cache: LayerCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token per row: the packed path's result without its routing plan.
+
+        The plan needs device-to-host reads (segment lengths) that stall decoding;
+        here every row has the same number of slots (``topk`` memories plus the shared
+        one), so states and conv windows are gathered and scattered by (row, memory)
+        directly. Every memory's projections run on the whole batch and the routed
+        ones are picked, which keeps adapters on each projection in the computation.
+        A padded token (mask 0) writes nothing: ``beta = g = 0`` and unchanged windows.
+        """
+        B = hidden_states.shape[0]
+        H = self.num_heads
+        x = hidden_states[:, 0]
+        valid = torch.ones(B, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask[:, -1].bool()
+        probs, weight, memory = top_memories(self.gate(x), self.topk)
+        aux_loss = balance_loss(probs, memory, valid)
+        if self.shared_memory:
+            memory = torch.cat([memory, memory.new_full((B, 1), self.num_memories)], dim=-1)
+            weight = torch.cat([weight, weight.new_ones(B, 1)], dim=-1)
+        rows = torch.arange(B, device=x.device)[:, None]
+
+        def routed(outputs: list[torch.Tensor]) -> torch.Tensor:  # (M, B, C) -> (B, slots, C)
+            return torch.stack(outputs, dim=1)[rows, memory]
+
+        projections = [self._memory(m) for m in range(self.num_states)]
+        k = routed([p[0](x) for p in projections])
+        v = routed([p[1](x) for p in projections])
+        beta = routed([p[2](x) for p in projections]).float().sigmoid() * valid[:, None, None]
+        q = self.q_proj(x)[:, None].expand_as(k)
+        windows = {}
+        for name, conv, inp in (("conv_q", self.q_conv1d, q), ("conv_k", self.k_conv1d, k), ("conv_v", self.v_conv1d, v)):
+            old = cache[name][rows, memory]
+            out, new = conv.step(inp, old)
+            windows[name] = cache[name].index_put((rows.expand_as(memory), memory),
+                                                  torch.where(valid[:, None, None, None], new.to(old.dtype), old))
+            if name == "conv_q":
+                q = out
+            elif name == "conv_k":
+                k = out
+            else:
+                v = out
+        g = None
+        if self.gated:
+            a = routed([p[3](x) for p in projections]).float()
+            g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float()) * valid[:, None, None]
+
+        S = memory.shape[1]
+        state = cache["recurrent"]
+        o, new = step_gated_delta(
+            q.reshape(B * S, H, self.head_k_dim), k.reshape(B * S, H, self.head_k_dim),
+            v.reshape(B * S, H, self.head_v_dim), None if g is None else g.reshape(B * S, H),
+            beta.reshape(B * S, H), state[rows, memory].reshape((B * S,) + state.shape[2:]),
+        )
+        cache.update(recurrent=state.index_put((rows.expand_as(memory), memory), new.view((B, S) + state.shape[2:]).to(state.dtype)),
+                     **windows)
+        mixed = (o.float().view(B, S, H, self.head_v_dim) * weight[..., None, None]).sum(1)
+        gate = self.g_proj(hidden_states).view(B, 1, H, self.head_v_dim)
+        out = self.o_norm(mixed.view(B, 1, H, self.head_v_dim).to(hidden_states.dtype), gate)
+        return self.o_proj(out.reshape(B, 1, self.value_dim)), aux_loss
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -136,6 +198,14 @@ class MoMMemoryLayer(nn.Module):
 
         Returns the layer output and this layer's load-balancing loss.
         """
+        if hidden_states.shape[1] == 1 and cache is not None and "recurrent" in cache and self.segment_size is None:
+            return self._decode_step(hidden_states, attention_mask, cache)
+        return self._packed_forward(hidden_states, attention_mask, cache)
+
+    def _packed_forward(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, cache: LayerCache | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Any number of tokens: route, pack each memory's subsequences, run the recurrence."""
         B, T, _ = hidden_states.shape
         M, H = self.num_states, self.num_heads
         x = hidden_states.reshape(B * T, -1)

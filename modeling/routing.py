@@ -27,6 +27,23 @@ class RoutingPlan:
     aux_loss: torch.Tensor  # Switch-style load-balancing loss of this layer
 
 
+def top_memories(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router probabilities ``(..., E)`` and the ``topk`` memories of each token with weights summing to 1."""
+    probs = F.softmax(logits.float(), dim=-1)
+    weight, memory = probs.topk(topk, dim=-1)
+    return probs, weight / weight.sum(-1, keepdim=True), memory
+
+
+def balance_loss(probs: torch.Tensor, memory: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Switch-style load balance over valid tokens, ``E * sum_m f_m P_m`` (no device-to-host reads)."""
+    E, topk = probs.shape[-1], memory.shape[-1]
+    n_valid = valid.sum().clamp(min=1)
+    slot_counts = (F.one_hot(memory, E).float() * valid[..., None, None]).flatten(0, -2).sum(0)
+    fraction = slot_counts / (n_valid * topk)
+    mean_prob = (probs * valid[..., None]).flatten(0, -2).sum(0) / n_valid
+    return E * (fraction * mean_prob).sum()
+
+
 def route(
     logits: torch.Tensor,
     topk: int,
@@ -36,20 +53,11 @@ def route(
     """Plan the packed layout for router ``logits`` ``(B, T, E)``; ``valid`` ``(B, T)`` bool or ``None``."""
     B, T, E = logits.shape
     device = logits.device
-    probs = F.softmax(logits.float(), dim=-1)
-    weight, memory = probs.topk(topk, dim=-1)
-    weight = weight / weight.sum(-1, keepdim=True)
+    probs, weight, memory = top_memories(logits, topk)
     if valid is None:
         valid = torch.ones(B, T, dtype=torch.bool, device=device)
 
-    # Switch-style balance over valid tokens: E * sum_m f_m P_m.
-    n_valid = valid.sum().clamp(min=1)
-    slot_counts = torch.zeros(E, device=device).index_add_(
-        0, memory[valid].flatten(), torch.ones(int(valid.sum()) * topk, device=device)
-    )
-    fraction = slot_counts / (n_valid * topk)
-    mean_prob = (probs * valid[..., None]).sum((0, 1)) / n_valid
-    aux_loss = E * (fraction * mean_prob).sum()
+    aux_loss = balance_loss(probs, memory, valid)
 
     if shared_memory:
         memory = torch.cat([memory, memory.new_full((B, T, 1), E)], dim=-1)

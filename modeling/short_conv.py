@@ -77,6 +77,13 @@ class ShortConvolution(nn.Conv1d):
             y = y + source.index_select(0, windows.taps[:, j]) * weight[:, j]
         return F.silu(y), source[windows.next_window]
 
+    def step(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per sequence: ``x`` ``(..., C)``, ``window`` ``(..., K - 1, C)``; the same
+        result as :meth:`forward` on a one-token sequence, without building gather indices."""
+        weight = self.weight[:, 0, :].to(x.dtype)
+        source = torch.cat([window.to(x.dtype), x.unsqueeze(-2)], dim=-2)
+        return F.silu((source * weight.transpose(0, 1)).sum(-2)), source[..., 1:, :]
+
 
 def convolve_qkv(layer: nn.Module, x: torch.Tensor, valid: torch.Tensor, cache, heads: int, head_dim: int):
     """``q, k, v`` ``(B, T, heads, head_dim)`` of a layer with ``{q,k,v}_proj`` and ``{q,k,v}_conv1d``.

@@ -114,3 +114,26 @@ def test_padded_decode_step_is_exact_noop():
     for name, value in cache.states.items():
         assert torch.equal(value[0], before[name][0]), f"{name} of the padded row changed"
         assert not torch.equal(value[1], before[name][1]), f"{name} of the real row did not change"
+
+
+@pytest.mark.parametrize("variant", sorted(v for v in MOM_VARIANTS if "segment_size" not in MOM_VARIANTS[v]))
+def test_decode_step_equals_packed_path(variant):
+    """The one-token decode path (no routing plan) gives the packed path's output, aux loss and cache."""
+    config = tiny_mom_config(**MOM_VARIANTS[variant])
+    torch.manual_seed(3)
+    layer = MoMMemoryLayer(config, 0).eval()
+    with torch.no_grad():
+        if layer.gated:
+            layer.A_log.uniform_(-1, 1)
+        cache = LayerCache()
+        layer(torch.randn(3, 9, config.hidden_size), None, cache)
+        token, mask = torch.randn(3, 1, config.hidden_size), torch.tensor([[1], [0], [1]])
+        packed_cache, step_cache = LayerCache(), LayerCache()
+        packed_cache.states = dict(cache.states)
+        step_cache.states = dict(cache.states)
+        packed = layer._packed_forward(token, mask, packed_cache)
+        step = layer._decode_step(token, mask, step_cache)
+    torch.testing.assert_close(step[0][mask.bool()[:, 0]], packed[0][mask.bool()[:, 0]], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(step[1], packed[1], rtol=1e-6, atol=1e-7)
+    for name in ("recurrent", "conv_q", "conv_k", "conv_v"):
+        torch.testing.assert_close(step_cache[name], packed_cache[name], rtol=1e-5, atol=1e-6, msg=name)
