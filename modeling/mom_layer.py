@@ -212,8 +212,8 @@ class MoMMemoryLayer(nn.Module):
         valid = attention_mask.bool() if attention_mask is not None else None
         plan = route(self.gate(hidden_states), self.topk, valid, self.shared_memory)
 
-        packed = x.index_select(0, plan.token_index)
-        q = self.q_proj(x).index_select(0, plan.token_index)  # W_q is shared: project once, then gather
+        packed = plan.gather(x)
+        q = plan.gather(self.q_proj(x))  # W_q is shared: project once, then gather
         k_parts, v_parts, b_parts, a_parts = [], [], [], []
         for m, (start, end) in enumerate(plan.memory_slices):
             k_lin, v_lin, b_lin, a_lin = self._memory(m)
@@ -266,7 +266,7 @@ class MoMMemoryLayer(nn.Module):
             )
 
         weighted = o.float() * plan.weight[:, None, None]
-        mixed = weighted.new_zeros(B * T, H, self.head_v_dim).index_add_(0, plan.token_index, weighted)
+        mixed = plan.combine(weighted)
         gate = self.g_proj(hidden_states).view(B, T, H, self.head_v_dim)
         out = self.o_norm(mixed.view(B, T, H, self.head_v_dim).to(hidden_states.dtype), gate)
         return self.o_proj(out.reshape(B, T, self.value_dim)), plan.aux_loss

@@ -25,6 +25,56 @@ class RoutingPlan:
     memory_slices: list[tuple[int, int]]  # packed rows [start, end) of each memory
     max_length: int  # longest sequence
     aux_loss: torch.Tensor  # Switch-style load-balancing loss of this layer
+    slot_entries: torch.Tensor  # (B * T, slots) packed entry of each token's slot; P where the token is padding
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows ``token_index`` of ``x`` ``(B * T, ...)``: every token once per memory it visits."""
+        return _GatherTokens.apply(x, self.token_index, self.slot_entries)
+
+    def combine(self, y: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`gather` up to the sum: ``(P, ...)`` -> ``(B * T, ...)``, each token
+        the sum of its entries (zero for padding)."""
+        return _CombineTokens.apply(y, self.token_index, self.slot_entries)
+
+
+def _sum_slots(y: torch.Tensor, slot_entries: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_s y[slot_entries[t, s]]`` with ``y``'s row ``P`` taken as zero; summed in float32
+    at least."""
+    padded = torch.cat([y, y.new_zeros((1,) + y.shape[1:])])
+    total = padded.index_select(0, slot_entries[:, 0]).to(torch.promote_types(y.dtype, torch.float32))
+    for s in range(1, slot_entries.shape[1]):
+        total = total + padded.index_select(0, slot_entries[:, s])
+    return total
+
+
+class _GatherTokens(torch.autograd.Function):
+    """``index_select`` whose backward adds each token's copies through ``slot_entries``
+    (a gather per slot, summed in float32) instead of a scatter-add: no atomics, which
+    are slow for bf16 and make the sum's order (and its rounding) nondeterministic."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, slot_entries: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(slot_entries)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (slot_entries,) = ctx.saved_tensors
+        return _sum_slots(grad, slot_entries).to(grad.dtype), None, None
+
+
+class _CombineTokens(torch.autograd.Function):
+    """Each token's sum over its packed entries, by gathers; the backward is one gather."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, index: torch.Tensor, slot_entries: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        return _sum_slots(y, slot_entries).to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
 
 
 def top_memories(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,6 +120,9 @@ def route(
     sequence = memory * B + token // T
     order = torch.argsort(sequence * T + token % T)
     sequence = sequence[order]
+    kept_entry = keep.flatten().nonzero().squeeze(1)  # (token, slot) entry of each kept item
+    slot_entries = torch.full((B * T * slots,), order.numel(), dtype=torch.long, device=device)
+    slot_entries[kept_entry[order]] = torch.arange(order.numel(), device=device)
     counts = torch.bincount(sequence, minlength=num_memories * B)
     cu_seqlens = F.pad(counts.cumsum(0), (1, 0))
     bounds = cu_seqlens[::B].tolist()
@@ -81,4 +134,5 @@ def route(
         memory_slices=list(zip(bounds[:-1], bounds[1:])),
         max_length=int(counts.max()) if counts.numel() else 0,
         aux_loss=aux_loss,
+        slot_entries=slot_entries.view(B * T, slots),
     )

@@ -20,13 +20,20 @@ from torch.nn import functional as F
 
 @dataclass
 class ConvWindows:
-    """Gather indices into ``cat([window.flatten(0, 1), packed])`` for one packed batch.
+    """Where each sequence's cached window and tokens sit in one extended packed sequence.
 
-    ``taps``: ``(P, K)``, the inputs of each token (last column: the token itself).
-    ``next_window``: ``(N, K - 1)``, the inputs that form each sequence's next window.
+    Sequence ``i`` becomes the block ``[window_i, tokens_i]`` (``K - 1 + L_i`` rows)
+    and the blocks are laid back to back, so one ungapped depthwise ``conv1d`` over
+    the whole thing computes every token from its own window and predecessors and
+    never reads across a sequence boundary. Indices into that extended sequence:
+
+    ``placement``: ``(N * (K - 1) + P,)``, where ``cat([window.flatten(0, 1), packed])`` goes.
+    ``outputs``: ``(P,)``, the conv output row of each token.
+    ``next_window``: ``(N * (K - 1),)``, the rows that form each sequence's next window.
     """
 
-    taps: torch.Tensor
+    placement: torch.Tensor
+    outputs: torch.Tensor
     next_window: torch.Tensor
     num_sequences: int
 
@@ -36,20 +43,15 @@ class ConvWindows:
         n = cu_seqlens.numel() - 1
         w = kernel_size - 1
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        total = int(cu_seqlens[-1])
         seq = torch.repeat_interleave(torch.arange(n, device=device), lengths)
-        pos = torch.arange(total, device=device)
-        local = pos - cu_seqlens[seq]
-        j = torch.arange(kernel_size, device=device)
-        src = local[:, None] - w + j  # local index of each tap; < 0 reads the cached window
-        taps = torch.where(src >= 0, n * w + pos[:, None] - w + j, seq[:, None] * w + local[:, None] + j)
+        pos = torch.arange(int(cu_seqlens[-1]), device=device)
+        block_start = cu_seqlens[:-1] + torch.arange(n, device=device) * w  # where window i begins
         r = torch.arange(w, device=device)
-        src_next = lengths[:, None] - w + r
-        start = cu_seqlens[:-1, None]
-        next_window = torch.where(
-            src_next >= 0, n * w + start + src_next, torch.arange(n, device=device)[:, None] * w + lengths[:, None] + r
-        )
-        return cls(taps=taps, next_window=next_window, num_sequences=n)
+        window_rows = (block_start[:, None] + r).flatten()
+        token_rows = pos + (seq + 1) * w
+        next_window = ((block_start + lengths)[:, None] + r).flatten()
+        return cls(placement=torch.cat([window_rows, token_rows]), outputs=token_rows - w,
+                   next_window=next_window, num_sequences=n)
 
 
 class ShortConvolution(nn.Conv1d):
@@ -70,12 +72,12 @@ class ShortConvolution(nn.Conv1d):
         if window is None:
             window = x.new_zeros(n, k - 1, c)
         source = torch.cat([window.to(x.dtype).reshape(n * (k - 1), c), x], dim=0)
-        weight = self.weight[:, 0, :].to(x.dtype)
-        # One index_select per tap: its backward is an index_add, far cheaper than a (P, K, C) gather's.
-        y = source.index_select(0, windows.taps[:, 0]) * weight[:, 0]
-        for j in range(1, k):
-            y = y + source.index_select(0, windows.taps[:, j]) * weight[:, j]
-        return F.silu(y), source[windows.next_window]
+        # A scatter and a gather (whose backwards are a gather and a scatter to distinct
+        # rows) around one conv1d: no per-tap gathers with atomic scatter-add backwards.
+        extended = source.new_zeros(source.shape).index_copy(0, windows.placement, source)
+        y = F.conv1d(extended.T.unsqueeze(0), self.weight.to(x.dtype), groups=c)[0]
+        y = y.T.index_select(0, windows.outputs)
+        return F.silu(y), extended.index_select(0, windows.next_window).view(n, k - 1, c)
 
     def step(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per sequence: ``x`` ``(..., C)``, ``window`` ``(..., K - 1, C)``; the same

@@ -33,6 +33,29 @@ def test_packed_conv_equals_per_sequence_conv():
             torch.testing.assert_close(nxt[i], nxt_ref)
 
 
+def test_packed_conv_gradients_equal_per_sequence_conv():
+    torch.manual_seed(2)
+    for K in (1, 2, 4):
+        conv = ShortConvolution(5, K).double()
+        lengths = [4, 0, 1, 6]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+        x = torch.randn(int(cu[-1]), 5, dtype=torch.float64, requires_grad=True)
+        window = torch.randn(len(lengths), K - 1, 5, dtype=torch.float64, requires_grad=True)
+        y, nxt = conv(x, ConvWindows.build(cu, K), window)
+        (y.sin().sum() + nxt.cos().sum()).backward()
+        packed = [t.grad.clone() for t in (x, window, conv.weight)]
+        for t in (x, window, conv.weight):
+            t.grad = None
+        loss = 0
+        for i in range(len(lengths)):
+            sl = slice(int(cu[i]), int(cu[i + 1]))
+            y_ref, nxt_ref = conv_reference(conv, x[sl], window[i])
+            loss = loss + y_ref.sin().sum() + nxt_ref.cos().sum()
+        loss.backward()
+        for name, a, t in zip(("x", "window", "weight"), packed, (x, window, conv.weight)):
+            torch.testing.assert_close(a, t.grad, rtol=0, atol=1e-12, msg=f"K={K}: gradient of {name}")
+
+
 def test_conv_split_with_carried_window_equals_one_call():
     torch.manual_seed(1)
     conv = ShortConvolution(4, 4)
@@ -92,3 +115,24 @@ def test_aux_loss_is_switch_balance_over_valid_tokens():
     # perfectly uniform routing gives the minimum value 1
     uniform = route(torch.zeros(1, 8, 4), 4, None, shared_memory=False)
     torch.testing.assert_close(uniform.aux_loss, torch.tensor(1.0))
+
+
+def test_plan_gather_and_combine_equal_index_select_and_index_add():
+    """The plan's gather and combine (gathers only, no atomics) in both directions."""
+    torch.manual_seed(3)
+    B, T, E = 3, 7, 4
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :3] = False
+    plan = route(torch.randn(B, T, E), 2, valid, shared_memory=True)
+    x = torch.randn(B * T, 5, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(plan.token_index.numel(), 5, dtype=torch.float64, requires_grad=True)
+    gathered, combined = plan.gather(x), plan.combine(y)
+    torch.testing.assert_close(gathered, x.index_select(0, plan.token_index), rtol=0, atol=0)
+    expected = torch.zeros(B * T, 5, dtype=torch.float64).index_add(0, plan.token_index, y)
+    torch.testing.assert_close(combined, expected, rtol=0, atol=1e-15)
+    assert torch.equal(combined[~valid.flatten()], torch.zeros_like(combined[~valid.flatten()]))
+    gx, gy = torch.randn_like(gathered), torch.randn_like(combined)
+    (gathered * gx).sum().backward()
+    (combined * gy).sum().backward()
+    torch.testing.assert_close(x.grad, torch.zeros_like(x).index_add(0, plan.token_index, gx), rtol=0, atol=1e-15)
+    torch.testing.assert_close(y.grad, gy.index_select(0, plan.token_index), rtol=0, atol=0)
