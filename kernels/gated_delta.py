@@ -280,15 +280,13 @@ def _chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int):
 
 
 def _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size):
-    """The chunked form over the flat chunk layout; the state scan runs in Triton, and so do the
-    intra-chunk terms when no gradient is needed."""
+    """The chunked form over the flat chunk layout, every part in Triton: the intra-chunk terms
+    read from the packed tokens, then the state scan."""
     from .gated_delta_triton import intra_chunk_terms_packed, scan_chunks
 
     n = _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
     out_dtype = v.dtype
     low_precision = out_dtype in (torch.bfloat16, torch.float16)
-    needs_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
     B, T, H, K = q.shape
     V = v.shape[-1]
     cu = torch.arange(B + 1, device=q.device) * T if cu_seqlens is None else cu_seqlens.to(q.device)
@@ -297,21 +295,11 @@ def _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2n
     if n_chunks == 0 or n == 0:
         return v.new_zeros(B, T, H, V), q.new_zeros(n, H, K, V, dtype=torch.float32) if S0 is None else S0
 
-    if needs_grad:
-        q, k, v, g, beta, _ = _prepare_sequence_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
-
-        def to_chunks(x: torch.Tensor) -> torch.Tensor:
-            flat = x.reshape((B * T,) + x.shape[2:])
-            grid = flat.new_zeros((n_chunks * chunk_size,) + x.shape[2:]).index_copy(0, rows, flat)
-            return grid.view((n_chunks, chunk_size) + x.shape[2:]).transpose(1, 2)
-
-        terms = intra_chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta)))
-    else:
-        terms = intra_chunk_terms_packed(
-            *(None if x is None else x.reshape((B * T,) + x.shape[2:]) for x in (q, k, v, g, beta)),
-            chunk_start, chunk_len, chunk_size, K**-0.5 if scale is None else scale, use_qk_l2norm, L2_EPS,
-            low_precision,
-        )
+    terms = intra_chunk_terms_packed(
+        *(None if x is None else x.reshape((B * T,) + x.shape[2:]) for x in (q, k, v, g, beta)),
+        chunk_start, chunk_len, chunk_size, K**-0.5 if scale is None else scale, use_qk_l2norm, L2_EPS,
+        low_precision,
+    )
     O, S = scan_chunks(*terms, S0, offsets, low_precision)
     o = O.transpose(1, 2).reshape(n_chunks * chunk_size, H, V).index_select(0, rows)
     return o.view(B, T, H, V).to(out_dtype), S

@@ -247,10 +247,10 @@ if triton is not None:
 
     @triton.jit
     def _intra_forward_kernel(
-        Q, K_, V_, G, BETA, CH_START, CH_LEN, U, W, PM, QD, KD, GAMMA,
+        Q, K_, V_, G, BETA, CH_START, CH_LEN, U, W, PM, QD, KD, GAMMA, TINV,
         H, K, V, scale, eps,
         C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-        HAS_G: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_G: tl.constexpr, L2NORM: tl.constexpr, SAVE_T: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """``intra_chunk_terms`` of one (chunk, head), read straight from the packed tokens."""
         ch = tl.program_id(0).to(tl.int64)
@@ -309,6 +309,8 @@ if triton is not None:
             a_i = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)
             row = tl.where(r == i, 1.0, -tl.sum(a_i[:, None] * T, axis=0))
             T = tl.where(r[:, None] == i, row[None, :], T)
+        if SAVE_T:
+            tl.store(TINV + chh * C * C + r[:, None] * C + r[None, :], T)
 
         for vb in tl.static_range(NV):
             cols = vb * BV + tl.arange(0, BV)
@@ -329,6 +331,191 @@ if triton is not None:
             tl.store(W + out, tl.dot(T, k_b * w_scale[:, None], input_precision=PRECISION), mask=out_mask)
             tl.store(QD + out, q_b * q_scale[:, None], mask=out_mask)
             tl.store(KD + out, k_b * k_scale[:, None], mask=out_mask)
+
+    @triton.jit
+    def _intra_backward_kernel(
+        Q, K_, V_, G, BETA, CH_START, CH_LEN, TINV, DU, DW, DPM, DQD, DKD, DGAMMA,
+        DQ, DK, DV, DG, DBETA,
+        H, K, V, scale, eps,
+        C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+        HAS_G: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """Gradients of ``intra_chunk_terms`` for one (chunk, head) with respect to the packed
+        ``q, k, v, g, beta``. With hats for the normalised, scaled vectors, ``E_ij = e^{G_i - G_j}``
+        (i >= j), ``A = tril_-1(beta_i (k^ k^T)_ij E_ij)`` and ``T = (I + A)^-1`` (saved)::
+
+            U = T (beta v),  W = T (beta e^G k^),  P = (q^ k^T) E,  Qd = q^ e^G,
+            Kd = k^ e^{G_last - G},  gamma = e^{G_last}
+
+        so ``dA = -T^T (dU (beta v)^T + dW (beta e^G k^)^T) T^T`` and the rest is the chain rule.
+        Every transposed matrix is either loaded transposed or computed as its own product
+        (``dA^T = -T dT^T T``): no ``tl.trans`` of a product feeds a ``tl.dot``.
+        """
+        ch = tl.program_id(0).to(tl.int64)
+        i_h = tl.program_id(1)
+        t0 = tl.load(CH_START + ch).to(tl.int64)
+        length = tl.load(CH_LEN + ch)
+        r = tl.arange(0, C)
+        valid = r < length
+        tok = t0 + r
+        if HAS_G:
+            g = tl.load(G + tok * H + i_h, mask=valid, other=0.0).to(tl.float32)
+        else:
+            g = tl.zeros([C], dtype=tl.float32)
+        beta = tl.load(BETA + tok * H + i_h, mask=valid, other=0.0).to(tl.float32)
+        G_cum = tl.cumsum(g, axis=0)
+        G_last = tl.sum(g, axis=0)
+        e_g = tl.exp(G_cum)
+        e_rest = tl.exp(G_last - G_cum)
+        qk_base = tok * H * K + i_h * K
+        v_base = tok * H * V + i_h * V
+        chh = ch * H + i_h
+        cc = chh * C * C + r[:, None] * C + r[None, :]
+        cc_t = chh * C * C + r[None, :] * C + r[:, None]
+
+        kk = tl.zeros([C, C], dtype=tl.float32)
+        q_sq = tl.zeros([C], dtype=tl.float32)
+        k_sq = tl.zeros([C], dtype=tl.float32)
+        for kb in tl.static_range(NK):
+            cols = kb * BK + tl.arange(0, BK)
+            m = valid[:, None] & (cols[None, :] < K)
+            m_t = (cols[:, None] < K) & valid[None, :]
+            q_b = tl.load(Q + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            k_b = tl.load(K_ + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            k_t = tl.load(K_ + qk_base[None, :] + cols[:, None], mask=m_t, other=0.0).to(tl.float32)
+            kk += tl.dot(k_b, k_t, input_precision=PRECISION)
+            q_sq += tl.sum(q_b * q_b, axis=1)
+            k_sq += tl.sum(k_b * k_b, axis=1)
+        if L2NORM:
+            rq = scale / tl.sqrt(q_sq + eps)
+            rk = 1.0 / tl.sqrt(k_sq + eps)
+        else:
+            rq = tl.zeros([C], dtype=tl.float32) + scale
+            rk = tl.zeros([C], dtype=tl.float32) + 1.0
+        lower = r[:, None] >= r[None, :]
+        upper = r[:, None] <= r[None, :]
+        strict = r[:, None] > r[None, :]
+        strict_t = r[:, None] < r[None, :]
+        E = tl.exp(tl.where(lower, G_cum[:, None] - G_cum[None, :], float("-inf")))
+        E_t = tl.exp(tl.where(upper, G_cum[None, :] - G_cum[:, None], float("-inf")))
+        kk = kk * rk[:, None] * rk[None, :]
+        A = tl.where(strict, kk * E * beta[:, None], 0.0)
+        T = tl.load(TINV + cc)
+        T_t = tl.load(TINV + cc_t)
+
+        # dT = dU (beta v)^T + dW (beta e^G k^)^T and its transpose, each as its own product.
+        dT = tl.zeros([C, C], dtype=tl.float32)
+        dT_t = tl.zeros([C, C], dtype=tl.float32)
+        dbeta = tl.zeros([C], dtype=tl.float32)
+        dG = tl.zeros([C], dtype=tl.float32)
+        for vb in tl.static_range(NV):
+            cols = vb * BV + tl.arange(0, BV)
+            m = valid[:, None] & (cols[None, :] < V)
+            m_t = (cols[:, None] < V) & valid[None, :]
+            cv = chh * C * V + r[:, None] * V + cols[None, :]
+            cv_t = chh * C * V + r[None, :] * V + cols[:, None]
+            cv_mask = (r[:, None] >= 0) & (cols[None, :] < V)
+            cv_mask_t = (cols[:, None] < V) & (r[None, :] >= 0)
+            v_b = tl.load(V_ + v_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            v_t = tl.load(V_ + v_base[None, :] + cols[:, None], mask=m_t, other=0.0).to(tl.float32)
+            du = tl.load(DU + cv, mask=cv_mask, other=0.0)
+            du_t = tl.load(DU + cv_t, mask=cv_mask_t, other=0.0)
+            dT += tl.dot(du, v_t * beta[None, :], input_precision=PRECISION)
+            dT_t += tl.dot(v_b * beta[:, None], du_t, input_precision=PRECISION)
+            y = tl.dot(T_t, du, input_precision=PRECISION)  # T^T dU = d(beta v)
+            tl.store(DV + v_base[:, None] + cols[None, :], y * beta[:, None], mask=m)
+            dbeta += tl.sum(v_b * y, axis=1)
+        w_in = beta * e_g * rk  # W's input is w_in * k (raw k)
+        for kb in tl.static_range(NK):
+            cols = kb * BK + tl.arange(0, BK)
+            m = valid[:, None] & (cols[None, :] < K)
+            m_t = (cols[:, None] < K) & valid[None, :]
+            ck = chh * C * K + r[:, None] * K + cols[None, :]
+            ck_t = chh * C * K + r[None, :] * K + cols[:, None]
+            k_b = tl.load(K_ + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            k_t = tl.load(K_ + qk_base[None, :] + cols[:, None], mask=m_t, other=0.0).to(tl.float32)
+            dw = tl.load(DW + ck, mask=(r[:, None] >= 0) & (cols[None, :] < K), other=0.0)
+            dw_t = tl.load(DW + ck_t, mask=(cols[:, None] < K) & (r[None, :] >= 0), other=0.0)
+            dT += tl.dot(dw, k_t * w_in[None, :], input_precision=PRECISION)
+            dT_t += tl.dot(k_b * w_in[:, None], dw_t, input_precision=PRECISION)
+            x = tl.dot(T_t, dw, input_precision=PRECISION)  # T^T dW = d(beta e^G k^)
+            s = tl.sum(k_b * rk[:, None] * x, axis=1)
+            dbeta += e_g * s
+            dG += beta * e_g * s
+
+        dA = tl.where(strict, -tl.dot(tl.dot(T_t, dT, input_precision=PRECISION), T_t, input_precision=PRECISION), 0.0)
+        dA_t = tl.where(strict_t, -tl.dot(tl.dot(T, dT_t, input_precision=PRECISION), T, input_precision=PRECISION), 0.0)
+        dbeta += tl.sum(dA * kk * E, axis=1)
+        dAA = dA * A
+        dG += tl.sum(dAA, axis=1) - tl.sum(dAA, axis=0)
+        # d(k^ k^T) symmetrised: dKk + dKk^T with dKk = dA beta_i E_ij
+        sym = dA * beta[:, None] * E + dA_t * beta[None, :] * E_t
+        dP = tl.load(DPM + cc)
+        M = dP * E
+        M_t = tl.load(DPM + cc_t) * E_t
+        qk = tl.zeros([C, C], dtype=tl.float32)
+        for kb in tl.static_range(NK):
+            cols = kb * BK + tl.arange(0, BK)
+            m_t = (cols[:, None] < K) & valid[None, :]
+            q_b = tl.load(Q + qk_base[:, None] + cols[None, :], mask=valid[:, None] & (cols[None, :] < K), other=0.0)
+            k_t = tl.load(K_ + qk_base[None, :] + cols[:, None], mask=m_t, other=0.0).to(tl.float32)
+            qk += tl.dot(q_b.to(tl.float32), k_t, input_precision=PRECISION)
+        dPP = dP * qk * rq[:, None] * rk[None, :] * E
+        dG += tl.sum(dPP, axis=1) - tl.sum(dPP, axis=0)
+
+        # dq^ and dk^ per column block (kept unnormalised in DQ, DK, float32), and their row dots.
+        q_dot = tl.zeros([C], dtype=tl.float32)
+        k_dot = tl.zeros([C], dtype=tl.float32)
+        dG_last = tl.load(DGAMMA + chh) * tl.exp(G_last)
+        for kb in tl.static_range(NK):
+            cols = kb * BK + tl.arange(0, BK)
+            m = valid[:, None] & (cols[None, :] < K)
+            ck = chh * C * K + r[:, None] * K + cols[None, :]
+            ck_mask = (r[:, None] >= 0) & (cols[None, :] < K)
+            q_b = tl.load(Q + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            k_b = tl.load(K_ + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            qh = q_b * rq[:, None]
+            kh = k_b * rk[:, None]
+            dqd = tl.load(DQD + ck, mask=ck_mask, other=0.0)
+            dkd = tl.load(DKD + ck, mask=ck_mask, other=0.0)
+            dw = tl.load(DW + ck, mask=ck_mask, other=0.0)
+            dq_h = tl.dot(M, kh, input_precision=PRECISION) + dqd * e_g[:, None]
+            dk_h = (tl.dot(T_t, dw, input_precision=PRECISION) * (beta * e_g)[:, None]
+                    + tl.dot(sym, kh, input_precision=PRECISION) + tl.dot(M_t, qh, input_precision=PRECISION)
+                    + dkd * e_rest[:, None])
+            dG += tl.sum(dqd * qh, axis=1) * e_g
+            s = tl.sum(dkd * kh, axis=1) * e_rest
+            dG -= s
+            dG_last += tl.sum(s, axis=0)
+            q_dot += tl.sum(q_b * dq_h, axis=1)
+            k_dot += tl.sum(k_b * dk_h, axis=1)
+            tl.store(DQ + qk_base[:, None] + cols[None, :], dq_h, mask=m)
+            tl.store(DK + qk_base[:, None] + cols[None, :], dk_h, mask=m)
+
+        dG = dG + tl.where(r == C - 1, dG_last, 0.0)
+        dg = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG  # G = cumsum(g)
+        if HAS_G:
+            tl.store(DG + tok * H + i_h, dg, mask=valid)
+        tl.store(DBETA + tok * H + i_h, dbeta, mask=valid)
+
+        # Through the normalisation: d q = r_q (dq^ - q (q . dq^) / (|q|^2 + eps)), same for k.
+        tl.debug_barrier()
+        for kb in tl.static_range(NK):
+            cols = kb * BK + tl.arange(0, BK)
+            m = valid[:, None] & (cols[None, :] < K)
+            ptr = qk_base[:, None] + cols[None, :]
+            dq_h = tl.load(DQ + ptr, mask=m, other=0.0)
+            dk_h = tl.load(DK + ptr, mask=m, other=0.0)
+            if L2NORM:
+                q_b = tl.load(Q + ptr, mask=m, other=0.0).to(tl.float32)
+                k_b = tl.load(K_ + ptr, mask=m, other=0.0).to(tl.float32)
+                dq_h = rq[:, None] * (dq_h - q_b * (q_dot / (q_sq + eps))[:, None])
+                dk_h = rk[:, None] * (dk_h - k_b * (k_dot / (k_sq + eps))[:, None])
+            else:
+                dq_h = dq_h * scale
+            tl.debug_barrier()
+            tl.store(DQ + ptr, dq_h, mask=m)
+            tl.store(DK + ptr, dk_h, mask=m)
 
     @triton.jit
     def _step_kernel(
@@ -452,32 +639,78 @@ def scan_chunks(U, W, P, Qd, Kd, gamma, S0, offsets: torch.Tensor, low_precision
     return _ScanChunks.apply(U, W, P, Qd, Kd, gamma, S0, offsets, low_precision)
 
 
+def _intra_launch_args(q, k, v, chunk_size: int):
+    K, V = q.shape[-1], v.shape[-1]
+    BK, NK = _state_tiles(K)
+    BV = min(64, _block(V))
+    return dict(C=chunk_size, BK=BK, NK=NK, BV=BV, NV=triton.cdiv(V, BV))
+
+
+def _intra_forward(q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, use_qk_l2norm, eps,
+                   low_precision, save_t: bool):
+    H, K, V = q.shape[1], q.shape[2], v.shape[2]
+    n_chunks, C = chunk_start.numel(), chunk_size
+    f32 = dict(dtype=torch.float32, device=q.device)
+    U, W = torch.empty(n_chunks, H, C, V, **f32), torch.empty(n_chunks, H, C, K, **f32)
+    Pm, gamma = torch.empty(n_chunks, H, C, C, **f32), torch.empty(n_chunks, H, **f32)
+    Qd, Kd = torch.empty_like(W), torch.empty_like(W)
+    T = torch.empty_like(Pm) if save_t else Pm
+    _intra_forward_kernel[(n_chunks, H)](
+        q, k, v, g if g is not None else beta, beta, chunk_start, chunk_len, U, W, Pm, Qd, Kd, gamma, T,
+        H, K, V, scale, eps, **_intra_launch_args(q, k, v, C), HAS_G=g is not None, L2NORM=use_qk_l2norm,
+        SAVE_T=save_t, PRECISION=_precision(low_precision), num_warps=8, num_stages=1,
+    )
+    return (U, W, Pm, Qd, Kd, gamma), T
+
+
+class _IntraChunk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, use_qk_l2norm, eps, low_precision):
+        terms, T = _intra_forward(q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, use_qk_l2norm,
+                                  eps, low_precision, save_t=True)
+        ctx.save_for_backward(q, k, v, g, beta, chunk_start, chunk_len, T)
+        ctx.config = (chunk_size, scale, use_qk_l2norm, eps, low_precision)
+        return terms
+
+    @staticmethod
+    def backward(ctx, dU, dW, dP, dQd, dKd, dgamma):
+        q, k, v, g, beta, chunk_start, chunk_len, T = ctx.saved_tensors
+        chunk_size, scale, use_qk_l2norm, eps, low_precision = ctx.config
+        grads = [dU, dW, dP, dQd, dKd, dgamma]
+        like = [(T.shape[:2] + (chunk_size, v.shape[-1])), (T.shape[:2] + (chunk_size, k.shape[-1])), T.shape,
+                (T.shape[:2] + (chunk_size, k.shape[-1])), (T.shape[:2] + (chunk_size, k.shape[-1])), T.shape[:2]]
+        grads = [torch.zeros(shape, dtype=torch.float32, device=q.device) if d is None else d.float().contiguous()
+                 for d, shape in zip(grads, like)]
+        f32 = dict(dtype=torch.float32, device=q.device)
+        dq, dk = torch.empty(q.shape, **f32), torch.empty(k.shape, **f32)
+        dv, dbeta = torch.empty(v.shape, **f32), torch.empty(beta.shape, **f32)
+        dg = torch.empty(beta.shape, **f32) if g is not None else dbeta
+        H, K, V = q.shape[1], q.shape[2], v.shape[2]
+        _intra_backward_kernel[(chunk_start.numel(), H)](
+            q, k, v, g if g is not None else beta, beta, chunk_start, chunk_len, T, *grads,
+            dq, dk, dv, dg, dbeta, H, K, V, scale, eps, **_intra_launch_args(q, k, v, chunk_size),
+            HAS_G=g is not None, L2NORM=use_qk_l2norm, PRECISION=_precision(low_precision),
+            num_warps=8, num_stages=1,
+        )
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None if g is None else dg.to(g.dtype),
+                dbeta.to(beta.dtype), None, None, None, None, None, None, None)
+
+
 def intra_chunk_terms_packed(q, k, v, g, beta, chunk_start, chunk_len, chunk_size: int, scale: float,
                              use_qk_l2norm: bool, eps: float, low_precision: bool):
-    """``gated_delta.intra_chunk_terms`` for every chunk of a packed batch, in one launch, without autograd.
+    """``gated_delta.intra_chunk_terms`` for every chunk of a packed batch, with its backward.
 
     ``q, k`` ``(P, H, d_k)``, ``v`` ``(P, H, d_v)``, ``g`` (or ``None``) and ``beta`` ``(P, H)``
     as given (L2 norm and ``scale`` are applied here); chunk ``c`` holds tokens
     ``chunk_start[c] ...`` (``chunk_len[c]`` of them). Returns float32
     ``(U, W, P, Q_decayed, K_decayed, gamma)`` in the flat chunk layout.
     """
-    P_tokens, H, K = q.shape
-    V = v.shape[-1]
-    n_chunks, C = chunk_start.numel(), chunk_size
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     g = None if g is None else g.contiguous()
-    f32 = dict(dtype=torch.float32, device=q.device)
-    U, W = torch.empty(n_chunks, H, C, V, **f32), torch.empty(n_chunks, H, C, K, **f32)
-    Pm, gamma = torch.empty(n_chunks, H, C, C, **f32), torch.empty(n_chunks, H, **f32)
-    Qd, Kd = torch.empty_like(W), torch.empty_like(W)
-    BK, NK = _state_tiles(K)
-    BV = min(64, _block(V))
-    _intra_forward_kernel[(n_chunks, H)](
-        q, k, v, g if g is not None else beta, beta, chunk_start, chunk_len, U, W, Pm, Qd, Kd, gamma,
-        H, K, V, scale, eps, C=C, BK=BK, NK=NK, BV=BV, NV=triton.cdiv(V, BV), HAS_G=g is not None,
-        L2NORM=use_qk_l2norm, PRECISION=_precision(low_precision), num_warps=8, num_stages=1,
-    )
-    return U, W, Pm, Qd, Kd, gamma
+    args = (q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, use_qk_l2norm, eps, low_precision)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta)):
+        return _IntraChunk.apply(*args)
+    return _intra_forward(*args, save_t=False)[0]
 
 
 def step(q, k, v, g, beta, state, scale: float, use_qk_l2norm: bool, eps: float):

@@ -36,13 +36,13 @@ def outputs_and_grads(fn, inputs, S0, **kwargs):
     return o.detach(), s.detach(), [None if x is None else x.grad for x in leaves]
 
 
-def assert_matches_reference(inputs, S0, cu_seqlens=None, chunk_size=16, atol=2e-5):
-    ref = outputs_and_grads(reference_gated_delta, inputs, S0, cu_seqlens=cu_seqlens)
+def assert_matches_reference(inputs, S0, cu_seqlens=None, chunk_size=16, atol=2e-5, **kwargs):
+    ref = outputs_and_grads(reference_gated_delta, inputs, S0, cu_seqlens=cu_seqlens, **kwargs)
     inputs32 = [None if x is None else x.float().to(DEVICE) for x in inputs]
     S0_32 = None if S0 is None else S0.float().to(DEVICE)
     cu = None if cu_seqlens is None else cu_seqlens.to(DEVICE)
     with use_backend("triton"):
-        tri = outputs_and_grads(chunk_gated_delta, inputs32, S0_32, cu_seqlens=cu, chunk_size=chunk_size)
+        tri = outputs_and_grads(chunk_gated_delta, inputs32, S0_32, cu_seqlens=cu, chunk_size=chunk_size, **kwargs)
     assert tri[0].dtype == torch.float32 and tri[1].dtype == torch.float32
     torch.testing.assert_close(tri[0].cpu().double(), ref[0], rtol=0, atol=atol, msg="output")
     torch.testing.assert_close(tri[1].cpu().double(), ref[1], rtol=0, atol=atol, msg="final state")
@@ -65,6 +65,14 @@ def test_chunk_without_initial_state_and_odd_head_dims(K):
     # Odd sizes are padded to power-of-two tiles; d_k > 64 spreads the state over 2-4 row tiles.
     assert_matches_reference(make_inputs(1, 21, 2, K, 20, seed=3), None)
     assert_matches_reference(make_inputs(1, 19, 1, K, 20, seed=4), torch.randn(1, 1, K, 20, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_gradients_without_l2_norm(gated):
+    q, k, v, g, beta = make_inputs(1, 29, 2, 8, 6, gated=gated, seed=7)
+    # keys of norm ~1 keep the unnormalised rule contractive
+    assert_matches_reference((q, k * 8**-0.5, v, g, beta), torch.randn(1, 2, 8, 6, dtype=torch.float64),
+                             use_qk_l2norm=False, scale=0.4)
 
 
 def test_varlen_with_empty_sequences_equals_reference():
