@@ -15,12 +15,13 @@ import os
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from mnemo import MoMConfig, MoMForCausalLM
 from mnemo.kernels import chunk_gated_delta, use_backend
 from mnemo.modeling.mom_layer import MoMMemoryLayer
+
+from bench_layers import SdpaAttention, bench  # noqa: E402  (run as a script from benchmarks/)
 
 D, TOKENS, DEV, DT = 1024, 16384, "cuda", torch.bfloat16
 results: dict = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}}
@@ -36,17 +37,6 @@ except ImportError:
 def record(**row):
     results.setdefault("rows", []).append(row)
     print(json.dumps(row), flush=True)
-
-
-def bench(fn, warmup=3, iters=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e3
 
 
 def fla_modules():
@@ -65,19 +55,6 @@ def fla_modules():
         record(what="fla_import", err=repr(exc)[:200])
         return None
     return fla.layers, fla.models, chunk_gated_delta_rule
-
-
-class SdpaAttention(nn.Module):
-    def __init__(self, d, h):
-        super().__init__()
-        self.h = h
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.o = nn.Linear(d, d, bias=False)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
-        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
 
 
 def mom_config(**kw) -> MoMConfig:

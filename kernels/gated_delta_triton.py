@@ -246,30 +246,19 @@ if triton is not None:
             _store_kv(DS0 + state, 3, vv, K, V, BK, ds3)
 
     @triton.jit
-    def _intra_forward_kernel(
-        Q, K_, V_, G, BETA, CH_START, CH_LEN, U, W, PM, QD, KD, GAMMA, TINV,
-        H, K, V, scale, eps,
-        C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-        HAS_G: tl.constexpr, L2NORM: tl.constexpr, SAVE_T: tl.constexpr, PRECISION: tl.constexpr,
-    ):
-        """``intra_chunk_terms`` of one (chunk, head), read straight from the packed tokens."""
-        ch = tl.program_id(0).to(tl.int64)
-        i_h = tl.program_id(1)
-        t0 = tl.load(CH_START + ch).to(tl.int64)
-        length = tl.load(CH_LEN + ch)
-        r = tl.arange(0, C)
-        valid = r < length
-        tok = t0 + r
+    def _chunk_gates(G, BETA, tok, H, i_h, valid, C: tl.constexpr, HAS_G: tl.constexpr):
+        """``g`` (zeros without a decay), ``beta``, the cumulative ``G`` and ``G_last`` of one chunk."""
         if HAS_G:
             g = tl.load(G + tok * H + i_h, mask=valid, other=0.0).to(tl.float32)
         else:
             g = tl.zeros([C], dtype=tl.float32)
         beta = tl.load(BETA + tok * H + i_h, mask=valid, other=0.0).to(tl.float32)
-        G_cum = tl.cumsum(g, axis=0)
-        G_last = tl.sum(g, axis=0)
+        return g, beta, tl.cumsum(g, axis=0), tl.sum(g, axis=0)
 
-        # Gram matrices K K^T and Q K^T and the squared norms, over column blocks of d_k.
-        qk_base = tok * H * K + i_h * K
+    @triton.jit
+    def _chunk_grams(Q, K_, qk_base, valid, K, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
+                     PRECISION: tl.constexpr):
+        """``k k^T``, ``q k^T`` and the squared row norms of one chunk's raw ``q, k``, over column blocks."""
         kk = tl.zeros([C, C], dtype=tl.float32)
         qk = tl.zeros([C, C], dtype=tl.float32)
         q_sq = tl.zeros([C], dtype=tl.float32)
@@ -285,12 +274,38 @@ if triton is not None:
             qk += tl.dot(q_b, k_t, input_precision=PRECISION)
             q_sq += tl.sum(q_b * q_b, axis=1)
             k_sq += tl.sum(k_b * k_b, axis=1)
+        return kk, qk, q_sq, k_sq
+
+    @triton.jit
+    def _norm_factors(q_sq, k_sq, scale, eps, C: tl.constexpr, L2NORM: tl.constexpr):
+        """Row factors ``r_q, r_k`` with ``q^ = r_q q`` (L2 norm and scale) and ``k^ = r_k k``."""
         if L2NORM:
             rq = scale / tl.sqrt(q_sq + eps)
             rk = 1.0 / tl.sqrt(k_sq + eps)
         else:
             rq = tl.zeros([C], dtype=tl.float32) + scale
             rk = tl.zeros([C], dtype=tl.float32) + 1.0
+        return rq, rk
+
+    @triton.jit
+    def _intra_forward_kernel(
+        Q, K_, V_, G, BETA, CH_START, CH_LEN, U, W, PM, QD, KD, GAMMA, TINV,
+        H, K, V, scale, eps,
+        C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+        HAS_G: tl.constexpr, L2NORM: tl.constexpr, SAVE_T: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """``intra_chunk_terms`` of one (chunk, head), read straight from the packed tokens."""
+        ch = tl.program_id(0).to(tl.int64)
+        i_h = tl.program_id(1)
+        t0 = tl.load(CH_START + ch).to(tl.int64)
+        length = tl.load(CH_LEN + ch)
+        r = tl.arange(0, C)
+        valid = r < length
+        tok = t0 + r
+        g, beta, G_cum, G_last = _chunk_gates(G, BETA, tok, H, i_h, valid, C, HAS_G)
+        qk_base = tok * H * K + i_h * K
+        kk, qk, q_sq, k_sq = _chunk_grams(Q, K_, qk_base, valid, K, C, BK, NK, PRECISION)
+        rq, rk = _norm_factors(q_sq, k_sq, scale, eps, C, L2NORM)
 
         causal = r[:, None] >= r[None, :]
         # exp of masked differences, never of a positive number (as in intra_chunk_terms)
@@ -358,13 +373,7 @@ if triton is not None:
         r = tl.arange(0, C)
         valid = r < length
         tok = t0 + r
-        if HAS_G:
-            g = tl.load(G + tok * H + i_h, mask=valid, other=0.0).to(tl.float32)
-        else:
-            g = tl.zeros([C], dtype=tl.float32)
-        beta = tl.load(BETA + tok * H + i_h, mask=valid, other=0.0).to(tl.float32)
-        G_cum = tl.cumsum(g, axis=0)
-        G_last = tl.sum(g, axis=0)
+        g, beta, G_cum, G_last = _chunk_gates(G, BETA, tok, H, i_h, valid, C, HAS_G)
         e_g = tl.exp(G_cum)
         e_rest = tl.exp(G_last - G_cum)
         qk_base = tok * H * K + i_h * K
@@ -373,25 +382,8 @@ if triton is not None:
         cc = chh * C * C + r[:, None] * C + r[None, :]
         cc_t = chh * C * C + r[None, :] * C + r[:, None]
 
-        kk = tl.zeros([C, C], dtype=tl.float32)
-        q_sq = tl.zeros([C], dtype=tl.float32)
-        k_sq = tl.zeros([C], dtype=tl.float32)
-        for kb in tl.static_range(NK):
-            cols = kb * BK + tl.arange(0, BK)
-            m = valid[:, None] & (cols[None, :] < K)
-            m_t = (cols[:, None] < K) & valid[None, :]
-            q_b = tl.load(Q + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            k_b = tl.load(K_ + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            k_t = tl.load(K_ + qk_base[None, :] + cols[:, None], mask=m_t, other=0.0).to(tl.float32)
-            kk += tl.dot(k_b, k_t, input_precision=PRECISION)
-            q_sq += tl.sum(q_b * q_b, axis=1)
-            k_sq += tl.sum(k_b * k_b, axis=1)
-        if L2NORM:
-            rq = scale / tl.sqrt(q_sq + eps)
-            rk = 1.0 / tl.sqrt(k_sq + eps)
-        else:
-            rq = tl.zeros([C], dtype=tl.float32) + scale
-            rk = tl.zeros([C], dtype=tl.float32) + 1.0
+        kk, qk, q_sq, k_sq = _chunk_grams(Q, K_, qk_base, valid, K, C, BK, NK, PRECISION)
+        rq, rk = _norm_factors(q_sq, k_sq, scale, eps, C, L2NORM)
         lower = r[:, None] >= r[None, :]
         upper = r[:, None] <= r[None, :]
         strict = r[:, None] > r[None, :]
@@ -453,13 +445,6 @@ if triton is not None:
         dP = tl.load(DPM + cc)
         M = dP * E
         M_t = tl.load(DPM + cc_t) * E_t
-        qk = tl.zeros([C, C], dtype=tl.float32)
-        for kb in tl.static_range(NK):
-            cols = kb * BK + tl.arange(0, BK)
-            m_t = (cols[:, None] < K) & valid[None, :]
-            q_b = tl.load(Q + qk_base[:, None] + cols[None, :], mask=valid[:, None] & (cols[None, :] < K), other=0.0)
-            k_t = tl.load(K_ + qk_base[None, :] + cols[:, None], mask=m_t, other=0.0).to(tl.float32)
-            qk += tl.dot(q_b.to(tl.float32), k_t, input_precision=PRECISION)
         dPP = dP * qk * rq[:, None] * rk[None, :] * E
         dG += tl.sum(dPP, axis=1) - tl.sum(dPP, axis=0)
 
