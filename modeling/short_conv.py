@@ -71,6 +71,8 @@ class ShortConvolution(nn.Conv1d):
         n, c = windows.num_sequences, x.shape[-1]
         if window is None:
             window = x.new_zeros(n, k - 1, c)
+        if x.shape[0] == 0:  # no tokens: nothing to convolve, every window stays
+            return x, window.to(x.dtype)
         source = torch.cat([window.to(x.dtype).reshape(n * (k - 1), c), x], dim=0)
         # A scatter and a gather (whose backwards are a gather and a scatter to distinct
         # rows) around one conv1d: no per-tap gathers with atomic scatter-add backwards.

@@ -56,6 +56,13 @@ def test_packed_conv_gradients_equal_per_sequence_conv():
             torch.testing.assert_close(a, t.grad, rtol=0, atol=1e-12, msg=f"K={K}: gradient of {name}")
 
 
+def test_packed_conv_without_tokens_keeps_the_windows():
+    conv = ShortConvolution(3, 4)
+    window = torch.randn(2, 3, 3)
+    y, nxt = conv(torch.zeros(0, 3), ConvWindows.build(torch.tensor([0, 0, 0]), 4), window)
+    assert y.shape == (0, 3) and torch.equal(nxt, window)
+
+
 def test_conv_split_with_carried_window_equals_one_call():
     torch.manual_seed(1)
     conv = ShortConvolution(4, 4)
