@@ -44,6 +44,18 @@ def bench(fn, warmup=2, iters=5):
     return (time.perf_counter() - start) / iters * 1e3
 
 
+def layer_fwd_bwd_ms(layer: nn.Module, B: int, T: int, **bench_kwargs) -> float:
+    """Forward + backward time of ``layer`` on a random ``(B, T, D)`` bf16 input (first output summed)."""
+    x = torch.randn(B, T, D, device=DEV, dtype=DT, requires_grad=True)
+
+    def step():
+        x.grad = None
+        out = layer(x)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+
+    return bench(step, **bench_kwargs)
+
+
 class SdpaAttention(nn.Module):
     def __init__(self, d, h):
         super().__init__()
@@ -115,18 +127,10 @@ def main():
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
                 layer = make().to(DEV, DT)
-                x = torch.randn(B, T, D, device=DEV, dtype=DT, requires_grad=True)
-
-                def step():
-                    x.grad = None
-                    out = layer(x)
-                    out = out[0] if isinstance(out, tuple) else out
-                    out.float().sum().backward()
-
-                ms = bench(step)
+                ms = layer_fwd_bwd_ms(layer, B, T)
                 record(layer=name, T=T, B=B, ms=round(ms, 2), tok_per_s=round(B * T / ms * 1e3),
                        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
-                del layer, x
+                del layer
             except Exception as exc:  # a layer that does not fit is a result too
                 record(layer=name, T=T, B=B, err=repr(exc)[:300])
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "bench_layers.json"), "w") as f:

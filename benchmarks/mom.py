@@ -21,7 +21,7 @@ from mnemo import MoMConfig, MoMForCausalLM
 from mnemo.kernels import chunk_gated_delta, use_backend
 from mnemo.modeling.mom_layer import MoMMemoryLayer
 
-from bench_layers import SdpaAttention, bench  # noqa: E402  (run as a script from benchmarks/)
+from bench_layers import SdpaAttention, bench, layer_fwd_bwd_ms  # noqa: E402  (run as a script from benchmarks/)
 
 D, TOKENS, DEV, DT = 1024, 16384, "cuda", torch.bfloat16
 results: dict = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}}
@@ -77,18 +77,11 @@ def train(fla):
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
                 layer = make().to(DEV, DT)
-                x = torch.randn(B, T, D, device=DEV, dtype=DT, requires_grad=True)
-
-                def step():
-                    x.grad = None
-                    out = layer(x)
-                    (out[0] if isinstance(out, tuple) else out).float().sum().backward()
-
                 with use_backend(backend):
-                    ms = bench(step, warmup=2, iters=5)
+                    ms = layer_fwd_bwd_ms(layer, B, T, warmup=2, iters=5)
                 record(what="train_fwd_bwd", layer=name, T=T, B=B, ms=round(ms, 2),
                        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
-                del layer, x
+                del layer
             except Exception as exc:
                 record(what="train_fwd_bwd", layer=name, T=T, B=B, err=repr(exc)[:300])
 

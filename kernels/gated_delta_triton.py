@@ -84,6 +84,33 @@ if triton is not None:
         p, m = _kv_ptrs(ptr, kb, vv, K, V, BK)
         tl.store(p, x, mask=m)
 
+    @triton.jit
+    def _load_state(ptr, vv, K, V, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, PRESENT: tl.constexpr):
+        """The ``NK`` row tiles of a state's column block (zeros where absent or not ``PRESENT``)."""
+        t0 = tl.zeros([BK, BV], dtype=tl.float32)
+        t1 = tl.zeros([BK, BV], dtype=tl.float32)
+        t2 = tl.zeros([BK, BV], dtype=tl.float32)
+        t3 = tl.zeros([BK, BV], dtype=tl.float32)
+        if PRESENT:
+            t0 = _load_kv(ptr, 0, vv, K, V, BK)
+            if NK > 1:
+                t1 = _load_kv(ptr, 1, vv, K, V, BK)
+            if NK > 2:
+                t2 = _load_kv(ptr, 2, vv, K, V, BK)
+            if NK > 3:
+                t3 = _load_kv(ptr, 3, vv, K, V, BK)
+        return t0, t1, t2, t3
+
+    @triton.jit
+    def _store_state(ptr, vv, K, V, BK: tl.constexpr, NK: tl.constexpr, t0, t1, t2, t3):
+        _store_kv(ptr, 0, vv, K, V, BK, t0)
+        if NK > 1:
+            _store_kv(ptr, 1, vv, K, V, BK, t1)
+        if NK > 2:
+            _store_kv(ptr, 2, vv, K, V, BK, t2)
+        if NK > 3:
+            _store_kv(ptr, 3, vv, K, V, BK, t3)
+
     # The state of one program is up to four (BK, BV) tiles s0..s3 (d_k <= 4 * BK):
     # one (d_k, BV) tile would put whole (C, d_k) operands in shared memory.
 
@@ -107,31 +134,14 @@ if triton is not None:
         cv_mask = (r[:, None] >= 0) & (vv[None, :] < V)
         cc_off = r[:, None] * C + r[None, :]
 
-        s0 = tl.zeros([BK, BV], dtype=tl.float32)
-        s1 = tl.zeros([BK, BV], dtype=tl.float32)
-        s2 = tl.zeros([BK, BV], dtype=tl.float32)
-        s3 = tl.zeros([BK, BV], dtype=tl.float32)
         state = i_nh.to(tl.int64) * K * V
-        if HAS_S0:
-            s0 = _load_kv(S0 + state, 0, vv, K, V, BK)
-            if NK > 1:
-                s1 = _load_kv(S0 + state, 1, vv, K, V, BK)
-            if NK > 2:
-                s2 = _load_kv(S0 + state, 2, vv, K, V, BK)
-            if NK > 3:
-                s3 = _load_kv(S0 + state, 3, vv, K, V, BK)
+        s0, s1, s2, s3 = _load_state(S0 + state, vv, K, V, BK, BV, NK, HAS_S0)
 
         for c in range(c_start, c_end):
             ch = c * H + i_h
             w, qd, kd = W + ch * C * K, QD + ch * C * K, KD + ch * C * K
             if SAVE:
-                _store_kv(STATES + ch * K * V, 0, vv, K, V, BK, s0)
-                if NK > 1:
-                    _store_kv(STATES + ch * K * V, 1, vv, K, V, BK, s1)
-                if NK > 2:
-                    _store_kv(STATES + ch * K * V, 2, vv, K, V, BK, s2)
-                if NK > 3:
-                    _store_kv(STATES + ch * K * V, 3, vv, K, V, BK, s3)
+                _store_state(STATES + ch * K * V, vv, K, V, BK, NK, s0, s1, s2, s3)
             # D = U - W S and O = Qd S + P D
             d = tl.load(U + ch * C * V + cv_off, mask=cv_mask, other=0.0)
             d -= tl.dot(_ck(w, 0, r, K, BK), s0, input_precision=PRECISION)
@@ -159,13 +169,7 @@ if triton is not None:
             if NK > 3:
                 s3 = gamma * s3 + tl.dot(_kc(kd, 3, r, K, BK), d, input_precision=PRECISION)
 
-        _store_kv(SF + state, 0, vv, K, V, BK, s0)
-        if NK > 1:
-            _store_kv(SF + state, 1, vv, K, V, BK, s1)
-        if NK > 2:
-            _store_kv(SF + state, 2, vv, K, V, BK, s2)
-        if NK > 3:
-            _store_kv(SF + state, 3, vv, K, V, BK, s3)
+        _store_state(SF + state, vv, K, V, BK, NK, s0, s1, s2, s3)
 
     @triton.jit
     def _scan_backward_kernel(
@@ -186,32 +190,15 @@ if triton is not None:
         cv_off = r[:, None] * V + vv[None, :]
         cv_mask = (r[:, None] >= 0) & (vv[None, :] < V)
 
-        ds0 = tl.zeros([BK, BV], dtype=tl.float32)
-        ds1 = tl.zeros([BK, BV], dtype=tl.float32)
-        ds2 = tl.zeros([BK, BV], dtype=tl.float32)
-        ds3 = tl.zeros([BK, BV], dtype=tl.float32)
         state = i_nh.to(tl.int64) * K * V
-        if HAS_DSF:
-            ds0 = _load_kv(DSF + state, 0, vv, K, V, BK)
-            if NK > 1:
-                ds1 = _load_kv(DSF + state, 1, vv, K, V, BK)
-            if NK > 2:
-                ds2 = _load_kv(DSF + state, 2, vv, K, V, BK)
-            if NK > 3:
-                ds3 = _load_kv(DSF + state, 3, vv, K, V, BK)
+        ds0, ds1, ds2, ds3 = _load_state(DSF + state, vv, K, V, BK, BV, NK, HAS_DSF)
 
         for j in range(0, c_end - c_start):
             c = c_end - 1 - j
             ch = c * H + i_h
             w, qd, kd = W + ch * C * K, QD + ch * C * K, KD + ch * C * K
             # ds* is the gradient of the state leaving chunk c.
-            _store_kv(DS_NEXT + ch * K * V, 0, vv, K, V, BK, ds0)
-            if NK > 1:
-                _store_kv(DS_NEXT + ch * K * V, 1, vv, K, V, BK, ds1)
-            if NK > 2:
-                _store_kv(DS_NEXT + ch * K * V, 2, vv, K, V, BK, ds2)
-            if NK > 3:
-                _store_kv(DS_NEXT + ch * K * V, 3, vv, K, V, BK, ds3)
+            _store_state(DS_NEXT + ch * K * V, vv, K, V, BK, NK, ds0, ds1, ds2, ds3)
             # dD = P^T dO + Kd dS'
             dd = tl.load(PT_DO + ch * C * V + cv_off, mask=cv_mask, other=0.0)
             dd += tl.dot(_ck(kd, 0, r, K, BK), ds0, input_precision=PRECISION)
@@ -237,13 +224,7 @@ if triton is not None:
                 ds3 = gamma * ds3 + tl.dot(_kc(qd, 3, r, K, BK), do, input_precision=PRECISION) - tl.dot(
                     _kc(w, 3, r, K, BK), dd, input_precision=PRECISION)
 
-        _store_kv(DS0 + state, 0, vv, K, V, BK, ds0)
-        if NK > 1:
-            _store_kv(DS0 + state, 1, vv, K, V, BK, ds1)
-        if NK > 2:
-            _store_kv(DS0 + state, 2, vv, K, V, BK, ds2)
-        if NK > 3:
-            _store_kv(DS0 + state, 3, vv, K, V, BK, ds3)
+        _store_state(DS0 + state, vv, K, V, BK, NK, ds0, ds1, ds2, ds3)
 
     @triton.jit
     def _chunk_gates(G, BETA, tok, H, i_h, valid, C: tl.constexpr, HAS_G: tl.constexpr):
