@@ -26,7 +26,12 @@ PRESETS = {
 }
 
 
-MC_AGGREGATIONS = ("mean", "residual")  # parameter-free; gated ones need a score per cached memory
+# Memory Caching aggregations, those of MC-Titans (FAMILIES.md §2, ``kernels/atlas_caching.py``). The
+# parameter-free ones are also the ones post-training conversion offers (it adds no gate projection); the
+# gated ones score each cached memory with the layer's own gate projection ``u_proj``.
+MC_AGGREGATIONS = ("mean", "residual")
+GATED_AGGREGATIONS = ("grm", "soup", "ssc")
+AGGREGATIONS = MC_AGGREGATIONS + GATED_AGGREGATIONS
 
 
 def feature_width(feature_map: str, head_dim: int) -> int:
@@ -61,8 +66,15 @@ class AtlasConfig(PretrainedConfig):
         segment_size: Memory Caching (``None``: off): the memory is cached at the end of
             every ``segment_size`` tokens of a row and each token also reads the cached
             memories (``kernels/atlas_caching.py``).
-        aggregation: ``"mean"`` (uniform average with the online memory; the
-            post-training mode) or ``"residual"`` (their sum).
+        aggregation: how a token reads the online and cached memories, as in
+            :class:`~mnemo.MCTitansConfig`: ``"mean"`` (uniform average; the post-training
+            mode), ``"residual"`` (their sum), or the gated ``"grm"`` (softmax of the scores
+            ``<u_t, r^(i)>`` over the memories, weighted sum of their outputs), ``"soup"`` (the
+            same gates mix the memories' weights) and ``"ssc"`` (``grm`` over the ``ssc_topk``
+            best cached memories, ties kept, and the online one). The gated ones add a gate projection
+            ``u_proj`` of width ``num_heads * feature_dim``: a segment's summary ``r^(i)`` is the
+            mean of its L2-normalised feature-mapped keys (``kernels/atlas_caching.py``).
+        ssc_topk: cached memories each token reads with ``"ssc"`` (``>= 1``).
     """
 
     model_type = "mnemo_atlas"
@@ -92,6 +104,7 @@ class AtlasConfig(PretrainedConfig):
         sliding_window: int = 2048,
         segment_size: int | None = None,
         aggregation: str = "mean",
+        ssc_topk: int = 2,
         rope_theta: float = 10000.0,
         hidden_ratio: float = 4.0,
         intermediate_size: int | None = None,
@@ -128,6 +141,7 @@ class AtlasConfig(PretrainedConfig):
         self.sliding_window = sliding_window
         self.segment_size = segment_size
         self.aggregation = aggregation
+        self.ssc_topk = ssc_topk
         self.rope_theta = rope_theta
         self.hidden_ratio = hidden_ratio
         if intermediate_size is None:
@@ -158,11 +172,16 @@ class AtlasConfig(PretrainedConfig):
     def feature_dim(self) -> int:
         return feature_width(self.feature_map, self.head_dim)
 
+    @property
+    def gated_aggregation(self) -> bool:
+        """Whether the layers score cached memories (and so carry a gate projection ``u_proj``)."""
+        return self.segment_size is not None and self.aggregation in GATED_AGGREGATIONS
+
     def validate_fields(self) -> None:
         """Raise ``ValueError`` naming the first impossible field."""
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "memory_expansion",
                      "poly_degree", "omega_window", "inner_chunk_size", "conv_size", "sliding_window",
-                     "intermediate_size"):
+                     "intermediate_size", "ssc_topk"):
             check_positive_int(name, getattr(self, name))
         check(self.memory_depth in (1, 2), "memory_depth", "must be 1 (linear) or 2 (MLP)", self.memory_depth)
         check(not (self.memory_gated and self.memory_depth == 1), "memory_gated",
@@ -187,5 +206,5 @@ class AtlasConfig(PretrainedConfig):
               "must be > 0, or None for no clipping", self.memory_grad_clip)
         check(self.segment_size is None or (isinstance(self.segment_size, int) and self.segment_size >= 1),
               "segment_size", "must be an integer >= 1, or None (no Memory Caching)", self.segment_size)
-        check_choice("aggregation", self.aggregation, MC_AGGREGATIONS)
+        check_choice("aggregation", self.aggregation, AGGREGATIONS)
         check_block(self)

@@ -7,7 +7,12 @@ from transformers import PretrainedConfig
 from .validation import check, check_block, check_choice, check_layer_indices, check_positive_int, swiglu_width
 
 MEMORY_UPDATES = ("gated_deltanet", "deltanet")
-MC_AGGREGATIONS = ("mean", "residual")  # parameter-free; gated ones need each cached memory's score
+# Memory Caching aggregations (FAMILIES.md §2, ``kernels/cached_linear.py``). The parameter-free ones are
+# also the ones post-training conversion offers (it adds no gate projection); the gated ones score each
+# cached memory with the layer's gate projection ``u_proj``.
+MC_AGGREGATIONS = ("mean", "residual")
+GATED_AGGREGATIONS = ("grm", "soup", "ssc")
+AGGREGATIONS = MC_AGGREGATIONS + GATED_AGGREGATIONS
 
 
 class MoMConfig(PretrainedConfig):
@@ -45,8 +50,21 @@ class MoMConfig(PretrainedConfig):
         segment_size: Memory Caching (``None``: off): at the end of every ``segment_size``
             tokens of a row every memory of a MoM layer is cached, and each token also
             reads the cached memories (``kernels/cached_linear.py``).
-        aggregation: How cached memories are read: ``"mean"`` (uniform average with the
-            online memory; the post-training mode) or ``"residual"`` (their sum).
+        aggregation: How a token reads its online and cached memories, as in
+            :class:`~mnemo.MCTitansConfig`: ``"mean"`` (uniform average; the post-training
+            mode) or ``"residual"`` (their sum), which keep one running sum of the cached
+            states, or the gated ``"grm"`` (softmax per head of the scores ``<u_t, r^(i)>``
+            over the cached and online memories, weighted sum of their reads), ``"soup"``
+            (the same gates mix the states before the read: for a matrix memory exactly
+            ``"grm"``, and computed as such) and ``"ssc"`` (``"grm"`` over the ``ssc_topk``
+            best cached memories, ties kept, and the online one). The gated ones add a gate
+            projection ``u_proj`` (``hidden_size -> num_heads * head_dim``, no bias) of the
+            layer input, one ``u_t`` per token and head shared by every memory the token
+            visits; memory ``e``'s summary ``r_e^(i)`` is the mean of the L2-normalised keys
+            it received in segment ``i`` (zero, hence score 0, if it received none), its
+            online summary the mean of its keys in the current segment so far. Their decode
+            cache keeps every cached state: it grows by one state per memory and segment.
+        ssc_topk: Cached memories each token reads with ``"ssc"`` (``>= 1``).
         initializer_range: Std of the normal init of linear and embedding weights.
     """
 
@@ -79,6 +97,7 @@ class MoMConfig(PretrainedConfig):
         chunk_size: int = 64,
         segment_size: int | None = None,
         aggregation: str = "mean",
+        ssc_topk: int = 2,
         initializer_range: float = 0.02,
         use_cache: bool = True,
         pad_token_id: int | None = None,
@@ -115,6 +134,7 @@ class MoMConfig(PretrainedConfig):
         self.chunk_size = chunk_size
         self.segment_size = segment_size
         self.aggregation = aggregation
+        self.ssc_topk = ssc_topk
         self.initializer_range = initializer_range
         self.use_cache = use_cache
         super().__init__(
@@ -131,6 +151,11 @@ class MoMConfig(PretrainedConfig):
         return int(self.head_dim * self.expand_v)
 
     @property
+    def gated_aggregation(self) -> bool:
+        """Whether the MoM layers score cached memories (and so carry a gate projection ``u_proj``)."""
+        return self.segment_size is not None and self.aggregation in GATED_AGGREGATIONS
+
+    @property
     def block_types(self) -> list[str]:
         """``"mom"`` or ``"attention"`` for every block."""
         return ["attention" if i in self.attention_layers else "mom" for i in range(self.num_hidden_layers)]
@@ -139,7 +164,7 @@ class MoMConfig(PretrainedConfig):
         """Raise ``ValueError`` naming the first impossible field."""
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "num_memories",
                      "topk", "conv_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                     "chunk_size", "max_position_embeddings"):
+                     "chunk_size", "max_position_embeddings", "ssc_topk"):
             check_positive_int(name, getattr(self, name))
         check(self.topk <= self.num_memories, "topk", f"must be <= num_memories ({self.num_memories})", self.topk)
         check(
@@ -149,7 +174,7 @@ class MoMConfig(PretrainedConfig):
         check_choice("memory_update", self.memory_update, MEMORY_UPDATES)
         check(self.segment_size is None or (isinstance(self.segment_size, int) and self.segment_size >= 1),
               "segment_size", "must be an integer >= 1, or None (no Memory Caching)", self.segment_size)
-        check_choice("aggregation", self.aggregation, MC_AGGREGATIONS)
+        check_choice("aggregation", self.aggregation, AGGREGATIONS)
         check(self.aux_loss_coef >= 0, "aux_loss_coef", "must be >= 0", self.aux_loss_coef)
         check_block(self)
         check_layer_indices("attention_layers", self.attention_layers, self.num_hidden_layers)

@@ -7,21 +7,19 @@ gets the chosen ``segment_size`` and ``aggregation``; every trained tensor is ke
 as it is and no parameter is added:
 
 - Titans (``MCTitansForCausalLM``) becomes MC-Titans: any aggregation.
-- MoM (``MoMForCausalLM``) caches all its matrix memories: ``mean`` or ``residual``
-  (a matrix memory's cached reads add up, ``kernels/cached_linear.py``).
-- Atlas (``AtlasForCausalLM``, every preset and hybrid) caches its MLP memory:
-  ``mean`` or ``residual`` (``kernels/atlas_caching.py``).
+- MoM (``MoMForCausalLM``) caches all its matrix memories (``kernels/cached_linear.py``).
+- Atlas (``AtlasForCausalLM``, every preset and hybrid) caches its MLP memory
+  (``kernels/atlas_caching.py``).
 
-MoM and Atlas offer only the parameter-free aggregations: the gated ones score
-each cached memory through a gate projection and key summaries those families
-do not have.
-
-The MC-Titans gate projection ``u_proj`` is never used while a model has one segment, so it
-is untrained in the source; the conversion sets it to zero, which makes the gated
-aggregations (``grm``, ``soup``, ``ssc``) start as the uniform average of the
-online and cached memories (``mean``) until they are fine-tuned. Inside the
-first segment nothing is cached yet, so every aggregation gives the source's
-outputs there exactly.
+Every family takes every aggregation: ``mean`` and ``residual`` add no parameter.
+The gated ones (``grm``, ``soup``, ``ssc``) score each cached memory through a gate
+projection ``u_proj``: MoM and Atlas have none without caching, so the conversion
+adds it; MC-Titans has one that is never used while a model has one segment, so
+it is untrained in the source. Either way the conversion sets it to zero, which
+makes the gated aggregations start as the uniform average of the online and
+cached memories (``mean``; ``ssc`` keeps tied scores, so it reads them all) until
+they are fine-tuned. Inside the first segment nothing is cached yet, so every
+aggregation gives the source's outputs there exactly.
 
 """
 
@@ -34,7 +32,7 @@ import torch
 
 from ..configuration.configuration_atlas import AtlasConfig
 from ..configuration.configuration_mc_titans import MCTitansConfig
-from ..configuration.configuration_mom import MC_AGGREGATIONS, MoMConfig
+from ..configuration.configuration_mom import MoMConfig
 from .checkpoint_io import (
     ConversionError,
     check_state_dict_keys,
@@ -47,11 +45,11 @@ from .checkpoint_io import (
 __all__ = ["convert_to_memory_caching"]
 
 GATED = ("grm", "soup", "ssc")
-# model_type -> (config class, family name, aggregations it supports or None for all)
+# model_type -> (config class, family name)
 _SOURCES = {
-    MCTitansConfig.model_type: (MCTitansConfig, "Titans", None),
-    MoMConfig.model_type: (MoMConfig, "MoM", MC_AGGREGATIONS),
-    AtlasConfig.model_type: (AtlasConfig, "Atlas", MC_AGGREGATIONS),
+    MCTitansConfig.model_type: (MCTitansConfig, "Titans"),
+    MoMConfig.model_type: (MoMConfig, "MoM"),
+    AtlasConfig.model_type: (AtlasConfig, "Atlas"),
 }
 
 
@@ -59,12 +57,7 @@ def _target_config(source: dict, src_name: str, **mc):
     model_type = source.get("model_type")
     if model_type not in _SOURCES:
         raise ConversionError(f"cannot convert model_type {model_type!r} to Memory Caching")
-    config_cls, family, aggregations = _SOURCES[model_type]
-    if aggregations is not None and mc["aggregation"] not in aggregations:
-        raise ConversionError(
-            f"aggregation {mc['aggregation']!r} is not available for {family}: use one of {aggregations} "
-            f"(gated aggregations score each cached memory, which needs a gate projection {family} does not have)"
-        )
+    config_cls, family = _SOURCES[model_type]
     if source.get("segment_size") is not None:
         raise ConversionError(
             f"the source already caches its memory (segment_size={source['segment_size']}); "
@@ -74,13 +67,17 @@ def _target_config(source: dict, src_name: str, **mc):
     if config_cls is MCTitansConfig:
         fields.update(mc, cache_mode="checkpoint")
     else:
-        fields.update(segment_size=mc["segment_size"], aggregation=mc["aggregation"])
+        fields.update(segment_size=mc["segment_size"], aggregation=mc["aggregation"], ssc_topk=mc["ssc_topk"])
     fields["converted_from"] = (f"{src_name} ({family}, one segment) by Memory Caching post-training conversion "
                                 f"(segment_size={mc['segment_size']}, aggregation={mc['aggregation']})")
     try:
         return config_cls(**fields)
     except ValueError as err:
         raise ConversionError(str(err)) from err
+
+
+def _is_gate_projection(name: str) -> bool:
+    return name.endswith(".u_proj.weight")
 
 
 def convert_to_memory_caching(
@@ -99,10 +96,10 @@ def convert_to_memory_caching(
         src_dir: A Titans (``MCTitansForCausalLM``), MoM or Atlas checkpoint folder, ``segment_size=None``.
         out_dir: The folder to write; it must not exist or be empty.
         segment_size: Tokens per cached segment (the paper caches every training length).
-        aggregation: ``"mean"`` (no parameters), ``"residual"``, or for Titans the gated
-            ``"grm"``, ``"soup"``, ``"ssc"`` (gate projection set to zero: they start as ``mean``).
+        aggregation: ``"mean"``, ``"residual"`` (no parameters), or the gated ``"grm"``, ``"soup"``,
+            ``"ssc"`` (gate projection ``u_proj`` added or set to zero: they start as ``mean``).
         segmentation: ``"constant"`` or, for Titans, ``"logarithmic"``.
-        ssc_topk: Cached memories each token reads with ``"ssc"`` (Titans).
+        ssc_topk: Cached memories each token reads with ``"ssc"``.
         allow_pickle: Accept ``pytorch_model.bin`` weights (read with ``weights_only=True``).
 
     Returns:
@@ -125,14 +122,18 @@ def convert_to_memory_caching(
     expected = model.state_dict()
     if config.tie_word_embeddings:
         state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
+    if aggregation in GATED:  # the gate projections the gated aggregations add start at zero (read as ``mean``)
+        state.update({name: torch.zeros_like(t) for name, t in expected.items()
+                      if name not in state and _is_gate_projection(name)})
     check_state_dict_keys(state, expected, f"converting {Path(src_dir).name} to Memory Caching")
     dtype = state["model.embed_tokens.weight"].dtype
     model = model.to(dtype)
     model.load_state_dict(state, strict=True)
-    if isinstance(config, MCTitansConfig) and aggregation in GATED:
+    if aggregation in GATED:
         with torch.no_grad():
-            for layer in model.model.layers:
-                layer.attn.u_proj.weight.zero_()
+            for name, param in model.named_parameters():
+                if _is_gate_projection(name):
+                    param.zero_()
     src = Path(src_dir)
     if (src / "generation_config.json").is_file():
         from transformers import GenerationConfig

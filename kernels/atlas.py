@@ -22,6 +22,7 @@ every token of a chunk (the paper's algorithm).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -247,12 +248,20 @@ def chunk_atlas(
     chunk_size: int = 64,
     ns_steps: int = 5,
     lengths: torch.Tensor | None = None,
+    read: Callable[..., torch.Tensor] | None = None,
+    read_inputs: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, AtlasState]:
     """``T`` new tokens per row (compacted, ``lengths`` valid), continuing ``state``.
 
     Rows are shifted by their position in the current inner chunk (as in
     :func:`~.titans.chunk_titans`) and each row's last ``c - 1`` tokens from the
     state sit just before its first new token, so every window is complete.
+
+    ``read(apply, q, *inputs)``, when given, replaces each inner chunk's read
+    ``memory_apply(spec, apply, q)``: ``apply`` gives every token's online weights
+    (after its own write), ``q`` and ``inputs`` (per-token tensors ``(B, T, H, ...)``
+    laid out like ``q``) come as the chunk's ``(B, H, C, ...)`` slices. Memory
+    Caching reads its cached memories alongside the online one through it.
     """
     resolve_backend(q, has_triton_impl=False)
     if optimizer not in OPTIMIZERS:
@@ -274,6 +283,7 @@ def chunk_atlas(
                     ("gamma", gamma)):
         buf, live, slot = align_rows(x.to(dtype), shift + pre, lengths, total)
         bufs[name] = buf
+    extra = [align_rows(x.to(dtype), shift + pre, lengths, total)[0].transpose(1, 2) for x in read_inputs]
     window_len = torch.full_like(lengths, pre)
     present = live.clone()
     for name, w in (("k", state.window_k), ("v", state.window_v), ("gamma", state.window_gamma)):
@@ -317,7 +327,11 @@ def chunk_atlas(
                 op = ChunkOperator(W, S, factors, band, dM, gm, dS, torch.where(lvh, one, zero))
             else:
                 op = MuonChunk(W, S, factors, band, dM, gm, dS, ns_steps)
-        outputs.append(memory_apply(spec, op, bufs["q"][:, :, lo:hi]))
+        q_chunk = bufs["q"][:, :, lo:hi]
+        if read is None:
+            outputs.append(memory_apply(spec, op, q_chunk))
+        else:
+            outputs.append(read(op, q_chunk, *(x[:, :, lo:hi] for x in extra)))
         W, S_new = op.final()
         S = None if optimizer == "gd" else S_new
     o = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, span, H, d_v)

@@ -2,67 +2,134 @@
 
 At the end of every segment of ``segment_size`` tokens of a row, the row's
 memory weights are cached, and token ``t`` reads its online memory (after its
-own write, as Atlas does) and every memory cached before it:
+own write, as Atlas does) and every memory cached before it, with the
+aggregations of MC-Titans (``memory_caching.py``):
 
 - ``residual``: ``y_t = M_t(phi(q_t)) + sum_i M^(i)(phi(q_t))``
 - ``mean``:     the same sum divided by ``1 + N_t`` (``N_t`` memories cached so far)
+- ``grm``, ``soup``, ``ssc``: gated by the scores ``s_t^(i) = <u_t, r^(i)>`` of the
+  cached memories and of the online one, exactly as MC-Titans gates them (the one
+  aggregation, :func:`~.memory_caching.mc_read`, serves both families).
+
+Summaries: the memory receives the feature-mapped keys ``phi(k_t)``, so a
+segment's summary ``r^(i)`` is the mean of its keys *as the memory receives
+them*, each L2-normalised: ``mean_t phi(k_t) / ||phi(k_t)||``. Normalising keeps
+the scores' scale independent of the learnable feature coefficients, as the unit
+keys of MC-Titans do; taking the keys after ``phi`` puts the summaries in the
+space the memory is written and read in. The gate input ``u_t`` therefore has
+the feature width ``spec.d_k`` (larger than the head width with
+``poly_tensor``). The online memory's summary is the mean of the current
+segment's normalised keys so far, the current token's included.
 
 The memory is an MLP, so each cached memory is read on its own (unlike the
 matrix memories of ``cached_linear.py``): the cache holds the list, growing by
 one memory per segment. The online memory continues across segments
 (``checkpoint`` mode): its inner chunks, Omega window and optimiser state are
-those of plain Atlas, so inside the first segment the layer is plain Atlas.
+those of plain Atlas, so inside the first segment the layer is plain Atlas
+whatever the aggregation.
 
 Entry points: :func:`reference_mc_atlas` (token by token with the step kernel,
-an explicit list) and :func:`chunk_mc_atlas` (the chunked kernel run segment by
+explicit lists) and :func:`chunk_mc_atlas` (the chunked kernel run segment by
 segment over compacted rows), plus :class:`CachedMemories`, the list.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
 from .atlas import AtlasState, chunk_atlas, step_atlas
+from .memory_caching import mc_read
+from .norms import l2_normalize
 from .titans import TitansMemorySpec, memory_apply, static_apply
 
-__all__ = ["AGGREGATIONS", "CachedMemories", "chunk_mc_atlas", "reference_mc_atlas"]
+__all__ = ["AGGREGATIONS", "GATED_AGGREGATIONS", "CachedMemories", "chunk_mc_atlas", "reference_mc_atlas"]
 
-AGGREGATIONS = ("mean", "residual")
+AGGREGATIONS = ("mean", "residual", "grm", "soup", "ssc")
+GATED_AGGREGATIONS = ("grm", "soup", "ssc")
 
 
-def _check_aggregation(aggregation: str) -> None:
+def _check_aggregation(aggregation: str, u: torch.Tensor | None) -> None:
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation over Atlas memories must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if aggregation in GATED_AGGREGATIONS and u is None:
+        raise ValueError(f"aggregation {aggregation!r} scores the memories: pass the gate inputs u")
 
 
 @dataclass
 class CachedMemories:
-    """Cached weights ``{name: (B, N, H, d_out, d_in)}`` with ``count (B,)`` valid slots per row."""
+    """Cached weights ``{name: (B, N, H, d_out, d_in)}`` with ``count (B,)`` valid slots per row.
+
+    For the gated aggregations it also keeps the summaries as sums and counts of
+    normalised keys (divided only when read, so that every path rounds alike):
+    ``key_sum (B, N, H, d_k)`` and ``key_count (B, N)`` of each cached segment,
+    ``online_key_sum (B, H, d_k)`` and ``online_key_count (B,)`` of the current one.
+    """
 
     weights: dict[str, torch.Tensor]
     count: torch.Tensor
+    key_sum: torch.Tensor | None = None
+    key_count: torch.Tensor | None = None
+    online_key_sum: torch.Tensor | None = None
+    online_key_count: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, like: dict[str, torch.Tensor]) -> "CachedMemories":
+    def empty(cls, like: dict[str, torch.Tensor], summary_dim: int | None = None) -> "CachedMemories":
+        """No memory cached for rows shaped like the weights ``like`` (``(B, H, ...)``); with
+        ``summary_dim``, empty summaries of that width too."""
         w = next(iter(like.values()))
-        return cls({n: x.new_zeros(x.shape[0], 0, *x.shape[1:]) for n, x in like.items()},
-                   torch.zeros(w.shape[0], dtype=torch.long, device=w.device))
+        B, H = w.shape[:2]
+        cached = cls({n: x.new_zeros(x.shape[0], 0, *x.shape[1:]) for n, x in like.items()},
+                     torch.zeros(B, dtype=torch.long, device=w.device))
+        if summary_dim is not None:
+            cached.key_sum = w.new_zeros(B, 0, H, summary_dim)
+            cached.key_count = w.new_zeros(B, 0)
+            cached.online_key_sum = w.new_zeros(B, H, summary_dim)
+            cached.online_key_count = w.new_zeros(B)
+        return cached
+
+    @property
+    def has_summaries(self) -> bool:
+        return self.key_sum is not None
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``(B, N)``: which slots of each row hold a cached memory."""
+        N = next(iter(self.weights.values())).shape[1]
+        return torch.arange(N, device=self.count.device)[None] < self.count[:, None]
+
+    def summary(self) -> torch.Tensor:
+        """``r^(i)`` of every slot, ``(B, N, H, d_k)`` (zero in empty slots)."""
+        return self.key_sum / self.key_count.clamp(min=1)[..., None, None]
 
     def push(self, rows: torch.Tensor, weights: dict[str, torch.Tensor]) -> "CachedMemories":
-        """A new list with ``weights`` appended for ``rows`` (bool ``(B,)``)."""
+        """A new list with ``weights`` appended for ``rows`` (bool ``(B,)``); with summaries, the
+        online segment's keys move into the new slot and the online segment restarts empty."""
         if not bool(rows.any()):
             return self
-        cached = self.weights
+        cached, key_sum, key_count = self.weights, self.key_sum, self.key_count
         N = next(iter(cached.values())).shape[1]
         if int((self.count + rows.long()).max()) > N:  # grow by one slot
-            cached = {n: torch.cat([c, c.new_zeros(c.shape[0], 1, *c.shape[2:])], 1) for n, c in cached.items()}
+            def grow(c: torch.Tensor) -> torch.Tensor:
+                return torch.cat([c, c.new_zeros(c.shape[0], 1, *c.shape[2:])], 1)
+
+            cached = {n: grow(c) for n, c in cached.items()}
+            if self.has_summaries:
+                key_sum, key_count = grow(key_sum), grow(key_count)
             N += 1
         slot = (torch.arange(N, device=rows.device)[None] == self.count[:, None]) & rows[:, None]
         s = slot[..., None, None, None]
-        return CachedMemories({n: torch.where(s, weights[n][:, None].to(c.dtype), c) for n, c in cached.items()},
-                              self.count + rows.long())
+        out = CachedMemories({n: torch.where(s, weights[n][:, None].to(c.dtype), c) for n, c in cached.items()},
+                             self.count + rows.long())
+        if self.has_summaries:
+            out.key_sum = torch.where(slot[..., None, None], self.online_key_sum[:, None], key_sum)
+            out.key_count = torch.where(slot, self.online_key_count[:, None], key_count)
+            out.online_key_sum = torch.where(rows[:, None, None], torch.zeros_like(self.online_key_sum),
+                                             self.online_key_sum)
+            out.online_key_count = torch.where(rows, torch.zeros_like(self.online_key_count), self.online_key_count)
+        return out
 
     def read(self, spec: TitansMemorySpec, q: torch.Tensor) -> torch.Tensor:
         """``sum_i M^(i)(q)`` over each row's valid memories for ``q`` ``(B, H, T, d_k)``."""
@@ -81,6 +148,23 @@ def _combine(online: torch.Tensor, cached_read: torch.Tensor, count: torch.Tenso
     return y
 
 
+def _stack(items: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """``items`` (each shaped like ``like``, ``(1, ...)``) stacked on a new dim 1, possibly empty."""
+    return torch.stack(items, 1) if items else like.new_zeros(like.shape[0], 0, *like.shape[1:])
+
+
+def _gated_read(spec: TitansMemorySpec, aggregation: str, ssc_topk: int,
+                cached: CachedMemories) -> Callable[..., torch.Tensor]:
+    """The read of one segment's tokens: the online memory and the memories ``cached`` before the segment."""
+    cached_summary, cached_valid = cached.summary(), cached.valid
+
+    def read(apply, q: torch.Tensor, u: torch.Tensor, online_summary: torch.Tensor) -> torch.Tensor:
+        return mc_read(spec, aggregation, ssc_topk, q, u, apply, online_summary, cached.weights, cached_summary,
+                       cached_valid)
+
+    return read
+
+
 def reference_mc_atlas(
     spec: TitansMemorySpec,
     q, k, v, alpha, lr, momentum, gamma,
@@ -88,19 +172,41 @@ def reference_mc_atlas(
     *,
     segment_size: int,
     aggregation: str,
+    u: torch.Tensor | None = None,
+    ssc_topk: int = 2,
     **options,
 ) -> torch.Tensor:
-    """One row's tokens (``(1, T, ...)`` inputs, all valid) from a fresh ``state``, token by token."""
-    _check_aggregation(aggregation)
-    cached = CachedMemories.empty(state.weights)
+    """One row's tokens (``(1, T, ...)`` inputs, all valid) from a fresh ``state``, token by token.
+
+    The cached memories, their summaries and the current segment's keys are plain
+    lists; ``u`` ``(1, T, H, d_k)`` are the gate inputs of the gated aggregations.
+    """
+    _check_aggregation(aggregation, u)
+    memories: list[dict[str, torch.Tensor]] = []  # M^(i), oldest first
+    summaries: list[torch.Tensor] = []  # r^(i), (1, H, d_k)
+    segment_keys: list[torch.Tensor] = []  # normalised keys of the online segment so far
     outputs = []
     for t in range(q.shape[1]):
-        if t and t % segment_size == 0:
-            cached = cached.push(torch.ones(1, dtype=torch.bool, device=q.device), state.weights)
+        if t and t % segment_size == 0:  # the previous token closed a segment
+            memories.append(state.weights)
+            summaries.append(torch.stack(segment_keys).mean(0))
+            segment_keys = []
         o, state = step_atlas(spec, q[:, t], k[:, t], v[:, t], alpha[:, t], lr[:, t],
                               None if momentum is None else momentum[:, t], gamma[:, t], state, **options)
-        read = cached.read(spec, q[:, t][:, :, None].to(o.dtype))[:, :, 0]
-        outputs.append(_combine(o, read, cached.count, aggregation))
+        segment_keys.append(l2_normalize(k[:, t].to(o.dtype)))
+        qt = q[:, t][:, :, None].to(o.dtype)  # (1, H, 1, d_k)
+        if aggregation in GATED_AGGREGATIONS:
+            # mc_read takes the lists as (1, N, ...) stacks
+            cached = {n: _stack([m[n] for m in memories], w) for n, w in state.weights.items()}
+            cached_summary = _stack(summaries, segment_keys[0])
+            valid = torch.ones(1, len(memories), dtype=torch.bool, device=q.device)
+            online_summary = torch.stack(segment_keys).mean(0)[:, :, None]
+            y = mc_read(spec, aggregation, ssc_topk, qt, u[:, t][:, :, None].to(o.dtype), static_apply(state.weights),
+                        online_summary, cached, cached_summary, valid)[:, :, 0]
+        else:
+            reads = [o] + [memory_apply(spec, static_apply(m), qt)[:, :, 0] for m in memories]
+            y = sum(reads) / len(reads) if aggregation == "mean" else sum(reads)
+        outputs.append(y)
     return torch.stack(outputs, 1)
 
 
@@ -123,17 +229,25 @@ def chunk_mc_atlas(
     clock: torch.Tensor,
     segment_size: int,
     aggregation: str,
+    u: torch.Tensor | None = None,
+    ssc_topk: int = 2,
     **options,
 ) -> tuple[torch.Tensor, AtlasState, CachedMemories]:
     """Compacted rows (``(B, T, ...)``, ``lengths`` valid) whose clocks stand at ``clock`` ``(B,)``.
 
     Runs the chunked kernel once per segment the rows span (each row's slice of
     the segment moved to the front), reads the cached memories for it, and caches
-    the memories of the rows whose clock passes the segment's end.
+    the memories of the rows whose clock passes the segment's end. The gated
+    aggregations need the gate inputs ``u`` ``(B, T, H, d_k)`` and a ``cached``
+    list with summaries (``CachedMemories.empty(weights, d_k)``).
     """
-    _check_aggregation(aggregation)
+    _check_aggregation(aggregation, u)
+    gated = aggregation in GATED_AGGREGATIONS
+    if gated and not cached.has_summaries:
+        raise ValueError(f"aggregation {aggregation!r} needs a cache that keeps segment summaries")
     S = segment_size
     B, T = q.shape[:2]
+    dtype = torch.promote_types(v.dtype, torch.float32)
     out = None
     first = int(clock.min()) // S
     last = max(int((clock + lengths).max()) - 1, int(clock.min())) // S
@@ -144,20 +258,38 @@ def chunk_mc_atlas(
         width = int(count.max())
         if width:
             piece = [_front(x, start, width) for x in (q, k, v, alpha, lr, momentum, gamma)]
+            live = torch.arange(width, device=q.device)[None] < count[:, None]
+            if gated:
+                # Running summary of the online segment: its keys so far, each token's own included.
+                keys = l2_normalize(piece[1].to(dtype)) * live[..., None, None]
+                run_sum = cached.online_key_sum[:, None] + keys.cumsum(1)  # (B, width, H, d_k)
+                run_count = cached.online_key_count[:, None] + live.to(dtype).cumsum(1)
+                online_summary = run_sum / run_count.clamp(min=1)[..., None, None]
+                gates_in = _front(u, start, width).to(dtype)
+                read = _gated_read(spec, aggregation, ssc_topk, cached)
             if width == 1:
                 o, state = step_atlas(spec, *(None if x is None else x[:, 0] for x in piece), state,
                                       live=count > 0, **options)
                 o = o[:, None]
+                if gated:  # the step's own output is the online read alone: read again with the cache
+                    o = read(static_apply(state.weights), piece[0].to(dtype).transpose(1, 2),
+                             gates_in.transpose(1, 2), online_summary.transpose(1, 2)).transpose(1, 2)
+            elif gated:
+                o, state = chunk_atlas(spec, *piece, state, lengths=count, read=read,
+                                       read_inputs=(gates_in, online_summary), **options)
             else:
                 o, state = chunk_atlas(spec, *piece, state, lengths=count, **options)
-            read = cached.read(spec, piece[0].transpose(1, 2).to(o.dtype)).transpose(1, 2)
-            y = _combine(o, read, cached.count, aggregation)
-            y = y * (torch.arange(width, device=q.device)[None] < count[:, None])[..., None, None]
+            if gated:
+                y = o
+                cached = replace(cached, online_key_sum=run_sum[:, -1], online_key_count=run_count[:, -1])
+            else:
+                read_cached = cached.read(spec, piece[0].transpose(1, 2).to(o.dtype)).transpose(1, 2)
+                y = _combine(o, read_cached, cached.count, aggregation)
+            y = y * live[..., None, None]
             if out is None:  # float32 at least: under autocast the reads of cached memories may come back in bf16
                 out = y.new_zeros(B, T + 1, *y.shape[2:], dtype=torch.promote_types(y.dtype, torch.float32))
             # Tokens past a row's count go to the spill column T, dropped below.
-            index = torch.where(torch.arange(width, device=q.device)[None] < count[:, None],
-                                start[:, None] + torch.arange(width, device=q.device)[None], T)
+            index = torch.where(live, start[:, None] + torch.arange(width, device=q.device)[None], T)
             out = out.scatter(1, index[..., None, None].expand_as(y), y.to(out.dtype))
         closes = (clock < (j + 1) * S) & (clock + lengths >= (j + 1) * S)
         cached = cached.push(closes, state.weights)

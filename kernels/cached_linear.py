@@ -2,41 +2,188 @@
 
 At the end of every segment of ``segment_size`` tokens of a row, each of the
 row's memories is cached, and token ``t`` reads its online memory (after its own
-write) and every memory cached before it:
+write) and every memory cached before it, with MC-Titans' aggregations:
 
 - ``residual``: ``o_t = S_t^T q_t + sum_i S^(i)^T q_t``
 - ``mean``:     the same sum divided by ``1 + N_t`` (``N_t`` memories cached so far)
+- ``grm``:      ``o_t = gamma_t^on S_t^T q_t + sum_i gamma_t^(i) S^(i)^T q_t`` with
+  ``gamma_t = softmax`` (per head) of the scores ``<u_t, r^(i)>`` of the cached
+  memories and ``<u_t, r_t^on>`` of the online one
+- ``soup``:     mixes the states with the same gates, then reads once. A matrix
+  memory reads linearly, so ``(sum_i gamma^(i) S^(i))^T q = sum_i gamma^(i) S^(i)^T q``:
+  ``soup`` *is* ``grm`` here and is computed as ``grm``
+- ``ssc``:      ``grm`` over the ``ssc_topk`` best-scoring cached memories and the
+  online one (cached memories tied with the ``ssc_topk``-th best score are all kept,
+  so a zero gate projection reads like ``mean``)
 
-A matrix memory reads linearly, so ``sum_i S^(i)^T q = (sum_i S^(i))^T q``: the
-cache keeps one running sum of the cached states and their count, and does not
-grow with the context. Gated aggregations (``grm``, ``soup``, ``ssc``) weigh each
-cached memory by its own score and need them one by one; they are MC-Titans'
-(``memory_caching.py``).
+The gated aggregations are MC-Titans' own (:func:`~.memory_caching.mc_read` on a
+linear memory ``M(z) = S^T z``), so both families gate alike: same scores, same
+``-inf`` masking of empty cache slots, same ties in ``ssc``.
+
+Summaries are per memory. ``r_e^(i)`` is the mean of the L2-normalised keys that
+memory ``e`` received during segment ``i`` of its row (the keys it was written
+with: after its short convolution). A memory that received no token in a segment
+is still cached (unchanged), with a zero summary: its score is 0. The online
+summary ``r_t^on`` is the mean of the memory's keys in the current segment so far,
+the current token's included. ``u_t`` is one vector per token and head (the layer
+projects it from its input); every memory the token visits scores with it.
+
+Cache. A matrix memory reads linearly, so for ``mean``/``residual``
+``sum_i S^(i)^T q = (sum_i S^(i))^T q``: the cache is one running sum of the
+cached states per memory and their count, and does not grow with the context.
+The gated aggregations weigh each cached state by its own score and keep them one
+by one (:class:`CachedStates`: one slot per cached segment, like MC-Titans, plus
+per-segment key sums and counts and the online segment's); it grows by one state
+per memory and segment. Summaries are kept as sums and counts and divided only
+when read, so every path rounds alike. As in MC-Titans, a token reads every
+cached state of the memories it visits (``ssc`` scores them all and masks all but
+the best), so its cost grows with the number of cached segments.
 
 Segments count a *row's* tokens (its clock): a routed memory that receives no
 token in a segment is cached unchanged at that segment's end, like every other
 memory of the row. ``positions`` give each token's index on its row's clock.
 
-Entry points: :func:`reference_mc_gated_delta` (one sequence, an explicit list of
-cached states, token by token) and :func:`chunk_mc_gated_delta` (packed
-variable-length sequences, the chunked kernel run segment by segment, one
-token per sequence handled by the step kernel).
+Entry points: :func:`reference_mc_gated_delta` (one sequence, explicit lists of
+cached states, token by token), :func:`chunk_mc_gated_delta` (packed
+variable-length sequences, the chunked kernel run segment by segment, one token
+per sequence handled by the step kernel) and :func:`step_mc_gated_delta` (the
+gated aggregations' one-token step for decoding, without a packing plan).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields, replace
+from typing import Callable
+
 import torch
 
 from .gated_delta import _prepare_qk, chunk_gated_delta, reference_gated_delta, step_gated_delta
+from .memory_caching import mc_read
+from .titans import TitansMemorySpec
 
-__all__ = ["LINEAR_AGGREGATIONS", "chunk_mc_gated_delta", "read_states", "reference_mc_gated_delta"]
+__all__ = [
+    "AGGREGATIONS",
+    "GATED_AGGREGATIONS",
+    "LINEAR_AGGREGATIONS",
+    "CachedStates",
+    "chunk_mc_gated_delta",
+    "read_scored",
+    "read_states",
+    "reference_mc_gated_delta",
+    "step_mc_gated_delta",
+]
 
 LINEAR_AGGREGATIONS = ("mean", "residual")
+GATED_AGGREGATIONS = ("grm", "soup", "ssc")
+AGGREGATIONS = LINEAR_AGGREGATIONS + GATED_AGGREGATIONS
 
 
-def _check_aggregation(aggregation: str) -> None:
-    if aggregation not in LINEAR_AGGREGATIONS:
-        raise ValueError(f"aggregation over matrix memories must be one of {LINEAR_AGGREGATIONS}, got {aggregation!r}")
+def _check_aggregation(aggregation: str, u: torch.Tensor | None) -> bool:
+    """Validate; ``True`` for a gated aggregation (which needs the gate inputs ``u``)."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation over matrix memories must be one of {AGGREGATIONS}, got {aggregation!r}")
+    gated = aggregation in GATED_AGGREGATIONS
+    if gated and u is None:
+        raise ValueError(f"aggregation {aggregation!r} scores the memories: pass the gate inputs u")
+    return gated
+
+
+# --------------------------------------------------------------------------- the gated cache
+
+
+@dataclass
+class CachedStates:
+    """The cached memories of the gated aggregations, one slot per cached segment.
+
+    Leading dimensions ``...`` are the sequences (kernels) or ``(batch, memory)``
+    (the layer's cache). Slot ``i`` holds the state cached at the end of the row's
+    segment ``i`` and the sum and number of the normalised keys the memory received
+    in that segment; a row has ``count`` valid slots, slots past it are zero.
+    """
+
+    states: torch.Tensor  # (..., N, H, d_k, d_v)
+    key_sum: torch.Tensor  # (..., N, H, d_k)
+    key_count: torch.Tensor  # (..., N)
+    online_key_sum: torch.Tensor  # (..., H, d_k) the current segment's keys so far
+    online_key_count: torch.Tensor  # (...,)
+
+    @classmethod
+    def empty(cls, lead: tuple[int, ...], heads: int, d_k: int, d_v: int, *, dtype: torch.dtype,
+              device: torch.device | str | None = None) -> "CachedStates":
+        """Nothing cached and an empty online segment."""
+        z = lambda *shape: torch.zeros(*lead, *shape, dtype=dtype, device=device)  # noqa: E731
+        return cls(z(0, heads, d_k, d_v), z(0, heads, d_k), z(0), z(heads, d_k), z())
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors in field order."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    @property
+    def slots(self) -> int:
+        return self.states.shape[-4]
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "CachedStates":
+        """``fn`` on every tensor (gathers, reshapes, dtype changes of the leading dimensions)."""
+        return CachedStates(*(fn(t) for t in self.tensors()))
+
+    def summary(self) -> torch.Tensor:
+        """``r^(i)`` of every slot, ``(..., N, H, d_k)``: zero where no key was received."""
+        return self.key_sum / self.key_count.clamp(min=1)[..., None, None]
+
+    def with_slots(self, n: int) -> "CachedStates":
+        """At least ``n`` slots (new slots are zero)."""
+        extra = n - self.slots
+        if extra <= 0:
+            return self
+
+        def grow(t: torch.Tensor, dim: int) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[dim] = extra
+            return torch.cat([t, t.new_zeros(shape)], dim)
+
+        return replace(self, states=grow(self.states, -4), key_sum=grow(self.key_sum, -3),
+                       key_count=grow(self.key_count, -1))
+
+    def push(self, closing: torch.Tensor, slot: torch.Tensor, state: torch.Tensor) -> "CachedStates":
+        """Cache ``state`` ``(..., H, d_k, d_v)`` and the online segment's key sums in ``slot`` ``(...,)`` where
+        ``closing`` ``(...,)``, and restart those online segments empty. The slots must exist (no device read
+        here: :meth:`with_slots` first)."""
+        at = (torch.arange(self.slots, device=slot.device) == slot[..., None]) & closing[..., None]  # (..., N)
+        closed = closing[..., None, None]
+        return CachedStates(
+            torch.where(at[..., None, None, None], state.unsqueeze(-4).to(self.states.dtype), self.states),
+            torch.where(at[..., None, None], self.online_key_sum.unsqueeze(-3), self.key_sum),
+            torch.where(at, self.online_key_count.unsqueeze(-1), self.key_count),
+            torch.where(closed, torch.zeros_like(self.online_key_sum), self.online_key_sum),
+            torch.where(closing, torch.zeros_like(self.online_key_count), self.online_key_count),
+        )
+
+
+def read_scored(
+    online: torch.Tensor,
+    q: torch.Tensor,
+    u: torch.Tensor,
+    online_summary: torch.Tensor,
+    cached: CachedStates,
+    cached_valid: torch.Tensor,
+    aggregation: str,
+    ssc_topk: int,
+) -> torch.Tensor:
+    """The gated read of ``L`` tokens of each of ``I`` sequences (``(I, L, H, ·)``, ``q`` normalised and scaled).
+
+    ``online`` are the online memory's reads ``S_t^T q_t`` (the recurrence's outputs), ``cached`` the
+    sequences' :class:`CachedStates` ``(I, N, ...)`` with ``cached_valid`` ``(I, N)``. MC-Titans' aggregation
+    on the linear memory ``M(z) = S^T z``; ``soup`` is computed as ``grm`` (equal for a linear memory).
+    """
+    spec = TitansMemorySpec(depth=1, d_k=q.shape[-1], d_v=online.shape[-1])
+    heads_first = lambda x: x.transpose(1, 2)  # noqa: E731  (mc_read's (I, H, L, ·) layout)
+    y = mc_read(spec, "grm" if aggregation == "soup" else aggregation, ssc_topk, heads_first(q), heads_first(u),
+                lambda name, x: heads_first(online),  # the online read is already the recurrence's output
+                heads_first(online_summary), {"w": cached.states.transpose(-1, -2)}, cached.summary(), cached_valid)
+    return heads_first(y)
+
+
+# --------------------------------------------------------------------------- reference
 
 
 def reference_mc_gated_delta(
@@ -48,39 +195,89 @@ def reference_mc_gated_delta(
     positions: list[int],
     segment_size: int,
     aggregation: str,
+    *,
+    u: torch.Tensor | None = None,
+    ssc_topk: int = 2,
 ) -> torch.Tensor:
     """One sequence (``q, k`` ``(T, H, d_k)``, ``v`` ``(T, H, d_v)``, ``g, beta`` ``(T, H)``) whose tokens sit at
-    ``positions`` of its row's clock; the state starts at zero. Returns the outputs."""
-    _check_aggregation(aggregation)
+    ``positions`` of its row's clock; the state starts at zero. The gated aggregations take the gate inputs
+    ``u`` ``(T, H, d_k)``. Returns the outputs."""
+    gated = _check_aggregation(aggregation, u)
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     state = torch.zeros(1, H, K, V, dtype=torch.promote_types(v.dtype, torch.float32))
     cached: list[torch.Tensor] = []
+    summaries: list[torch.Tensor] = []  # r^(i) of this memory, (H, d_k)
+    segment_keys: list[torch.Tensor] = []  # its normalised keys in the current segment
     outputs = []
     for t, pos in enumerate(positions):
         while (len(cached) + 1) * segment_size <= pos:  # segment ends passed since the last token
             cached.append(state.clone())
+            summaries.append(torch.stack(segment_keys).mean(0) if segment_keys else state.new_zeros(H, K))
+            segment_keys = []
         o, state = reference_gated_delta(q[None, t:t + 1], k[None, t:t + 1], v[None, t:t + 1],
                                          None if g is None else g[None, t:t + 1], beta[None, t:t + 1],
                                          initial_state=state)
-        qn, _ = _prepare_qk(q[t], k[t], None, True, state.dtype)
-        y = o[0, 0] + sum((torch.einsum("hk,hkv->hv", qn, c[0]) for c in cached), torch.zeros_like(o[0, 0]))
-        outputs.append(y / (1 + len(cached)) if aggregation == "mean" else y)
+        qn, kn = _prepare_qk(q[t], k[t], None, True, state.dtype)
+        if not gated:
+            y = o[0, 0] + sum((torch.einsum("hk,hkv->hv", qn, c[0]) for c in cached), torch.zeros_like(o[0, 0]))
+            outputs.append(y / (1 + len(cached)) if aggregation == "mean" else y)
+            continue
+        segment_keys.append(kn)
+        reads = torch.stack([torch.einsum("hk,hkv->hv", qn, c[0]) for c in cached] + [o[0, 0].to(state.dtype)])
+        rs = summaries + [torch.stack(segment_keys).mean(0)]
+        scores = torch.stack([(u[t].to(state.dtype) * r).sum(-1) for r in rs])  # (N + 1, H)
+        if aggregation == "ssc" and len(cached) > ssc_topk:
+            # every cached memory scoring at least the k-th best score is kept (ties included), as in MC-Titans
+            kth = scores[:-1].topk(ssc_topk, dim=0).values[-1:]
+            keep = torch.cat([scores[:-1] >= kth, torch.ones_like(scores[-1:], dtype=torch.bool)])
+            scores = scores.masked_fill(~keep, float("-inf"))
+        # grm; soup mixes the states first, which for a matrix memory is the same sum
+        outputs.append((torch.softmax(scores, 0)[..., None] * reads).sum(0).to(v.dtype))
     return torch.stack(outputs) if outputs else v.new_zeros(0, H, V)
+
+
+# --------------------------------------------------------------------------- packed
+
+
+def _padded_layout(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Sequence and index in it of every packed entry, and the longest length."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    P = int(cu_seqlens[-1])
+    L = int(lengths.max()) if P else 0
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+    local = torch.arange(P, device=cu_seqlens.device) - cu_seqlens[seq]
+    return seq, local, L
+
+
+def _pad(x: torch.Tensor, seq: torch.Tensor, local: torch.Tensor, n: int, length: int) -> torch.Tensor:
+    padded = x.new_zeros(n, length, *x.shape[1:])
+    padded[seq, local] = x
+    return padded
 
 
 def read_states(q: torch.Tensor, states: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """``o[p] = states[s(p)]^T q[p]`` for packed ``q`` ``(P, H, d_k)`` of the sequences ``cu_seqlens`` delimits,
     ``states`` ``(N, H, d_k, d_v)``; ``q`` already normalised and scaled."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     P, H, K = q.shape
     if P == 0:
         return q.new_zeros(0, H, states.shape[-1])
-    L = int(lengths.max())
-    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), lengths)
-    local = torch.arange(P, device=q.device) - cu_seqlens[seq]
-    padded = q.new_zeros(lengths.numel(), L, H, K)
-    padded[seq, local] = q
+    seq, local, L = _padded_layout(cu_seqlens)
+    padded = _pad(q, seq, local, cu_seqlens.numel() - 1, L)
     return torch.einsum("slhk,shkv->slhv", padded, states.to(q.dtype))[seq, local]
+
+
+def _read_segment_gated(o, qn, kn, u, pieces, cached: CachedStates, cached_valid, aggregation, ssc_topk):
+    """The gated read of one segment's tokens (packed by ``pieces``) and the online key sums after them."""
+    seq, local, L = _padded_layout(pieces)
+    n = pieces.numel() - 1
+    pad = lambda x: _pad(x, seq, local, n, L)  # noqa: E731
+    live = torch.arange(L, device=o.device)[None] < (pieces[1:] - pieces[:-1])[:, None]
+    # Running summary of the online segment: its keys so far, each token's own included.
+    run_sum = cached.online_key_sum[:, None] + pad(kn).cumsum(1)  # (n, L, H, d_k)
+    run_count = cached.online_key_count[:, None] + live.to(run_sum.dtype).cumsum(1)
+    summary = run_sum / run_count.clamp(min=1)[..., None, None]
+    y = read_scored(pad(o), pad(qn), pad(u), summary, cached, cached_valid, aggregation, ssc_topk)[seq, local]
+    return y, replace(cached, online_key_sum=run_sum[:, -1], online_key_count=run_count[:, -1])
 
 
 def chunk_mc_gated_delta(
@@ -95,12 +292,14 @@ def chunk_mc_gated_delta(
     positions: torch.Tensor,
     sequence_row: torch.Tensor,
     row_clock: tuple[torch.Tensor, torch.Tensor],
-    cached_sum: torch.Tensor,
+    cached: torch.Tensor | CachedStates,
     cached_count: torch.Tensor,
     segment_size: int,
     aggregation: str,
     chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    u: torch.Tensor | None = None,
+    ssc_topk: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | CachedStates, torch.Tensor]:
     """Packed sequences with Memory Caching.
 
     Args:
@@ -110,21 +309,26 @@ def chunk_mc_gated_delta(
         sequence_row: ``(N,)`` the row of each sequence.
         row_clock: ``(before, after)`` ``(R,)``: each row's clock before and after these tokens; segment
             ends in ``(before, after]`` cache the row's states.
-        cached_sum, cached_count: ``(N, H, d_k, d_v)`` sum of the cached states and ``(R,)`` their count.
+        cached: the sequences' cached memories: for ``mean``/``residual`` the ``(N, H, d_k, d_v)`` sum of
+            the cached states, for the gated aggregations a :class:`CachedStates` ``(N, slots, ...)``.
+        cached_count: ``(R,)`` the number of memories each row has cached.
+        u: ``(P, H, d_k)`` the gate inputs of the gated aggregations.
+        ssc_topk: cached memories each token reads with ``ssc``.
 
     Returns:
-        ``(o, final_state, cached_sum, cached_count)``; outputs ``(P, H, d_v)`` in ``v``'s dtype.
+        ``(o, final_state, cached, cached_count)``; outputs ``(P, H, d_v)`` in ``v``'s dtype.
     """
-    _check_aggregation(aggregation)
+    gated = _check_aggregation(aggregation, u)
     before, after = row_clock
     S = segment_size
     dtype = torch.promote_types(v.dtype, torch.float32)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), lengths)
     segment = positions // S
-    state, cached_sum, cached_count = initial_state.to(dtype), cached_sum.to(dtype), cached_count.clone()
+    state, cached_count = initial_state.to(dtype), cached_count.clone()
+    cached = cached.map(lambda t: t.to(dtype)) if gated else cached.to(dtype)
     out = v.new_zeros(v.shape, dtype=dtype)
-    qn, _ = _prepare_qk(q, k, None, True, dtype)
+    qn, kn = _prepare_qk(q, k, None, True, dtype)
     first, last = int(before.min()) // S, max(int(after.max()) - 1, int(before.min())) // S
     for j in range(first, last + 1):
         piece = torch.nonzero(segment == j).squeeze(1)  # packed order is kept: sorted by sequence, then time
@@ -136,20 +340,73 @@ def chunk_mc_gated_delta(
                 owners = seq[piece]
                 o, new = step_gated_delta(*args, state.index_select(0, owners))
                 state = state.index_copy(0, owners, new.to(dtype))
-                read = torch.einsum("phk,phkv->phv", qn[piece], cached_sum.index_select(0, owners))
+                if not gated:
+                    read = torch.einsum("phk,phkv->phv", qn[piece], cached.index_select(0, owners))
             else:
                 o, state = chunk_gated_delta(*(None if a is None else a.unsqueeze(0) for a in args),
                                              initial_state=state, cu_seqlens=pieces, chunk_size=chunk_size)
                 o = o.squeeze(0)
-                read = read_states(qn[piece], cached_sum, pieces)
-            y = o.to(dtype) + read
-            if aggregation == "mean":
-                y = y / (1 + cached_count[sequence_row[seq[piece]]]).to(dtype)[:, None, None]
+                if not gated:
+                    read = read_states(qn[piece], cached, pieces)
+            if gated:
+                valid = torch.arange(cached.slots, device=q.device)[None] < cached_count[sequence_row][:, None]
+                y, cached = _read_segment_gated(o.to(dtype), qn[piece], kn[piece], u[piece].to(dtype), pieces,
+                                                cached, valid, aggregation, ssc_topk)
+            else:
+                y = o.to(dtype) + read
+                if aggregation == "mean":
+                    y = y / (1 + cached_count[sequence_row[seq[piece]]]).to(dtype)[:, None, None]
             out[piece] = y
         # Rows whose clock passes the end of segment j in this call cache every memory now.
         closes = (before < (j + 1) * S) & (after >= (j + 1) * S)
         if bool(closes.any()):
-            by_sequence = closes[sequence_row][:, None, None, None]
-            cached_sum = cached_sum + state * by_sequence
+            by_sequence = closes[sequence_row]
+            if gated:
+                cached = cached.with_slots(int((cached_count + closes.long()).max()))
+                cached = cached.push(by_sequence, cached_count[sequence_row], state)
+            else:
+                cached = cached + state * by_sequence[:, None, None, None]
             cached_count = cached_count + closes.to(cached_count.dtype)
-    return out.to(v.dtype), state, cached_sum, cached_count
+    return out.to(v.dtype), state, cached, cached_count
+
+
+# --------------------------------------------------------------------------- step
+
+
+def step_mc_gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    beta: torch.Tensor,
+    u: torch.Tensor,
+    state: torch.Tensor,
+    cached: CachedStates,
+    cached_valid: torch.Tensor,
+    *,
+    aggregation: str,
+    ssc_topk: int = 2,
+    live: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, CachedStates]:
+    """One token per sequence with a gated aggregation, without device-to-host reads (decoding).
+
+    ``q, k, u`` ``(N, H, d_k)``, ``v`` ``(N, H, d_v)``, ``g, beta`` ``(N, H)``, ``state`` ``(N, H, d_k, d_v)``,
+    ``cached`` the sequences' :class:`CachedStates` ``(N, slots, ...)`` with ``cached_valid`` ``(N, slots)``;
+    ``live`` ``(N,)``: a padded token (``False``, written with ``beta = g = 0``) leaves the key sums too.
+    Closing a segment is the caller's (:meth:`CachedStates.push`), which knows the rows' clocks.
+
+    Returns ``(o, new_state, cached)`` with the online key sums advanced.
+    """
+    _check_aggregation(aggregation, u)
+    if aggregation not in GATED_AGGREGATIONS:
+        raise ValueError(f"the one-token step serves the gated aggregations {GATED_AGGREGATIONS}, got {aggregation!r}")
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    o, new = step_gated_delta(q, k, v, g, beta, state)
+    qn, kn = _prepare_qk(q, k, None, True, dtype)
+    weight = torch.ones(q.shape[0], dtype=dtype, device=q.device) if live is None else live.to(dtype)
+    cached = replace(cached, online_key_sum=cached.online_key_sum.to(dtype) + kn * weight[:, None, None],
+                     online_key_count=cached.online_key_count.to(dtype) + weight)
+    summary = cached.online_key_sum / cached.online_key_count.clamp(min=1)[:, None, None]
+    y = read_scored(o.to(dtype)[:, None], qn[:, None], u.to(dtype)[:, None], summary[:, None],
+                    cached.map(lambda t: t.to(dtype)), cached_valid, aggregation, ssc_topk)[:, 0]
+    return y.to(v.dtype), new, cached

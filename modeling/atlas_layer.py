@@ -5,9 +5,19 @@ in the cache), L2-normalised and feature-mapped keys and queries, per-head gates
 named by role (retention, learning rate, momentum, window gates), learned
 initial memory weights, and the gated RMSNorm output of the MoM family. The
 memory is the kernel API's ``atlas`` kind.
+
+With Memory Caching (``segment_size``) the cache also holds the cached memories
+(``mc.<weight>``, ``mc_count``, the row clock ``mc_seen``); the gated
+aggregations add the gate projection ``u_proj`` (its own, as the MC paper's
+ablation requires; width ``num_heads * feature_dim``, the space of the segment
+summaries) and the summaries' key sums and counts: ``mc_key_sum``,
+``mc_key_count`` (one per cached memory) and ``mc_online_key_sum``,
+``mc_online_key_count`` (the current segment). Every entry is batch first.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -36,6 +46,8 @@ class AtlasMemory(nn.Module):
         self.conv_size = config.conv_size
         self.segment_size = config.segment_size
         self.aggregation = config.aggregation
+        self.ssc_topk = config.ssc_topk
+        self.gated = config.gated_aggregation
         self.spec = TitansMemorySpec(depth=config.memory_depth, gated=config.memory_gated, d_k=config.feature_dim,
                                      d_v=D, expansion=config.memory_expansion, objective=config.objective,
                                      grad_clip=config.memory_grad_clip)
@@ -47,6 +59,9 @@ class AtlasMemory(nn.Module):
         self.q_conv1d = ShortConvolution(H * D, config.conv_size)
         self.k_conv1d = ShortConvolution(H * D, config.conv_size)
         self.v_conv1d = ShortConvolution(H * D, config.conv_size)
+        if self.gated:
+            # Scores <u_t, r^(i)> against summaries of the feature-mapped keys: u has their width.
+            self.u_proj = nn.Linear(hidden, H * config.feature_dim, bias=False)
         # Initial gates: retention ~0.98, learning rate ~0.12 max_lr, momentum ~0.5, window gates ~0.88.
         self.retention_proj = GateProjection(hidden, H, 4.0)
         self.lr_proj = GateProjection(hidden, H, -2.0)
@@ -64,23 +79,31 @@ class AtlasMemory(nn.Module):
     def memory_init(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, f"memory_{name}") for name in self.spec.shapes}
 
-    def _cached_memory(self, q, k, v, alpha, lr, momentum, gamma, state, mask, cache):
+    def _cached_memory(self, q, k, v, u, alpha, lr, momentum, gamma, state, mask, cache):
         """The memory with Memory Caching; returns outputs, state and the cache entries to store."""
         B = q.shape[0]
         if cache is not None and "mc_seen" in cache:
             clock = cache["mc_seen"]
             cached = CachedMemories({n[3:]: t for n, t in cache.states.items() if n.startswith("mc.")},
                                     cache["mc_count"])
+            if self.gated:
+                cached = replace(cached, key_sum=cache["mc_key_sum"], key_count=cache["mc_key_count"],
+                                 online_key_sum=cache["mc_online_key_sum"],
+                                 online_key_count=cache["mc_online_key_count"])
         else:
             clock = torch.zeros(B, dtype=torch.long, device=q.device)
-            cached = CachedMemories.empty(state.weights)
+            cached = CachedMemories.empty(state.weights, self.spec.d_k if self.gated else None)
         rows = RowCompaction(mask)
         q, k, v, alpha, lr, momentum, gamma = (rows.compact(x) for x in (q, k, v, alpha, lr, momentum, gamma))
         o, state, cached = chunk_mc_atlas(self.spec, q, k, v, alpha, lr, momentum, gamma, state, cached,
                                           lengths=rows.lengths, clock=clock, segment_size=self.segment_size,
-                                          aggregation=self.aggregation, **self.options)
+                                          aggregation=self.aggregation, u=rows.compact(u),
+                                          ssc_topk=self.ssc_topk, **self.options)
         stored = {f"mc.{n}": t for n, t in cached.weights.items()}
         stored.update(mc_count=cached.count, mc_seen=clock + rows.lengths)
+        if self.gated:
+            stored.update(mc_key_sum=cached.key_sum, mc_key_count=cached.key_count,
+                          mc_online_key_sum=cached.online_key_sum, mc_online_key_count=cached.online_key_count)
         return rows.restore(o), state, stored
 
     def forward(self, hidden_states: torch.Tensor, valid: torch.Tensor | None = None,
@@ -96,6 +119,7 @@ class AtlasMemory(nn.Module):
         lr = self.max_lr * torch.sigmoid(self.lr_proj(hidden_states).float())
         momentum = torch.sigmoid(self.momentum_proj(hidden_states).float()) if hasattr(self, "momentum_proj") else None
         gamma = torch.sigmoid(self.window_gate_proj(hidden_states).float())
+        u = self.u_proj(hidden_states).float().view(B, T, H, self.spec.d_k) if self.gated else None
 
         if cache is not None and "memory.position" in cache:
             state = AtlasState.from_tensors({k_[7:]: t for k_, t in cache.states.items() if k_.startswith("memory.")})
@@ -104,7 +128,7 @@ class AtlasMemory(nn.Module):
                                        self.options["optimizer"])
         mc_states = {}
         if self.segment_size is not None:
-            o, state, mc_states = self._cached_memory(q, k, v, alpha, lr, momentum, gamma, state, mask, cache)
+            o, state, mc_states = self._cached_memory(q, k, v, u, alpha, lr, momentum, gamma, state, mask, cache)
         elif T == 1:
             o, state = step_atlas(self.spec, q[:, 0], k[:, 0], v[:, 0], alpha[:, 0], lr[:, 0],
                                   None if momentum is None else momentum[:, 0], gamma[:, 0], state,

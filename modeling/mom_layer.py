@@ -12,13 +12,14 @@ checkpoints map one to one.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ..configuration.configuration_mom import MoMConfig
-from ..kernels.cached_linear import chunk_mc_gated_delta
+from ..kernels.cached_linear import CachedStates, chunk_mc_gated_delta, step_mc_gated_delta
 from ..kernels.gated_delta import chunk_gated_delta, step_gated_delta
 from .cache import LayerCache
 from .normalization import GatedRMSNorm
@@ -48,6 +49,8 @@ class MoMMemoryLayer(nn.Module):
         self.chunk_size = config.chunk_size
         self.segment_size = config.segment_size
         self.aggregation = config.aggregation
+        self.ssc_topk = config.ssc_topk
+        self.gated_aggregation = config.gated_aggregation
         self.gated = config.memory_update == "gated_deltanet"
         hidden, E, H = config.hidden_size, config.num_memories, config.num_heads
 
@@ -69,6 +72,10 @@ class MoMMemoryLayer(nn.Module):
         self.q_conv1d = ShortConvolution(self.key_dim, self.conv_size)
         self.k_conv1d = ShortConvolution(self.key_dim, self.conv_size)
         self.v_conv1d = ShortConvolution(self.value_dim, self.conv_size)
+        if self.gated_aggregation:
+            # The Memory Caching gate input u_t, one per token and head, from the layer input (not a memory's
+            # subsequence): every memory the token visits scores its cached states with the same u_t.
+            self.u_proj = nn.Linear(hidden, self.key_dim, bias=False)
         self.g_proj = nn.Linear(hidden, self.value_dim, bias=False)
         self.o_norm = GatedRMSNorm(self.head_v_dim, eps=config.norm_eps)
         self.o_proj = nn.Linear(self.value_dim, hidden, bias=False)
@@ -101,7 +108,17 @@ class MoMMemoryLayer(nn.Module):
 
         return tuple(seq_order(cache[name]) for name in ("recurrent", "conv_q", "conv_k", "conv_v"))
 
-    def _cached_memory(self, q, k, v, g, beta, state, plan, valid, cache, B: int, T: int):
+    # Cache entries of the gated aggregations, batch first ``(B, M, ...)``, in CachedStates' field order.
+    GATED_CACHE = ("mc_states", "mc_key_sum", "mc_key_count", "mc_online_key_sum", "mc_online_key_count")
+
+    def _gated_cache(self, cache: LayerCache | None, batch: int, like: torch.Tensor) -> CachedStates:
+        """The cached states of the gated aggregations, ``(B, M, ...)``: from the cache or empty."""
+        if cache is not None and "mc_states" in cache:
+            return CachedStates(*(cache[name] for name in self.GATED_CACHE))
+        return CachedStates.empty((batch, self.num_states), self.num_heads, self.head_k_dim, self.head_v_dim,
+                                  dtype=torch.float32, device=like.device)
+
+    def _cached_memory(self, q, k, v, g, beta, u, state, plan, valid, cache, B: int, T: int):
         """The memories with Memory Caching; returns outputs, states and the cache entries to store."""
         M = self.num_states
         device = q.device
@@ -110,20 +127,32 @@ class MoMMemoryLayer(nn.Module):
         before = cache["mc_seen"] if has else torch.zeros(B, dtype=torch.long, device=device)
         after = before + valid.sum(1)
         clock = before[:, None] + valid.long().cumsum(1) - 1  # each token's index on its row's clock
-        if has:
-            cached_sum = cache["mc_sum"].transpose(0, 1).reshape(state.shape)
-            cached_count = cache["mc_count"]
+        cached_count = cache["mc_count"] if has else torch.zeros(B, dtype=torch.long, device=device)
+
+        def seq_order(t: torch.Tensor) -> torch.Tensor:  # (B, M, ...) -> (M * B, ...)
+            return t.transpose(0, 1).reshape((M * B,) + t.shape[2:])
+
+        def batch_order(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape((M, B) + t.shape[1:]).transpose(0, 1).contiguous()
+
+        if self.gated_aggregation:
+            cached = self._gated_cache(cache, B, state).map(seq_order)
+        elif has:
+            cached = cache["mc_sum"].transpose(0, 1).reshape(state.shape)
         else:
-            cached_sum, cached_count = torch.zeros_like(state), torch.zeros(B, dtype=torch.long, device=device)
-        o, state, cached_sum, cached_count = chunk_mc_gated_delta(
+            cached = torch.zeros_like(state)
+        o, state, cached, cached_count = chunk_mc_gated_delta(
             q, k, v, g, beta, initial_state=state, cu_seqlens=plan.cu_seqlens,
             positions=clock.reshape(-1).index_select(0, plan.token_index),
             sequence_row=torch.arange(M * B, device=device) % B, row_clock=(before, after),
-            cached_sum=cached_sum, cached_count=cached_count, segment_size=self.segment_size,
-            aggregation=self.aggregation, chunk_size=self.chunk_size,
+            cached=cached, cached_count=cached_count, segment_size=self.segment_size,
+            aggregation=self.aggregation, chunk_size=self.chunk_size, u=u, ssc_topk=self.ssc_topk,
         )
-        stored = {"mc_sum": cached_sum.reshape((M, B) + cached_sum.shape[1:]).transpose(0, 1).contiguous(),
-                  "mc_count": cached_count, "mc_seen": after}
+        if self.gated_aggregation:
+            stored = dict(zip(self.GATED_CACHE, cached.map(batch_order).tensors()))
+        else:
+            stored = {"mc_sum": batch_order(cached)}
+        stored.update(mc_count=cached_count, mc_seen=after)
         return o, state, stored
 
     def _decode_step(
@@ -176,17 +205,56 @@ class MoMMemoryLayer(nn.Module):
 
         S = memory.shape[1]
         state = cache["recurrent"]
-        o, new = step_gated_delta(
-            q.reshape(B * S, H, self.head_k_dim), k.reshape(B * S, H, self.head_k_dim),
-            v.reshape(B * S, H, self.head_v_dim), None if g is None else g.reshape(B * S, H),
-            beta.reshape(B * S, H), state[rows, memory].reshape((B * S,) + state.shape[2:]),
-        )
-        cache.update(recurrent=state.index_put((rows.expand_as(memory), memory), new.view((B, S) + state.shape[2:]).to(state.dtype)),
-                     **windows)
+        inputs = (q.reshape(B * S, H, self.head_k_dim), k.reshape(B * S, H, self.head_k_dim),
+                  v.reshape(B * S, H, self.head_v_dim), None if g is None else g.reshape(B * S, H),
+                  beta.reshape(B * S, H))
+        if self.gated_aggregation:
+            o, entries = self._gated_decode(x, inputs, memory, valid, cache)
+            cache.update(**entries, **windows)
+        else:
+            o, new = step_gated_delta(*inputs, state[rows, memory].reshape((B * S,) + state.shape[2:]))
+            cache.update(recurrent=state.index_put((rows.expand_as(memory), memory), new.view((B, S) + state.shape[2:]).to(state.dtype)),
+                         **windows)
         mixed = (o.float().view(B, S, H, self.head_v_dim) * weight[..., None, None]).sum(1)
         gate = self.g_proj(hidden_states).view(B, 1, H, self.head_v_dim)
         out = self.o_norm(mixed.view(B, 1, H, self.head_v_dim).to(hidden_states.dtype), gate)
         return self.o_proj(out.reshape(B, 1, self.value_dim)), aux_loss
+
+    def _gated_decode(self, x: torch.Tensor, inputs: tuple, memory: torch.Tensor, valid: torch.Tensor,
+                      cache: LayerCache) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The decode step of the gated aggregations for the ``(B, S)`` routed ``memory`` slots of each row.
+
+        Returns the reads ``(B * S, H, d_v)`` and every cache entry the step changes, the states included.
+        The slot dimension must hold every segment a row may close at this token; the cache's token count
+        (padding included) bounds every row's clock and is known on the host, so it sizes the slots
+        without a device read (the caller routes a cache that does not count tokens to the packed path).
+        """
+        B, S = memory.shape
+        M, H, K = self.num_states, self.num_heads, self.head_k_dim
+        state, count = cache["recurrent"], cache["mc_count"]
+        entries = self._gated_cache(cache, B, state).with_slots((cache.seen_tokens + 1) // self.segment_size)
+        where = (torch.arange(B, device=x.device)[:, None].expand_as(memory), memory)
+        mine = entries.map(lambda t: t[where].reshape((B * S,) + t.shape[2:]))
+        slots_valid = torch.arange(entries.slots, device=x.device)[None] < count[:, None]  # (B, N)
+        u = self.u_proj(x).view(B, 1, H, K).expand(B, S, H, K).reshape(B * S, H, K)
+        o, new, mine = step_mc_gated_delta(
+            *inputs, u, state[where].reshape((B * S,) + state.shape[2:]), mine,
+            slots_valid.repeat_interleave(S, 0), aggregation=self.aggregation, ssc_topk=self.ssc_topk,
+            live=valid.repeat_interleave(S),
+        )
+        recurrent = state.index_put(where, new.view((B, S) + state.shape[2:]).to(state.dtype))
+        entries = replace(
+            entries,
+            online_key_sum=entries.online_key_sum.index_put(where, mine.online_key_sum.view(B, S, H, K)),
+            online_key_count=entries.online_key_count.index_put(where, mine.online_key_count.view(B, S)),
+        )
+        # A row whose clock reaches a segment end caches every memory, routed to or not.
+        seen = cache["mc_seen"] + valid.long()
+        closes = valid & (seen % self.segment_size == 0)
+        entries = entries.push(closes[:, None].expand(B, M), count[:, None].expand(B, M), recurrent)
+        stored = dict(zip(self.GATED_CACHE, entries.tensors()))
+        stored.update(recurrent=recurrent, mc_count=count + closes.long(), mc_seen=seen)
+        return o, stored
 
     def forward(
         self,
@@ -198,7 +266,11 @@ class MoMMemoryLayer(nn.Module):
 
         Returns the layer output and this layer's load-balancing loss.
         """
-        if hidden_states.shape[1] == 1 and cache is not None and "recurrent" in cache and self.segment_size is None:
+        decoding = hidden_states.shape[1] == 1 and cache is not None and "recurrent" in cache
+        # The gated aggregations' step sizes its cache by the cache's token count (``_gated_decode``): a
+        # cache that counts none (a layer driven on its own) decodes on the packed path, as mean and
+        # residual do (their results stay those of the packed path).
+        if decoding and (self.segment_size is None or (self.gated_aggregation and cache.seen_tokens > 0)):
             return self._decode_step(hidden_states, attention_mask, cache)
         return self._packed_forward(hidden_states, attention_mask, cache)
 
@@ -243,7 +315,8 @@ class MoMMemoryLayer(nn.Module):
 
         mc_states = {}
         if self.segment_size is not None:
-            o, state, mc_states = self._cached_memory(q, k, v, g, beta, state, plan, valid, cache, B, T)
+            u = plan.gather(self.u_proj(x)).view(-1, H, self.head_k_dim) if self.gated_aggregation else None
+            o, state, mc_states = self._cached_memory(q, k, v, g, beta, u, state, plan, valid, cache, B, T)
         elif plan.max_length <= 1 and T == 1:
             # Decoding: every sequence has at most one token; step only those that do.
             o, new = step_gated_delta(q, k, v, g, beta, state.index_select(0, plan.sequence))

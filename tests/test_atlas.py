@@ -1,4 +1,5 @@
-"""AtlasForCausalLM specifics: presets, the hybrid's window in the cache, gradients, validation."""
+"""AtlasForCausalLM specifics: presets, the hybrid's window in the cache, gradients, validation, and the gated
+Memory Caching aggregations (grm, soup, ssc) end to end."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import torch
 
 from mnemo import AtlasConfig, AtlasForCausalLM
 
-from conftest import tiny_atlas, tiny_atlas_config
+from conftest import left_pad, tiny_atlas, tiny_atlas_config
+
+GATED = ["grm", "soup", "ssc"]
+SEGMENT = 4
 
 
 def test_presets_are_the_papers_variants():
@@ -43,7 +47,10 @@ def test_sliding_window_kv_is_trimmed_while_decoding():
 
 
 @pytest.mark.parametrize("overrides", [{}, {"preset": "swla", "inner_optimizer": "momentum"}, {"hybrid": "mag"},
-                                       {"feature_map": "poly_tensor"}])
+                                       {"feature_map": "poly_tensor"},
+                                       {"segment_size": 4, "aggregation": "grm"},
+                                       {"segment_size": 4, "aggregation": "soup", "feature_map": "poly_tensor"},
+                                       {"segment_size": 3, "aggregation": "ssc", "ssc_topk": 1, "preset": "dla"}])
 def test_gradients_reach_every_parameter(overrides):
     model = tiny_atlas(**overrides).train()
     ids = torch.randint(1, 97, (2, 14))
@@ -66,6 +73,9 @@ def test_gradients_reach_every_parameter(overrides):
         ({"sliding_window": 0}, "sliding_window"),
         ({"inner_chunk_size": 0}, "inner_chunk_size"),
         ({"memory_grad_clip": -1.0}, "memory_grad_clip"),
+        ({"segment_size": 0}, "segment_size"),
+        ({"segment_size": 4, "aggregation": "max"}, "aggregation"),
+        ({"segment_size": 4, "aggregation": "ssc", "ssc_topk": 0}, "ssc_topk"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field):
@@ -80,3 +90,135 @@ def test_paper_340m_shape_on_meta_device():
     memory = sum(p.numel() for n, p in model.named_parameters() if ".memory_w" in n)
     assert memory == 24 * 16 * 2 * 64 * 256  # W1 (64 x 256) and W2 (256 x 64) per head
     assert config.head_dim == 64 and config.feature_dim == 64
+
+
+# --------------------------------------------------------------------------- gated Memory Caching
+
+
+def tiny_mc_atlas(aggregation: str, seed: int = 0, **overrides) -> AtlasForCausalLM:
+    """Memory Caching every 4 tokens; the gate projection drawn at a trained-looking scale, so that the scores
+    differ between memories (at the initial std every gate is close to uniform)."""
+    model = tiny_atlas(seed=seed, segment_size=SEGMENT, aggregation=aggregation, ssc_topk=1, **overrides)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.attn, "u_proj"):
+                layer.attn.u_proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed))
+    return model
+
+
+def test_gate_projection_only_for_gated_aggregations():
+    for overrides, width in [({"segment_size": 4, "aggregation": "grm"}, 2 * 8),
+                             ({"segment_size": 4, "aggregation": "ssc", "feature_map": "poly_tensor"}, 2 * 45),
+                             ({"segment_size": 4, "aggregation": "mean"}, None),
+                             ({"segment_size": 4, "aggregation": "residual"}, None),
+                             ({"aggregation": "soup"}, None)]:  # no Memory Caching: nothing to score
+        layer = tiny_atlas(**overrides).model.layers[0].attn
+        if width is None:
+            assert not hasattr(layer, "u_proj"), overrides
+        else:  # u lives in the space of the feature-mapped keys the summaries average
+            assert layer.u_proj.weight.shape == (width, 32) and layer.u_proj.bias is None, overrides
+            assert 0.01 < layer.u_proj.weight.std() < 0.03  # initialised like the other projections
+
+
+@pytest.mark.parametrize("aggregation", GATED)
+def test_gated_decode_of_a_left_padded_batch_equals_forward(aggregation):
+    model = tiny_mc_atlas(aggregation)
+    seqs = [torch.randint(1, 97, (n,)) for n in (23, 14, 19)]
+    ids, mask = left_pad(seqs)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        out = model(ids[:, :11], attention_mask=mask[:, :11], use_cache=True)
+        cache, logits = out.past_key_values, [out.logits]
+        for t in range(11, 23):  # single tokens across several segment ends of every row
+            step = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True)
+            cache = step.past_key_values
+            logits.append(step.logits)
+    valid = mask.bool()
+    torch.testing.assert_close(torch.cat(logits, 1)[valid], full[valid], rtol=1e-4, atol=1e-5)
+    layer = cache[0]
+    assert layer["mem.mc_count"].tolist() == [len(s) // SEGMENT for s in seqs]
+    assert layer["mem.mc_online_key_count"].tolist() == [len(s) % SEGMENT for s in seqs]
+    assert layer["mem.mc_key_sum"].shape == (3, 23 // SEGMENT, 2, 8)
+    assert all(t.shape[0] == 3 for t in layer.states.values())  # batch first, for beam reorder and select
+
+
+@pytest.mark.parametrize("aggregation", GATED)
+def test_gated_left_padded_batch_equals_each_sample_alone(aggregation):
+    model = tiny_mc_atlas(aggregation, preset="omeganet")
+    seqs = [torch.randint(1, 97, (n,)) for n in (13, 4, 9)]
+    ids, mask = left_pad(seqs)
+    with torch.no_grad():
+        batch = model(ids, attention_mask=mask).logits
+        for i, s in enumerate(seqs):
+            alone = model(s[None]).logits[0]
+            torch.testing.assert_close(batch[i, ids.shape[1] - len(s):], alone, rtol=1e-4, atol=1e-5)
+
+
+def test_gated_beam_search_follows_the_beams():
+    model = tiny_mc_atlas("ssc")
+    prompt = torch.randint(1, 97, (2, 6))
+    kwargs = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False, early_stopping=False)
+    cached = model.generate(prompt, **kwargs)
+    assert torch.equal(cached, model.generate(prompt, use_cache=False, **kwargs))
+
+
+def test_gated_save_load_round_trip_is_bit_exact(tmp_path):
+    model = tiny_mc_atlas("soup", feature_map="poly_tensor")
+    model.save_pretrained(tmp_path)
+    loaded = AtlasForCausalLM.from_pretrained(tmp_path).eval()
+    assert (loaded.config.aggregation, loaded.config.ssc_topk) == ("soup", 1)
+    original = model.state_dict()
+    assert loaded.state_dict().keys() == original.keys() and any("u_proj" in n for n in original)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, original[name]), name
+    ids = torch.randint(1, 97, (2, 15))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _without_gates(model) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in model.state_dict().items() if "u_proj" not in n}
+
+
+@pytest.mark.parametrize("aggregation", ["ssc", "grm"])
+def test_zero_gate_projection_reads_as_mean(aggregation):
+    """Equal scores: grm, and ssc because memories tied with the top-k-th score are kept, average every memory."""
+    gated = tiny_mc_atlas(aggregation)
+    with torch.no_grad():
+        for layer in gated.model.layers:
+            layer.attn.u_proj.weight.zero_()
+    mean = tiny_atlas(seed=1, segment_size=SEGMENT, aggregation="mean")
+    mean.load_state_dict(_without_gates(gated))
+    ids = torch.randint(1, 97, (2, 18))
+    torch.testing.assert_close(_logits(gated, ids), _logits(mean, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_soup_differs_from_grm_only_for_a_deep_memory():
+    ids = torch.randint(1, 97, (2, 18))
+    for preset, deep in (("atlas", True), ("swla", False)):
+        grm, soup = tiny_mc_atlas("grm", preset=preset), tiny_mc_atlas("soup", preset=preset)
+        soup.load_state_dict(grm.state_dict())
+        a, b = _logits(grm, ids), _logits(soup, ids)
+        torch.testing.assert_close(a[:, :SEGMENT], b[:, :SEGMENT], rtol=0, atol=0)  # one memory: the same read
+        if deep:  # mixing the weights of an MLP is not mixing its outputs
+            assert (a - b).abs().max() > 1e-4
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_every_aggregation_is_plain_atlas_inside_the_first_segment():
+    plain = tiny_atlas(seed=5)
+    ids = torch.randint(1, 97, (2, 3 * SEGMENT))
+    expected = _logits(plain, ids)
+    for aggregation in ["mean", "residual", *GATED]:
+        model = tiny_mc_atlas(aggregation, seed=6)
+        missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
+        assert unexpected == [] and all("u_proj" in n for n in missing)
+        got = _logits(model, ids)
+        torch.testing.assert_close(got[:, :SEGMENT], expected[:, :SEGMENT], rtol=0, atol=1e-6)
+        assert (got[:, SEGMENT:] - expected[:, SEGMENT:]).abs().max() > 1e-4, aggregation  # the cache is read after

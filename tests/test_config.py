@@ -27,6 +27,8 @@ from conftest import tiny_mom_config
         ({"aux_loss_coef": -1.0}, "aux_loss_coef"),
         ({"hidden_act": "relu"}, "hidden_act"),
         ({"num_heads": 2.5}, "num_heads"),
+        ({"ssc_topk": 0, "segment_size": 4, "aggregation": "ssc"}, "ssc_topk"),
+        ({"aggregation": "max", "segment_size": 4}, "aggregation"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field):

@@ -1,4 +1,5 @@
-"""Post-training Memory Caching: a Titans checkpoint becomes MC-Titans, exact inside the first segment."""
+"""Post-training Memory Caching: Titans, MoM and Atlas checkpoints become their Memory Caching variants, exact
+inside the first segment, with every aggregation."""
 
 from __future__ import annotations
 
@@ -81,14 +82,8 @@ def test_cli_converts_and_refusals_leave_nothing_behind(titans_dir, tmp_path):
     assert MCTitansForCausalLM.from_pretrained(tmp_path / "mc").config.segment_size == 5
     with pytest.raises(ConversionError, match="already caches"):
         convert_to_memory_caching(tmp_path / "mc", tmp_path / "again", segment_size=5)
-    mom = tmp_path / "mom"
-    tiny_mom().save_pretrained(mom)
-    with pytest.raises(ConversionError, match="'grm' is not available for MoM"):
-        convert_to_memory_caching(mom, tmp_path / "x", segment_size=5, aggregation="grm")
     atlas = tmp_path / "atlas"
     tiny_atlas().save_pretrained(atlas)
-    with pytest.raises(ConversionError, match="'ssc' is not available for Atlas"):
-        convert_to_memory_caching(atlas, tmp_path / "x", segment_size=5, aggregation="ssc")
     with pytest.raises(ConversionError, match="only available for Titans"):
         convert_to_memory_caching(atlas, tmp_path / "x", segment_size=5, segmentation="logarithmic")
     with pytest.raises(ConversionError, match="aggregation"):
@@ -99,9 +94,15 @@ def test_cli_converts_and_refusals_leave_nothing_behind(titans_dir, tmp_path):
     (tmp_path / "full" / "keep").write_text("x")
     with pytest.raises(ConversionError, match="not empty"):
         convert_to_memory_caching(titans_dir, tmp_path / "full", segment_size=5)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["atlas", "full", "mc", "mom"]
+    with pytest.raises(ConversionError, match="ssc_topk"):
+        convert_to_memory_caching(atlas, tmp_path / "t", segment_size=5, aggregation="ssc", ssc_topk=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atlas", "full", "mc"]
     assert cli_main(["convert", "to-mc", str(atlas), str(tmp_path / "w"), "--segment-size", "5",
-                     "--aggregation", "grm"]) == 2
+                     "--aggregation", "grm"]) == 0
+    assert AtlasForCausalLM.from_pretrained(tmp_path / "w").config.aggregation == "grm"
+    assert cli_main(["convert", "to-mc", str(atlas), str(tmp_path / "w2"), "--segment-size", "5",
+                     "--segmentation", "logarithmic"]) == 2
+    assert not (tmp_path / "w2").exists()
 
 
 RECURRENT_SOURCES = {
@@ -112,18 +113,25 @@ RECURRENT_SOURCES = {
 }
 
 
-@pytest.mark.parametrize("aggregation", ["mean", "residual"])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
 @pytest.mark.parametrize("family", sorted(RECURRENT_SOURCES))
 def test_mom_and_atlas_conversion(tmp_path, family, aggregation):
     model_cls, build = RECURRENT_SOURCES[family]
     source = build()
     source.save_pretrained(tmp_path / "src")
-    out = convert_to_memory_caching(tmp_path / "src", tmp_path / "mc", segment_size=SEGMENT, aggregation=aggregation)
+    out = convert_to_memory_caching(tmp_path / "src", tmp_path / "mc", segment_size=SEGMENT, aggregation=aggregation,
+                                    ssc_topk=1)
     converted = model_cls.from_pretrained(out).eval()
     assert (converted.config.segment_size, converted.config.aggregation) == (SEGMENT, aggregation)
+    assert converted.config.ssc_topk == 1
     for name, tensor in source.state_dict().items():
         assert torch.equal(converted.state_dict()[name], tensor), name
-    assert converted.state_dict().keys() == source.state_dict().keys()
+    added = converted.state_dict().keys() - source.state_dict().keys()
+    if aggregation in ("grm", "soup", "ssc"):  # one zero gate projection per memory layer
+        assert added and all(name.endswith(".u_proj.weight") for name in added)
+        assert all(not converted.state_dict()[name].any() for name in added)
+    else:
+        assert not added
     ids = torch.randint(1, 97, (2, 3 * SEGMENT), generator=torch.Generator().manual_seed(2))
     a, b = _logits(source, ids), _logits(converted, ids)
     torch.testing.assert_close(b[:, :SEGMENT], a[:, :SEGMENT], rtol=0, atol=1e-6)
@@ -132,3 +140,24 @@ def test_mom_and_atlas_conversion(tmp_path, family, aggregation):
         cached = converted.generate(ids[:, :9], max_new_tokens=12, do_sample=False)
         recomputed = converted.generate(ids[:, :9], max_new_tokens=12, do_sample=False, use_cache=False)
     assert torch.equal(cached, recomputed)
+
+
+@pytest.mark.parametrize("family", sorted(RECURRENT_SOURCES))
+def test_gated_conversion_of_mom_and_atlas_reads_as_the_mean(tmp_path, family):
+    """A zero gate projection scores every memory alike: grm and ssc read as mean (ties kept in ssc); soup too
+    for MoM's matrix memories, and the converted gates train."""
+    model_cls, build = RECURRENT_SOURCES[family]
+    build().save_pretrained(tmp_path / "src")
+    ids = torch.randint(1, 97, (2, 4 * SEGMENT), generator=torch.Generator().manual_seed(3))
+    models = {a: model_cls.from_pretrained(convert_to_memory_caching(
+        tmp_path / "src", tmp_path / a, segment_size=SEGMENT, aggregation=a, ssc_topk=1)).eval()
+        for a in ("mean", "grm", "ssc", "soup")}
+    logits = {a: _logits(m, ids) for a, m in models.items()}
+    torch.testing.assert_close(logits["grm"], logits["mean"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits["ssc"], logits["mean"], rtol=1e-5, atol=1e-5)
+    if family.startswith("mom"):
+        torch.testing.assert_close(logits["soup"], logits["mean"], rtol=1e-5, atol=1e-5)
+    grm = models["grm"].train()
+    grm(input_ids=ids, labels=ids).loss.backward()
+    gates = [p.grad for n, p in grm.named_parameters() if n.endswith(".u_proj.weight")]
+    assert gates and all(g is not None and g.abs().sum() > 0 for g in gates)

@@ -1,13 +1,23 @@
-"""Memory Caching over matrix memories: the packed, segment-by-segment kernel equals the readable reference."""
+"""Memory Caching over matrix memories: the packed, segment-by-segment kernel equals the readable reference,
+for every aggregation and any split into calls; the gated aggregations' one-token step equals the kernel."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mnemo.kernels.cached_linear import chunk_mc_gated_delta, read_states, reference_mc_gated_delta
+from mnemo.kernels.cached_linear import (
+    GATED_AGGREGATIONS,
+    CachedStates,
+    chunk_mc_gated_delta,
+    read_states,
+    reference_mc_gated_delta,
+    step_mc_gated_delta,
+)
 
 H, K, V = 2, 4, 3
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _inputs(P: int, gated: bool, seed: int):
@@ -33,6 +43,46 @@ def _routed(rows: list[int], memories: int, seed: int):
     return torch.tensor(cu), torch.cat(seqs), torch.tensor(sequence_row)
 
 
+def _run_calls(inputs, cu, positions, sequence_row, rows, cuts, segment_size, aggregation, chunk, u=None,
+               ssc_topk=2):
+    """Feed every row's tokens in calls split at the row clocks ``cuts`` (one list per call boundary),
+    carrying states and cached memories; returns the outputs in packed order and the final carry."""
+    q, k, v, g, beta = inputs
+    N = cu.numel() - 1
+    gated = aggregation in GATED_AGGREGATIONS
+    row_of_token = sequence_row[torch.repeat_interleave(torch.arange(N), cu.diff())]
+    lengths = torch.tensor(rows)
+    bounds = [torch.zeros(len(rows), dtype=torch.long)] + [torch.minimum(torch.tensor(c), lengths) for c in cuts]
+    bounds.append(lengths)
+    state = torch.zeros(N, H, K, V)
+    cached = CachedStates.empty((N,), H, K, V, dtype=torch.float32) if gated else torch.zeros(N, H, K, V)
+    count = torch.zeros(len(rows), dtype=torch.long)
+    out = torch.zeros(q.shape[0], H, V)
+    for before, after in zip(bounds[:-1], bounds[1:]):
+        sel = (positions >= before[row_of_token]) & (positions < after[row_of_token])
+        sub = torch.nonzero(sel).squeeze(1)
+        counts = torch.bincount(torch.repeat_interleave(torch.arange(N), cu.diff())[sub], minlength=N)
+        sub_cu = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
+        o, state, cached, count = chunk_mc_gated_delta(
+            q[sub], k[sub], v[sub], None if g is None else g[sub], beta[sub], initial_state=state,
+            cu_seqlens=sub_cu, positions=positions[sub], sequence_row=sequence_row, row_clock=(before, after),
+            cached=cached, cached_count=count, segment_size=segment_size, aggregation=aggregation,
+            chunk_size=chunk, u=None if u is None else u[sub], ssc_topk=ssc_topk)
+        out[sub] = o
+    return out, state, cached, count
+
+
+def _assert_carry_close(a, b):
+    for x, y in zip(a, b):
+        if isinstance(x, CachedStates):
+            for tx, ty in zip(x.tensors(), y.tensors()):
+                torch.testing.assert_close(tx, ty, rtol=1e-5, atol=1e-5)
+        elif x.dtype == torch.long:
+            assert torch.equal(x, y)
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("aggregation", ["mean", "residual"])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("segment_size,chunk", [(5, 4), (1, 2), (8, 3), (40, 16)])
@@ -40,22 +90,11 @@ def test_chunk_equals_reference_and_any_split(aggregation, gated, segment_size, 
     rows, memories = [13, 21, 1], 3
     cu, positions, sequence_row = _routed(rows, memories, seed=segment_size)
     P = int(cu[-1])
-    q, k, v, g, beta = _inputs(P, gated, seed=chunk)
+    inputs = _inputs(P, gated, seed=chunk)
+    q, k, v, g, beta = inputs
     N = cu.numel() - 1
-    lengths = torch.tensor(rows)
-
-    def run(sel_tokens, state, csum, ccount, before, after):
-        sub = torch.nonzero(sel_tokens).squeeze(1)
-        counts = torch.bincount(torch.repeat_interleave(torch.arange(N), cu.diff())[sub], minlength=N)
-        sub_cu = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
-        return chunk_mc_gated_delta(q[sub], k[sub], v[sub], None if g is None else g[sub], beta[sub],
-                                    initial_state=state, cu_seqlens=sub_cu, positions=positions[sub],
-                                    sequence_row=sequence_row, row_clock=(before, after), cached_sum=csum,
-                                    cached_count=ccount, segment_size=segment_size, aggregation=aggregation,
-                                    chunk_size=chunk)
-
-    zeros = (torch.zeros(N, H, K, V), torch.zeros(N, H, K, V), torch.zeros(3, dtype=torch.long))
-    o, state, csum, ccount = run(torch.ones(P, dtype=torch.bool), *zeros, torch.zeros(3, dtype=torch.long), lengths)
+    o, state, csum, ccount = _run_calls(inputs, cu, positions, sequence_row, rows, [], segment_size, aggregation,
+                                        chunk)
     for s in range(N):
         a, b = int(cu[s]), int(cu[s + 1])
         if b > a:
@@ -66,16 +105,86 @@ def test_chunk_equals_reference_and_any_split(aggregation, gated, segment_size, 
     assert ccount.tolist() == [n // segment_size for n in rows]
 
     # Split every row's clock at 7: two calls carry states, sums and counts exactly.
-    split = torch.tensor([7, 7, 0])
-    first = positions < split[sequence_row[torch.repeat_interleave(torch.arange(N), cu.diff())]]
-    o1, st1, cs1, cc1 = run(first, *zeros, torch.zeros(3, dtype=torch.long), torch.minimum(split, lengths))
-    o2, st2, cs2, cc2 = run(~first, st1, cs1, cc1, torch.minimum(split, lengths), lengths)
-    both = torch.zeros_like(o)
-    both[first], both[~first] = o1, o2
-    torch.testing.assert_close(both, o, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(st2, state, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(cs2, csum, rtol=1e-5, atol=1e-5)
-    assert torch.equal(cc2, ccount)
+    split = _run_calls(inputs, cu, positions, sequence_row, rows, [[7, 7, 0]], segment_size, aggregation, chunk)
+    _assert_carry_close(split, (o, state, csum, ccount))
+
+
+@pytest.mark.parametrize("aggregation,ssc_topk", [("grm", 2), ("soup", 2), ("ssc", 1), ("ssc", 2)])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("segment_size,chunk", [(4, 3), (1, 2), (7, 16)])
+def test_gated_aggregations_chunk_equals_reference_and_any_split(aggregation, ssc_topk, gated, segment_size, chunk):
+    rows, memories = [13, 21, 1], 3
+    cu, positions, sequence_row = _routed(rows, memories, seed=segment_size + 1)
+    P = int(cu[-1])
+    inputs = _inputs(P, gated, seed=chunk)
+    q, k, v, g, beta = inputs
+    u = 2 * torch.randn(P, H, K, generator=torch.Generator().manual_seed(5))
+    # The gate input is one per token: every memory the token visits scores with the same u_t.
+    u = u[positions] + 0.1 * sequence_row[torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff())][:, None, None]
+    run = lambda cuts: _run_calls(inputs, cu, positions, sequence_row, rows, cuts, segment_size,  # noqa: E731
+                                  aggregation, chunk, u=u, ssc_topk=ssc_topk)
+    o, state, cached, count = run([])
+    for s in range(cu.numel() - 1):
+        a, b = int(cu[s]), int(cu[s + 1])
+        if b > a:
+            ref = reference_mc_gated_delta(q[a:b], k[a:b], v[a:b], None if g is None else g[a:b], beta[a:b],
+                                           positions[a:b].tolist(), segment_size, aggregation, u=u[a:b],
+                                           ssc_topk=ssc_topk)
+            torch.testing.assert_close(o[a:b], ref, rtol=1e-5, atol=1e-5)
+    assert count.tolist() == [n // segment_size for n in rows]
+    assert cached.slots == max(rows) // segment_size
+    # Every memory of a row is cached at each of the row's segment ends, with its summary's key count.
+    row_of_seq = sequence_row.tolist()
+    for s in range(cu.numel() - 1):
+        seg = positions[int(cu[s]):int(cu[s + 1])] // segment_size
+        n = int(count[row_of_seq[s]])
+        expected = torch.bincount(seg, minlength=n + 1)[:n].float() if n else torch.zeros(0)
+        torch.testing.assert_close(cached.key_count[s, :n], expected)
+    # Any split into calls, one-token calls (the step path) included, carries everything.
+    for cuts in ([[7, 7, 0]], [[3, 4, 1], [4, 5, 1], [12, 17, 1]], [[t, t, t] for t in range(5, 20)]):
+        _assert_carry_close(run(cuts), (o, state, cached, count))
+
+
+def test_soup_is_grm_and_a_zero_gate_input_reads_like_mean():
+    rows, memories, segment_size = [17, 9], 2, 4
+    cu, positions, sequence_row = _routed(rows, memories, seed=3)
+    inputs = _inputs(int(cu[-1]), True, seed=4)
+    u = torch.randn(int(cu[-1]), H, K, generator=torch.Generator().manual_seed(6))
+    out = {}
+    for aggregation, gate_input in (("grm", u), ("soup", u), ("ssc", torch.zeros_like(u)), ("mean", None)):
+        out[aggregation] = _run_calls(inputs, cu, positions, sequence_row, rows, [], segment_size, aggregation, 4,
+                                      u=gate_input, ssc_topk=1)[0]
+    assert torch.equal(out["soup"], out["grm"])
+    torch.testing.assert_close(out["ssc"], out["mean"], rtol=1e-5, atol=1e-6)
+    assert (out["grm"] - out["mean"]).abs().max() > 1e-3
+
+
+def test_step_equals_chunk_for_gated_aggregations():
+    """The one-token step (decoding, no packing plan) reads and advances the key sums as the packed kernel does."""
+    N, S, slots = 4, 3, 2
+    g0 = torch.Generator().manual_seed(7)
+    cached = CachedStates(torch.randn(N, slots, H, K, V, generator=g0), torch.randn(N, slots, H, K, generator=g0),
+                          torch.tensor([[2.0, 0.0], [1.0, 3.0], [0.0, 0.0], [4.0, 1.0]]),
+                          torch.randn(N, H, K, generator=g0), torch.tensor([1.0, 0.0, 2.0, 1.0]))
+    count = torch.tensor([2, 1, 0, 2])  # valid slots of each sequence's row (rows = sequences here)
+    q, k, v, g, beta = _inputs(N, True, seed=8)
+    u = torch.randn(N, H, K, generator=g0)
+    state = torch.randn(N, H, K, V, generator=g0)
+    for aggregation in GATED_AGGREGATIONS:
+        valid = torch.arange(slots)[None] < count[:, None]
+        o, new, after = step_mc_gated_delta(q, k, v, g, beta, u, state, cached, valid, aggregation=aggregation,
+                                            ssc_topk=1)
+        clock = count * S + cached.online_key_count.long()
+        ref_o, ref_state, ref_cached, _ = chunk_mc_gated_delta(
+            q, k, v, g, beta, initial_state=state, cu_seqlens=torch.arange(N + 1), positions=clock,
+            sequence_row=torch.arange(N), row_clock=(clock, clock + 1), cached=cached, cached_count=count,
+            segment_size=S, aggregation=aggregation, u=u, ssc_topk=1)
+        torch.testing.assert_close(o, ref_o, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(new, ref_state, rtol=1e-5, atol=1e-6)
+        # the kernel also closed the segments the token ended; the step leaves that to its caller
+        closing = (clock + 1) % S == 0
+        pushed = after.with_slots(ref_cached.slots).push(closing, count, new)
+        _assert_carry_close((pushed,), (ref_cached,))
 
 
 def test_read_states_matches_a_loop():
@@ -88,7 +197,9 @@ def test_read_states_matches_a_loop():
             torch.testing.assert_close(got[p], torch.einsum("hk,hkv->hv", q[p], states[s]))
 
 
-def test_gated_aggregations_are_refused():
+def test_gated_aggregations_need_gate_inputs_and_unknown_ones_are_refused():
     q, k, v, g, beta = _inputs(2, True, 0)
-    with pytest.raises(ValueError, match="grm"):
+    with pytest.raises(ValueError, match="gate inputs u"):
         reference_mc_gated_delta(q, k, v, g, beta, [0, 1], 1, "grm")
+    with pytest.raises(ValueError, match="must be one of"):
+        reference_mc_gated_delta(q, k, v, g, beta, [0, 1], 1, "max")

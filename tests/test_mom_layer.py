@@ -15,7 +15,9 @@ from conftest import MOM_VARIANTS, tiny_mom_config
 
 def spec_mom_layer(layer: MoMMemoryLayer, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """FAMILIES.md §1 as written, for one batch row at a time, in float64; with ``segment_size``, every memory
-    of a row is also cached at each multiple of the row's token count and read back (FAMILIES.md §2, MC)."""
+    of a row is also cached at each multiple of the row's token count and read back (FAMILIES.md §2, MC),
+    the gated aggregations scoring memory ``m``'s cached states by the mean of the keys it received in
+    their segments."""
     B, T, _ = x.shape
     H, dk, dv, K = layer.num_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_size
     out = torch.zeros(B, T, H, dv, dtype=torch.float64)
@@ -42,11 +44,14 @@ def spec_mom_layer(layer: MoMMemoryLayer, x: torch.Tensor, valid: torch.Tensor) 
             else:
                 g = torch.zeros_like(beta)
             S = torch.zeros(H, dk, dv, dtype=torch.float64)
-            cached = []
+            cached, summaries, segment_keys = [], [], []
             for i, t in enumerate(tokens):
                 clock = int(valid[b, :t].sum())  # the row's tokens before this one
                 while layer.segment_size and (len(cached) + 1) * layer.segment_size <= clock:
                     cached.append(S.clone())
+                    # the memory's summary of the segment: the mean of the normalised keys it received (or 0)
+                    summaries.append(torch.stack(segment_keys).mean(0) if segment_keys else S.new_zeros(H, dk))
+                    segment_keys = []
                 q = l2_normalize(feats["q"][i].view(H, dk)) * dk**-0.5
                 k = l2_normalize(feats["k"][i].view(H, dk))
                 v = feats["v"][i].view(H, dv)
@@ -54,18 +59,35 @@ def spec_mom_layer(layer: MoMMemoryLayer, x: torch.Tensor, valid: torch.Tensor) 
                 S = g[i].exp()[:, None, None] * (eye - beta[i][:, None, None] * k[:, :, None] * k[:, None, :]) @ S
                 S = S + beta[i][:, None, None] * k[:, :, None] * v[:, None, :]
                 weight = 1.0 if m == layer.num_memories else w[t][idx[t] == m].item()
-                read = sum((torch.einsum("hkv,hk->hv", C, q) for C in cached), torch.einsum("hkv,hk->hv", S, q))
-                if layer.aggregation == "mean":
-                    read = read / (1 + len(cached))
+                segment_keys.append(k)
+                reads = [torch.einsum("hkv,hk->hv", C, q) for C in cached] + [torch.einsum("hkv,hk->hv", S, q)]
+                if layer.segment_size and layer.aggregation in ("grm", "soup", "ssc"):
+                    u = (x[b, t].double() @ layer.u_proj.weight.double().T).view(H, dk)
+                    scores = torch.stack([(u * r).sum(-1) for r in summaries + [torch.stack(segment_keys).mean(0)]])
+                    if layer.aggregation == "ssc" and len(cached) > layer.ssc_topk:
+                        kth = scores[:-1].topk(layer.ssc_topk, dim=0).values[-1]
+                        scores[:-1] = scores[:-1].masked_fill(scores[:-1] < kth, float("-inf"))
+                    read = (torch.softmax(scores, 0)[..., None] * torch.stack(reads)).sum(0)  # soup: the same
+                else:
+                    read = sum(reads)
+                    if layer.aggregation == "mean":
+                        read = read / len(reads)
                 out[b, t] += weight * read
     gate = layer.g_proj(x).double().view(B, T, H, dv)
     normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + layer.o_norm.eps) * layer.o_norm.weight.double()
     return (normed * F.silu(gate)).reshape(B, T, -1) @ layer.o_proj.weight.double().T
 
 
-@pytest.mark.parametrize("variant", sorted(MOM_VARIANTS))
+GATED_VARIANTS = {
+    "grm": {"segment_size": 4, "aggregation": "grm"},
+    "soup-deltanet": {"segment_size": 3, "aggregation": "soup", "memory_update": "deltanet"},
+    "ssc-top1": {"segment_size": 4, "aggregation": "ssc", "ssc_topk": 1, "topk": 1, "num_memories": 3},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(MOM_VARIANTS) + [f"mc-{v}" for v in sorted(GATED_VARIANTS)])
 def test_layer_matches_spec(variant):
-    config = tiny_mom_config(**MOM_VARIANTS[variant])
+    config = tiny_mom_config(**(GATED_VARIANTS[variant[3:]] if variant.startswith("mc-") else MOM_VARIANTS[variant]))
     torch.manual_seed(0)
     layer = MoMMemoryLayer(config, 0)
     with torch.no_grad():
@@ -137,3 +159,41 @@ def test_decode_step_equals_packed_path(variant):
     torch.testing.assert_close(step[1], packed[1], rtol=1e-6, atol=1e-7)
     for name in ("recurrent", "conv_q", "conv_k", "conv_v"):
         torch.testing.assert_close(step_cache[name], packed_cache[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("variant", sorted(GATED_VARIANTS))
+def test_gated_decode_step_equals_packed_path(variant):
+    """The gated aggregations' decode step (no routing plan, cache slots sized by the token count) gives the
+    packed path's outputs and cache, across segment ends and with padded tokens."""
+    config = tiny_mom_config(**GATED_VARIANTS[variant])
+    torch.manual_seed(4)
+    layer = MoMMemoryLayer(config, 0).eval()
+    with torch.no_grad():
+        layer.u_proj.weight.normal_(0, 1.0)
+        if layer.gated:
+            layer.A_log.uniform_(-1, 1)
+        cache = LayerCache()
+        mask = torch.ones(3, 9, dtype=torch.long)
+        mask[1, :4] = 0  # a left-padded row: its clock lags the others
+        layer(torch.randn(3, 9, config.hidden_size), mask, cache)
+        cache.seen_tokens = 9
+        for step_mask in ([1, 1, 1], [1, 0, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]):
+            token, step_mask = torch.randn(3, 1, config.hidden_size), torch.tensor(step_mask)[:, None]
+            packed_cache, step_cache = LayerCache(), LayerCache()
+            packed_cache.states, step_cache.states = dict(cache.states), dict(cache.states)
+            step_cache.seen_tokens = cache.seen_tokens
+            packed = layer._packed_forward(token, step_mask, packed_cache)
+            step = layer._decode_step(token, step_mask, step_cache)
+            live = step_mask.bool()[:, 0]
+            torch.testing.assert_close(step[0][live], packed[0][live], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(step[1], packed[1], rtol=1e-6, atol=1e-7)
+            assert step_cache.states.keys() == packed_cache.states.keys()
+            for name, expected in packed_cache.states.items():
+                got = step_cache[name]
+                if name in ("mc_states", "mc_key_sum", "mc_key_count"):  # the step may hold spare empty slots
+                    n = expected.shape[2]
+                    assert not got[:, :, n:].any()
+                    got = got[:, :, :n]
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=name)
+            cache.states, cache.seen_tokens = step_cache.states, cache.seen_tokens + 1
+    assert cache["mc_count"].tolist() == [v // config.segment_size for v in cache["mc_seen"].tolist()]

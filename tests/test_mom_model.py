@@ -1,12 +1,16 @@
-"""MoMForCausalLM specifics: gradients, losses, the deltanet variant, sizes, training."""
+"""MoMForCausalLM specifics: gradients, losses, the deltanet variant, sizes, training, gated Memory Caching."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mnemo import MoMConfig, MoMForCausalLM
+from mnemo.modeling.mom_layer import MoMMemoryLayer
 
-from conftest import tiny_mom
+from conftest import left_pad, tiny_mom, tiny_mom_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_gradients_reach_every_parameter():
@@ -50,3 +54,160 @@ def test_paper_340m_parameter_count_on_meta_device():
     n = sum(p.numel() for p in model.parameters())
     # flash-linear-attention 0.6.0's MomForCausalLM at the same configuration counts 512,351,424.
     assert n == 512_351_424
+
+
+# --------------------------------------------------------------------------- gated Memory Caching
+
+SEGMENT = 4
+GATED = ["grm", "soup", "ssc"]
+
+
+def gated_mom(aggregation: str, seed: int = 5, **overrides) -> MoMForCausalLM:
+    """A tiny MoM with Memory Caching every ``SEGMENT`` tokens and a gate projection large enough to matter."""
+    model = tiny_mom(seed=seed, segment_size=SEGMENT, aggregation=aggregation, ssc_topk=1, **overrides)
+    with torch.no_grad():
+        for layer in _mom_layers(model):
+            layer.u_proj.weight.normal_(0, 1.0)
+            layer.A_log.uniform_(-1, 0.5) if layer.gated else None
+    return model
+
+
+def _mom_layers(model):
+    return [block.attn for block in model.model.layers if not block.is_attention]
+
+
+def _same_weights(model: MoMForCausalLM, zero_gate: bool = False, **config) -> MoMForCausalLM:
+    """``model``'s weights in a model of another aggregation or segment size; a ``u_proj`` the source lacks
+    is zero, and so is every ``u_proj`` with ``zero_gate``."""
+    other = MoMForCausalLM(tiny_mom_config(**{**model.config.to_diff_dict(), **config})).eval()
+    missing, unexpected = other.load_state_dict(model.state_dict(), strict=False)
+    assert all("u_proj" in n for n in missing + unexpected)
+    with torch.no_grad():
+        for name, p in other.named_parameters():
+            if name in missing or (zero_gate and "u_proj" in name):
+                p.zero_()
+    return other
+
+
+def _decode(model, ids, split, mask=None):
+    with torch.no_grad():
+        out = model(ids[:, :split], attention_mask=None if mask is None else mask[:, :split], use_cache=True)
+        cache, logits = out.past_key_values, [out.logits]
+        for t in range(split, ids.shape[1]):
+            out = model(ids[:, t:t + 1], attention_mask=None if mask is None else mask[:, :t + 1],
+                        past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+    return torch.cat(logits, 1), cache
+
+
+@pytest.mark.parametrize("aggregation", GATED)
+@pytest.mark.parametrize("variant", [{}, {"memory_update": "deltanet", "shared_memory": False, "topk": 1,
+                                          "num_hidden_layers": 3, "attention_layers": [1],
+                                          "num_attention_heads": 4}])
+def test_gated_prefill_and_decode_equal_forward(aggregation, variant, monkeypatch):
+    model = gated_mom(aggregation, **variant)
+    steps = []
+    decode_step = MoMMemoryLayer._decode_step
+    monkeypatch.setattr(MoMMemoryLayer, "_decode_step", lambda self, *a: steps.append(1) or decode_step(self, *a))
+    ids = torch.randint(1, 97, (2, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids).logits
+    for split in (1, 9):
+        stepped, cache = _decode(model, ids, split)
+        torch.testing.assert_close(stepped, full, rtol=1e-4, atol=1e-5)
+    assert len(steps) == len(_mom_layers(model)) * (18 + 10)  # every one-token call took the decode step
+    layer = cache[0]
+    M = model.config.num_memories + int(model.config.shared_memory)
+    H, D = model.config.num_heads, model.config.head_dim
+    assert layer["mc_states"].shape == (2, M, 19 // SEGMENT, H, D, D)
+    assert layer["mc_key_sum"].shape == (2, M, 19 // SEGMENT, H, D)
+    assert layer["mc_count"].tolist() == [19 // SEGMENT] * 2 and "mc_sum" not in layer
+    # per-memory summaries: every routed key went into exactly one segment sum or the online one
+    total = layer["mc_key_count"].sum((1, 2)) + layer["mc_online_key_count"].sum(1)
+    assert total.tolist() == [19.0 * (model.config.topk + int(model.config.shared_memory))] * 2
+
+
+@pytest.mark.parametrize("aggregation", GATED)
+def test_gated_left_padded_batch_equals_each_sample_alone(aggregation):
+    model = gated_mom(aggregation)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(1, 97, (n,), generator=g) for n in (17, 6, 11)]
+    ids, mask = left_pad(seqs)
+    full = ids.shape[1]
+    extra = torch.randint(1, 97, (3, 5), generator=g)
+    ids = torch.cat([ids, extra], 1)
+    mask = torch.cat([mask, torch.ones_like(extra)], 1)
+    batch, _ = _decode(model, ids, full, mask)
+    for i, s in enumerate(seqs):
+        alone, _ = _decode(model, torch.cat([s, extra[i]])[None], len(s))
+        torch.testing.assert_close(batch[i, full - len(s):], alone[0], rtol=1e-4, atol=1e-5)
+
+
+def test_gated_save_load_is_bit_exact(tmp_path):
+    model = gated_mom("ssc")
+    model.save_pretrained(tmp_path)
+    loaded = MoMForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.ssc_topk == 1 and loaded.config.aggregation == "ssc"
+    assert model.state_dict().keys() == loaded.state_dict().keys()
+    assert any(n.endswith("u_proj.weight") for n in loaded.state_dict())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    ids = torch.randint(1, 97, (2, 15))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_soup_equals_grm_and_ssc_with_a_zero_gate_projection_equals_mean():
+    grm = gated_mom("grm")
+    ids = torch.randint(1, 97, (2, 18), generator=torch.Generator().manual_seed(3))
+    soup = _same_weights(grm, aggregation="soup")
+    soup.load_state_dict(grm.state_dict())
+    with torch.no_grad():
+        assert torch.equal(soup(ids).logits, grm(ids).logits)  # a matrix memory reads linearly: soup is grm
+        mean = _same_weights(grm, aggregation="mean")(ids).logits
+        ssc = _same_weights(grm, zero_gate=True, aggregation="ssc")  # every score 0: all memories tied
+        torch.testing.assert_close(ssc(ids).logits, mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(_decode(ssc, ids, 7)[0], mean, rtol=1e-5, atol=1e-5)
+        assert (grm(ids).logits - mean).abs().max() > 1e-3  # a trained gate projection does change the read
+
+
+@pytest.mark.parametrize("aggregation", GATED)
+def test_gated_gradients_reach_every_parameter(aggregation):
+    model = gated_mom(aggregation).train()
+    ids = torch.randint(1, 97, (2, 14))
+    model(ids, labels=ids).loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == []
+    assert all(layer.u_proj.weight.grad.abs().sum() > 0 for layer in _mom_layers(model))
+
+
+def test_u_proj_exists_only_for_gated_memory_caching():
+    assert not hasattr(_mom_layers(tiny_mom(segment_size=4, aggregation="mean"))[0], "u_proj")
+    assert not hasattr(_mom_layers(tiny_mom(aggregation="grm"))[0], "u_proj")  # no caching, nothing to score
+    layer = _mom_layers(tiny_mom(segment_size=4, aggregation="grm"))[0]
+    assert layer.u_proj.weight.shape == (2 * 8, 32)
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "residual", *GATED])
+def test_every_aggregation_is_plain_mom_inside_the_first_segment(aggregation):
+    plain = tiny_mom(seed=6)
+    cached = _same_weights(plain, segment_size=SEGMENT, aggregation=aggregation)
+    if cached.config.gated_aggregation:
+        with torch.no_grad():
+            for layer in _mom_layers(cached):
+                layer.u_proj.weight.normal_(0, 1.0)
+    ids = torch.randint(1, 97, (2, 3 * SEGMENT), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        a, b = plain(ids).logits, cached(ids).logits
+    torch.testing.assert_close(b[:, :SEGMENT], a[:, :SEGMENT], rtol=0, atol=1e-6)
+    assert (b[:, SEGMENT:] - a[:, SEGMENT:]).abs().max() > 1e-4  # cached memories are read after it
+
+
+def test_gated_generation_with_the_cache_equals_recomputation():
+    """generate() on the growing cache (greedy, beam search's reorders, repeated rows) == without a cache."""
+    model = gated_mom("grm")
+    prompt = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(5))
+    for kwargs in (dict(do_sample=False), dict(num_beams=3, num_return_sequences=2, do_sample=False,
+                                                early_stopping=False)):
+        cached = model.generate(prompt, max_new_tokens=9, **kwargs)
+        assert torch.equal(cached, model.generate(prompt, max_new_tokens=9, use_cache=False, **kwargs))
