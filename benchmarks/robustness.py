@@ -70,14 +70,26 @@ def train(name: str, args, weights: Path | None = None) -> tuple[torch.nn.Module
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
         report = {"family": name, "nonfinite_loss": 0, "nonfinite_grad": 0, "nonfinite_state": 0}
         step, first, elapsed = 0, [], 0.0
+    # Tiny models are bound by kernel launches; a compiled forward fuses the element-wise work around them.
+    # Inductor 2.11 fails to generate one of Atlas' backward graphs (CantSplit): a family whose first compiled
+    # step fails trains eagerly.
+    forward = torch.compile(model) if args.compile else model
     start, losses = time.perf_counter(), []
     while step < args.steps and time.perf_counter() - start < args.train_seconds:
         ids, labels = mqar_batch(32, settings.num_pairs, settings.queries, settings.vocab_size, generator,
                                  settings.seq_len)
         ids, labels = ids.to(args.device), labels.to(args.device)
-        with torch.autocast(args.device, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
+        try:
+            with torch.autocast(args.device, dtype=torch.bfloat16):
+                loss = forward(input_ids=ids, labels=labels).loss
+            loss.backward()
+        except Exception as err:  # noqa: BLE001 - an Inductor failure on the first step means: train eagerly
+            if forward is model or losses:
+                raise
+            report["compile_error"] = f"{type(err).__name__}: {err}"[:200]
+            forward = model
+            optimizer.zero_grad(set_to_none=True)
+            continue
         if not math.isfinite(loss.item()):
             report["nonfinite_loss"] += 1
         if not _finite(p.grad for p in model.parameters() if p.grad is not None):
@@ -87,11 +99,15 @@ def train(name: str, args, weights: Path | None = None) -> tuple[torch.nn.Module
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         step += 1
+        if len(losses) == 1:  # steady-state speed: the first step of a run pays for compilation
+            first_step_done = time.perf_counter()
         if step % args.check_every == 0:
             with torch.no_grad(), torch.autocast(args.device, dtype=torch.bfloat16):
                 cache = model(input_ids=ids, use_cache=True).past_key_values
             report["nonfinite_state"] += not _finite(_states(cache).values())
     first = (first + losses)[:50]
+    if len(losses) > 1:
+        report["steps_per_second"] = round((len(losses) - 1) / (time.perf_counter() - first_step_done), 2)
     report.update(steps=step, train_seconds=round(elapsed + time.perf_counter() - start, 1),
                   first_loss=round(sum(first) / max(len(first), 1), 4),
                   last_loss=round(sum(losses[-50:]) / len(losses[-50:]), 4) if losses else report.get("last_loss"))
@@ -195,6 +211,8 @@ def main() -> int:
     parser.add_argument("--piece", type=int, default=8_192)
     parser.add_argument("--decode", type=int, default=256)
     parser.add_argument("--backend", default="torch")
+    parser.add_argument("--compile", action="store_true", help="train through torch.compile")
+    parser.add_argument("--families", default=None, help="comma-separated families to launch (default: all)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--phase", choices=("both", "train", "context"), default="both")
     parser.add_argument("--weights", default=None, help="folder for the trained models between phases")
@@ -207,10 +225,11 @@ def main() -> int:
     from mnemo.demo import FAMILIES
 
     forwarded = [a for a in sys.argv[1:]]
+    families = FAMILIES if args.families is None else tuple(args.families.split(","))
     procs = {name: subprocess.Popen([sys.executable, __file__, "--family", name, *forwarded],
                                     stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT,
                                     env={**os.environ})
-             for name in FAMILIES}
+             for name in families}
     for proc in procs.values():
         proc.wait()
     columns = ["family", "steps", "train_seconds", "first_loss", "last_loss", "nonfinite_loss", "nonfinite_grad",
@@ -219,7 +238,7 @@ def main() -> int:
                "state_error_growth_per_1k", "peak_memory_gib", "long_context_error"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
-    for name in FAMILIES:
+    for name in families:
         path = out / f"{name}.json"
         report = json.loads(path.read_text()) if path.is_file() else {"family": name, "long_context_error": "crashed"}
         cells = []
