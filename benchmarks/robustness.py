@@ -45,6 +45,36 @@ def _finite(tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
+def _let_inductor_retile() -> None:
+    """torch 2.11's Triton tiler raises ``CantSplit`` without the arguments its constructor requires, so a
+    ``TypeError`` escapes where Inductor means to try another tiling (Atlas' backward graph hits it). Give the
+    exception defaults so that Inductor's own fallback runs; a no-op where the constructor needs nothing."""
+    import inspect
+
+    try:
+        from torch._inductor.codegen.simd import CantSplit
+    except ImportError:
+        return
+    init = CantSplit.__init__
+    if init is Exception.__init__ or getattr(CantSplit, "_defaults_given", False):
+        return
+    required = [p for p in list(inspect.signature(init).parameters.values())[1:]
+                if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
+    if not required:
+        return
+
+    def with_defaults(self, *args, **kwargs):
+        if args or kwargs:
+            init(self, *args, **kwargs)
+        else:
+            Exception.__init__(self)
+            for p in required:
+                setattr(self, p.name, None)
+
+    CantSplit.__init__ = with_defaults
+    CantSplit._defaults_given = True
+
+
 def train(name: str, args, weights: Path | None = None) -> tuple[torch.nn.Module, dict]:
     """Train up to ``--steps`` steps in total, resuming from ``weights/train_state.pt`` when an earlier run left one
     (model, optimiser, data stream and counters), and leaving one there for the next run."""
@@ -59,7 +89,7 @@ def train(name: str, args, weights: Path | None = None) -> tuple[torch.nn.Module
     generator = torch.Generator().manual_seed(0)
     if resume is not None and resume.is_file():
         model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).to(args.device).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=args.device == "cuda")
         saved = torch.load(resume, weights_only=True)  # written by this script
         optimizer.load_state_dict(saved["optimizer"])
         generator.set_state(saved["generator"])
@@ -67,14 +97,18 @@ def train(name: str, args, weights: Path | None = None) -> tuple[torch.nn.Module
         elapsed = report.get("train_seconds", 0.0)
     else:
         model = build_model(name, settings).to(args.device).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=args.device == "cuda")
         report = {"family": name, "nonfinite_loss": 0, "nonfinite_grad": 0, "nonfinite_state": 0}
         step, first, elapsed = 0, [], 0.0
     # Tiny models are bound by kernel launches; a compiled forward fuses the element-wise work around them.
-    # Inductor 2.11 fails to generate one of Atlas' backward graphs (CantSplit): a family whose first compiled
-    # step fails trains eagerly.
+    # If Inductor still fails on a family's first compiled step, that family trains eagerly.
+    _let_inductor_retile()
     forward = torch.compile(model) if args.compile else model
-    start, losses = time.perf_counter(), []
+    # The checks stay on the GPU and are read every `sync_every` steps: a host sync per step would stall the
+    # launch queue that bounds these tiny models. A non-finite gradient anywhere makes the total norm non-finite.
+    bad_loss = torch.zeros((), dtype=torch.long, device=args.device)
+    bad_grad = torch.zeros_like(bad_loss)
+    start, losses, pending, first_step_done = time.perf_counter(), [], [], None
     while step < args.steps and time.perf_counter() - start < args.train_seconds:
         ids, labels = mqar_batch(32, settings.num_pairs, settings.queries, settings.vocab_size, generator,
                                  settings.seq_len)
@@ -84,30 +118,34 @@ def train(name: str, args, weights: Path | None = None) -> tuple[torch.nn.Module
                 loss = forward(input_ids=ids, labels=labels).loss
             loss.backward()
         except Exception as err:  # noqa: BLE001 - an Inductor failure on the first step means: train eagerly
-            if forward is model or losses:
+            if forward is model or losses or pending:
                 raise
             report["compile_error"] = f"{type(err).__name__}: {err}"[:200]
             forward = model
             optimizer.zero_grad(set_to_none=True)
             continue
-        if not math.isfinite(loss.item()):
-            report["nonfinite_loss"] += 1
-        if not _finite(p.grad for p in model.parameters() if p.grad is not None):
-            report["nonfinite_grad"] += 1
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        loss = loss.detach()
+        bad_loss += ~torch.isfinite(loss)
+        bad_grad += ~torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        pending.append(loss)
         step += 1
-        if len(losses) == 1:  # steady-state speed: the first step of a run pays for compilation
-            first_step_done = time.perf_counter()
+        if len(pending) >= args.sync_every:
+            losses += torch.stack(pending).tolist()
+            pending = []
+            if first_step_done is None:  # steady-state speed: the first steps of a run pay for compilation
+                first_step_done, first_counted = time.perf_counter(), len(losses)
         if step % args.check_every == 0:
             with torch.no_grad(), torch.autocast(args.device, dtype=torch.bfloat16):
                 cache = model(input_ids=ids, use_cache=True).past_key_values
             report["nonfinite_state"] += not _finite(_states(cache).values())
+    losses += torch.stack(pending).tolist() if pending else []
+    report["nonfinite_loss"] += int(bad_loss)
+    report["nonfinite_grad"] += int(bad_grad)
     first = (first + losses)[:50]
-    if len(losses) > 1:
-        report["steps_per_second"] = round((len(losses) - 1) / (time.perf_counter() - first_step_done), 2)
+    if first_step_done is not None and len(losses) > first_counted:
+        report["steps_per_second"] = round((len(losses) - first_counted) / (time.perf_counter() - first_step_done), 2)
     report.update(steps=step, train_seconds=round(elapsed + time.perf_counter() - start, 1),
                   first_loss=round(sum(first) / max(len(first), 1), 4),
                   last_loss=round(sum(losses[-50:]) / len(losses[-50:]), 4) if losses else report.get("last_loss"))
@@ -205,6 +243,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--train-seconds", type=float, default=300)
     parser.add_argument("--check-every", type=int, default=500)
+    parser.add_argument("--sync-every", type=int, default=100, help="steps between reads of the loss on the host")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--pairs", type=int, default=16)
     parser.add_argument("--context", type=int, default=65_536)
