@@ -13,8 +13,8 @@ write) and every memory cached before it, with MC-Titans' aggregations:
   memory reads linearly, so ``(sum_i gamma^(i) S^(i))^T q = sum_i gamma^(i) S^(i)^T q``:
   ``soup`` *is* ``grm`` here and is computed as ``grm``
 - ``ssc``:      ``grm`` over the ``ssc_topk`` best-scoring cached memories and the
-  online one (cached memories tied with the ``ssc_topk``-th best score are all kept,
-  so a zero gate projection reads like ``mean``)
+  online one (cached memories tied with the ``ssc_topk``-th best score, up to
+  rounding (``SSC_TIE_TOLERANCE``), are all kept, so a zero gate projection reads like ``mean``)
 
 The gated aggregations are MC-Titans' own (:func:`~.memory_caching.mc_read` on a
 linear memory ``M(z) = S^T z``), so both families gate alike: same scores, same
@@ -58,7 +58,7 @@ from typing import Callable
 import torch
 
 from .gated_delta import _prepare_qk, chunk_gated_delta, reference_gated_delta, step_gated_delta
-from .memory_caching import mc_read
+from .memory_caching import mc_read, ssc_select
 from .titans import TitansMemorySpec
 
 __all__ = [
@@ -226,11 +226,9 @@ def reference_mc_gated_delta(
         reads = torch.stack([torch.einsum("hk,hkv->hv", qn, c[0]) for c in cached] + [o[0, 0].to(state.dtype)])
         rs = summaries + [torch.stack(segment_keys).mean(0)]
         scores = torch.stack([(u[t].to(state.dtype) * r).sum(-1) for r in rs])  # (N + 1, H)
-        if aggregation == "ssc" and len(cached) > ssc_topk:
+        if aggregation == "ssc":
             # every cached memory scoring at least the k-th best score is kept (ties included), as in MC-Titans
-            kth = scores[:-1].topk(ssc_topk, dim=0).values[-1:]
-            keep = torch.cat([scores[:-1] >= kth, torch.ones_like(scores[-1:], dtype=torch.bool)])
-            scores = scores.masked_fill(~keep, float("-inf"))
+            scores = torch.cat([ssc_select(scores[:-1], ssc_topk, dim=0), scores[-1:]])
         # grm; soup mixes the states first, which for a matrix memory is the same sum
         outputs.append((torch.softmax(scores, 0)[..., None] * reads).sum(0).to(v.dtype))
     return torch.stack(outputs) if outputs else v.new_zeros(0, H, V)

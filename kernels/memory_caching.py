@@ -10,9 +10,12 @@ summary is the mean of the current segment's keys so far):
 - ``residual``: ``M_t(q) + sum_i M^(i)(q)``;  ``mean``: their uniform average;
 - ``grm``: ``softmax`` of the scores over cached and online memories, weighted sum;
 - ``soup``: the same weights mix the memories' *weights*, then one forward;
-- ``ssc``: ``grm`` over the ``ssc_topk`` best cached memories and the online one (cached
+- ``ssc``: ``grm`` over the ``ssc_topk`` best cached memories and the online one. Cached
   memories tied with the ``ssc_topk``-th best score are all kept, so a zero gate projection
-  reads every memory uniformly, like ``mean``).
+  reads every memory uniformly, like ``mean``; "tied" means within ``SSC_TIE_TOLERANCE`` of it
+  (relative, at least 1 in scale), because two segments with the same keys get summaries that
+  differ by rounding when they are computed in different calls (a prefill and a decode step),
+  and an exact comparison then kept one memory in one path and two in the other.
 
 Segmentation ``constant`` cuts every ``segment_size`` tokens (``None``: one
 segment, plain Titans) and restarts the inner chunks at each segment start;
@@ -57,10 +60,14 @@ __all__ = [
     "log_segments",
     "mc_read",
     "reference_mc_titans",
+    "ssc_select",
     "step_mc_titans",
 ]
 
 AGGREGATIONS = ("residual", "grm", "soup", "ssc", "mean")
+# Far above float32 rounding of a score (about 1e-7 of its scale), far below any gap that
+# routing learns: scores this close to the k-th best count as tied with it.
+SSC_TIE_TOLERANCE = 2.0**-16
 SEGMENTATIONS = ("constant", "logarithmic")
 CACHE_MODES = ("checkpoint", "independent")
 
@@ -106,6 +113,16 @@ def log_segments(length: int) -> list[tuple[int, int]]:
 # --------------------------------------------------------------------------- aggregation
 
 
+def ssc_select(scores: torch.Tensor, topk: int, dim: int = -1) -> torch.Tensor:
+    """``scores`` of cached memories with all but the ``topk`` best (and those tied with the
+    ``topk``-th, see ``SSC_TIE_TOLERANCE``) set to ``-inf`` along ``dim``."""
+    if scores.shape[dim] <= topk:
+        return scores
+    kth = scores.topk(topk, dim=dim).values.narrow(dim, topk - 1, 1)
+    slack = SSC_TIE_TOLERANCE * kth.abs().clamp(min=1.0)
+    return scores.masked_fill(scores < kth - slack, float("-inf"))
+
+
 def mc_read(
     spec: TitansMemorySpec,
     aggregation: str,
@@ -127,9 +144,8 @@ def mc_read(
     if aggregation in ("grm", "soup", "ssc"):
         s_cached = torch.einsum("bhtd,bnhd->bhtn", u, cached_summary).masked_fill(~valid, float("-inf"))
         s_online = (u * online_summary).sum(-1, keepdim=True)
-        if aggregation == "ssc" and s_cached.shape[-1] > ssc_topk:
-            kth = s_cached.topk(ssc_topk, dim=-1).values[..., -1:]
-            s_cached = s_cached.masked_fill(s_cached < kth, float("-inf"))
+        if aggregation == "ssc":
+            s_cached = ssc_select(s_cached, ssc_topk)
         gates = torch.softmax(torch.cat([s_cached, s_online], dim=-1), dim=-1)
         g_cached, g_online = gates[..., :-1], gates[..., -1:]
     else:
@@ -206,13 +222,11 @@ def reference_mc_titans(
             ut = u[b, t].to(dtype)
             scores = torch.stack([(ut * r).sum(-1) for r in summaries])  # (N + 1, H)
             agg = options.aggregation
-            if agg == "ssc" and len(memories) - 1 > options.ssc_topk:
+            if agg == "ssc":
                 # Every cached memory scoring at least the k-th best score is kept, ties included, as
                 # in mc_read; keeping exactly the indices topk returns made the two disagree on ties
                 # (identical segment summaries, or a zero gate projection, which must read as mean).
-                kth = scores[:-1].topk(options.ssc_topk, dim=0).values[-1:]
-                keep = torch.cat([scores[:-1] >= kth, torch.ones_like(scores[-1:], dtype=torch.bool)])
-                scores = scores.masked_fill(~keep, float("-inf"))
+                scores = torch.cat([ssc_select(scores[:-1], options.ssc_topk, dim=0), scores[-1:]])
             if agg in ("grm", "ssc"):
                 o[b, t] = (torch.softmax(scores, 0)[..., None] * outs).sum(0)
             elif agg == "soup":

@@ -59,7 +59,9 @@ from mnemo import MnemoCache
 from mnemo.kernels import chunk_gated_delta, reference_gated_delta, step_gated_delta
 from mnemo.kernels.atlas import AtlasState, chunk_atlas, reference_atlas, step_atlas
 from mnemo.kernels.deep_attention import chunk_deep_attention, reference_deep_attention, step_deep_attention
-from mnemo.kernels.memory_caching import MCOptions, MCState, chunk_mc_titans, reference_mc_titans, step_mc_titans
+from mnemo.kernels.memory_caching import (
+    MCOptions, MCState, chunk_mc_titans, reference_mc_titans, ssc_select, step_mc_titans,
+)
 from mnemo.kernels.titans import TitansMemorySpec, TitansState, chunk_titans, reference_titans, step_titans
 
 from conftest import MODEL_VARIANTS, tiny_deep_transformer, tiny_mc_titans
@@ -676,3 +678,22 @@ def test_ssc_ties_keep_every_tied_memory_in_every_path():
         torch.testing.assert_close(torch.stack(steps, 1), ref, rtol=0, atol=1e-5)
         outs[aggregation] = ref
     torch.testing.assert_close(outs["ssc"], outs["mean"], rtol=0, atol=1e-5)
+
+
+def test_ssc_counts_scores_equal_up_to_rounding_as_tied():
+    """Repeated tokens in one-token segments give identical segment summaries; a prefill and a
+    chunk compute them in different calls, 1e-8 apart, and an exact comparison kept two memories
+    in the full forward and one after the prefill (an error of 1.3e-3 in the last logit)."""
+    scores = torch.tensor([[0.5, 0.25, 0.5 + 1e-8, -1.0]])
+    assert torch.isfinite(ssc_select(scores, 1)).tolist() == [[True, False, True, False]]
+    assert torch.isfinite(ssc_select(scores, 3)).tolist() == [[True, True, True, False]]
+    assert torch.equal(ssc_select(scores[:, :2], 2), scores[:, :2])
+    # The fuzz example that found it: a 5-token row, prefill 1, then the other 4 in one call.
+    model = tiny_mc_titans(seed=2, aggregation="ssc", ssc_topk=1, memory_depth=1, inner_chunk_size=1,
+                           segment_size=1)
+    ids = torch.randint(1, 97, (1, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = MnemoCache(model.config.num_hidden_layers)
+        parts = [model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in [(0, 1), (1, 5)]]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-5)
