@@ -117,10 +117,14 @@ def _read_weights(queries, keys, key_mask, scale: float, normalize: bool):
     scores = (queries @ keys.transpose(-1, -2)) * scale
     if not normalize:
         return scores.exp() * key_mask
-    scores = scores.masked_fill(~key_mask, float("-inf"))
-    peak = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).min).nan_to_num(0.0)
-    weights = (scores - peak).exp()
-    return weights / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).tiny)
+    # At least float32 whatever the matmul gave (bf16 under autocast), and the peak out of the graph:
+    # the softmax does not depend on it, and Inductor's backward of the masked ``amax`` gave NaN
+    # gradients under bf16 autocast (torch 2.11 and 2.13) where eager did not.
+    logits = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    finfo = torch.finfo(logits.dtype)
+    peak = logits.masked_fill(~key_mask, finfo.min).amax(-1, keepdim=True).detach()
+    weights = torch.where(key_mask, logits - peak, float("-inf")).exp()
+    return (weights / weights.sum(-1, keepdim=True).clamp(min=finfo.tiny)).to(scores.dtype)
 
 
 # --------------------------------------------------------------------------- reference
