@@ -139,6 +139,20 @@ def decode(fla):
                 ms = (time.perf_counter() - start) / 32 * 1e3
                 row = dict(what="decode", model=name, B=B, prompt=P, ms_per_token=round(ms, 2),
                            prefill_s=round(prefill, 2), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+                if name.startswith("mnemo"):
+                    # The same steps replayed as a CUDA graph (generate(cuda_graph=True)); the first captures.
+                    cache.decode_graphs = True
+                    with torch.no_grad():
+                        for _ in range(8):
+                            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+                        torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        for _ in range(32):
+                            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+                            nxt = out.logits[:, -1:].argmax(-1)
+                        torch.cuda.synchronize()
+                    row["graph_ms_per_token"] = round((time.perf_counter() - start) / 32 * 1e3, 3)
+                    cache.decode_graphs, cache.decode_graph = False, None
                 if name.startswith("mnemo") and P == 1024:
                     with torch.no_grad():
                         model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
@@ -147,6 +161,13 @@ def decode(fla):
                         model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
                         torch.cuda.synchronize()
                     row["generate_tok_per_s"] = round(B * 64 / (time.perf_counter() - start))
+                    with torch.no_grad():
+                        model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, cuda_graph=True)
+                        torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False, cuda_graph=True)
+                        torch.cuda.synchronize()
+                    row["graph_generate_tok_per_s"] = round(B * 64 / (time.perf_counter() - start))
                 record(**row)
             except Exception as exc:
                 record(what="decode", model=name, B=B, prompt=P, err=repr(exc)[:300])

@@ -16,7 +16,7 @@ from transformers import initialization as init
 from .attention import RotaryEmbedding
 from .cache import MnemoCache
 from .gates import GateProjection
-from .generation import MnemoGenerationMixin
+from .generation import MnemoGenerationMixin, graphed_decode_step
 from .normalization import RMSNorm
 from .short_conv import ShortConvolution
 from .outputs import MnemoCausalLMOutput, MnemoModelOutput
@@ -134,6 +134,10 @@ class MnemoCausalLMMixin(MnemoGenerationMixin):
     ) -> MnemoCausalLMOutput | tuple:
         """With ``labels``, ``loss`` is the LM loss plus ``aux_loss_coef * aux_loss`` where the family has one."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        logits = graphed_decode_step(self, input_ids, past_key_values, inputs_embeds, labels, output_hidden_states)
+        if logits is not None:  # generate(cuda_graph=True): the step replayed, the cache advanced in place
+            out = MnemoCausalLMOutput(logits=logits, past_key_values=past_key_values)
+            return out if return_dict else out.to_tuple()
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

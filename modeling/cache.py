@@ -108,6 +108,9 @@ class MnemoCache(Cache):
 
     def __init__(self, num_layers: int) -> None:
         super().__init__(layers=[LayerCache() for _ in range(num_layers)])
+        # Set by ``generate(cuda_graph=True)``: one-token steps replay ``decode_graph`` (see .cuda_graph).
+        self.decode_graphs = False
+        self.decode_graph = None
 
     def __getitem__(self, layer_idx: int) -> LayerCache:
         return self.layers[layer_idx]

@@ -13,6 +13,7 @@ import torch
 from transformers import GenerationMixin
 
 from .cache import MnemoCache
+from .cuda_graph import DecodeGraph, check_decode_graph_support
 
 
 def check_attention_mask(attention_mask: torch.Tensor | None, batch: int, total_length: int) -> None:
@@ -45,6 +46,35 @@ class MnemoGenerationMixin(GenerationMixin):
     """``generate()`` support for models whose cache is a :class:`MnemoCache`."""
 
     _is_stateful = True
+
+    @classmethod
+    def decode_graph_obstacle(cls, config) -> str:
+        """Why this model cannot decode through a CUDA graph (``""``: it can); families that can override it."""
+        return f"{cls.__name__} has no fixed-size decode step without host reads yet"
+
+    def generate(self, *args: Any, cuda_graph: bool = False, **kwargs: Any):
+        """``transformers``' ``generate()``; ``cuda_graph=True`` replays each one-token decode step as a
+        CUDA graph captured after the prefill (greedy decoding and sampling; see :mod:`.cuda_graph`).
+        Off CUDA the same fixed-buffer step runs eagerly. Raises a ``ValueError`` naming the reason where
+        the model cannot decode this way."""
+        if not cuda_graph:
+            return super().generate(*args, **kwargs)
+        check_decode_graph_support(self)
+        config = kwargs.get("generation_config") or self.generation_config
+        if kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1) > 1:
+            raise ValueError("cuda_graph=True decodes greedily or by sampling: beam search reorders the cache "
+                             "every step, which a captured step cannot follow")
+        cache = kwargs.get("past_key_values")
+        if cache is None:
+            cache = kwargs["past_key_values"] = MnemoCache(self.config.num_hidden_layers)
+        if not isinstance(cache, MnemoCache):
+            raise ValueError(f"cuda_graph=True needs a MnemoCache, got {type(cache).__name__}")
+        cache.decode_graphs = True
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            # the graph holds its own memory pool: free it with the generation, keep the cache usable
+            cache.decode_graphs, cache.decode_graph = False, None
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -82,3 +112,16 @@ class MnemoGenerationMixin(GenerationMixin):
         inputs.update(past_key_values=past_key_values, attention_mask=attention_mask, use_cache=use_cache)
         inputs.update(kwargs)
         return inputs
+
+
+def graphed_decode_step(model, input_ids, past_key_values, inputs_embeds, labels, output_hidden_states):
+    """The logits of a one-token step replayed through the cache's decode graph, or ``None`` where the
+    step is not one (a prefill, labels, embeddings, hidden states asked for, graphs not requested)."""
+    cache = past_key_values
+    if not (isinstance(cache, MnemoCache) and cache.decode_graphs and input_ids is not None and inputs_embeds is None
+            and labels is None and not output_hidden_states and input_ids.shape[1] == 1
+            and cache.get_seq_length() > 0):
+        return None
+    if cache.decode_graph is None or not cache.decode_graph.matches(cache):
+        cache.decode_graph = DecodeGraph(model, cache)
+    return cache.decode_graph(input_ids)

@@ -89,3 +89,12 @@ class MoMForCausalLM(MnemoCausalLMMixin, MnemoGenerationMixin, MoMPreTrainedMode
     """MoM language model. ``generate()`` runs on the recurrent cache (greedy, sampling, beam search)."""
 
     base_model_class = MoMModel
+
+    @classmethod
+    def decode_graph_obstacle(cls, config: MoMConfig) -> str:
+        # Attention layers grow their key/value cache and Memory Caching its snapshots every step.
+        if config.attention_layers:
+            return "its attention layers grow their key/value cache with every token"
+        if config.segment_size is not None:
+            return "Memory Caching grows the cache by one snapshot per segment"
+        return ""

@@ -1,0 +1,133 @@
+"""Decoding through a CUDA graph: ``generate(..., cuda_graph=True)``.
+
+A decode step of a small recurrent model is bound by kernel launches (a 4-layer
+MoM launches hundreds of small kernels per token), so the step is captured once
+as a CUDA graph and replayed for every new token. What makes that possible:
+
+- the state is fixed in size: the prefill's cache tensors become the graph's
+  static buffers, and the captured step copies each new state back into them
+  (the cache's tensors keep their addresses for the whole generation);
+- the step reads nothing back to the host: the step runs without an attention
+  mask, which inside ``generate()`` is exact, because every generated token is
+  real (left padding only ever precedes the prompt; the cache already holds
+  what each row's padding did, which is nothing).
+
+Only models that declare such a step take this path (``decode_graph_obstacle``
+on the model class: MoM without attention layers or Memory Caching, Gated
+DeltaNet); for the others ``generate(cuda_graph=True)`` raises and names why.
+On a device other than CUDA the same static step runs eagerly
+(``DecodeGraph(..., capture=False)``), which is how the CPU tests check it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import MnemoCache
+
+__all__ = ["DecodeGraph", "check_decode_graph_support"]
+
+
+def check_decode_graph_support(model) -> None:
+    """Raise a ``ValueError`` naming why ``model`` cannot decode through a CUDA graph, if it cannot."""
+    obstacle = getattr(model, "decode_graph_obstacle", None)
+    reason = obstacle(model.config) if callable(obstacle) else f"{type(model).__name__} has no graphed decode step"
+    if reason:
+        raise ValueError(f"cuda_graph=True is not available for this model: {reason}")
+
+
+def _layout(cache: MnemoCache) -> list[dict[str, tuple]]:
+    return [{name: (tuple(t.shape), t.dtype, t.device) for name, t in layer.states.items()} for layer in cache]
+
+
+class DecodeGraph:
+    """One-token decode step of ``model`` on ``cache``, captured once and replayed.
+
+    Built after the prefill, for the cache's batch size. ``__call__(input_ids)``
+    advances the cache by one token per row and returns the step's logits
+    ``(B, 1, V)``, as ``model(input_ids, past_key_values=cache).logits`` would.
+    """
+
+    def __init__(self, model, cache: MnemoCache, *, capture: bool | None = None) -> None:
+        check_decode_graph_support(model)
+        if cache.get_seq_length() == 0:
+            raise ValueError("a decode graph is built on a cache that holds a prefill")
+        self.model, self.cache = model, cache
+        self.buffers = [dict(layer.states) for layer in cache]
+        self.layout = _layout(cache)
+        batch = cache.layers[0].batch_size
+        device = next(iter(self.buffers[0].values())).device
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.input_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.logits: torch.Tensor | None = None
+        if self.capture:
+            self.graph = self._capture()
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def matches(self, cache: MnemoCache) -> bool:
+        """Whether ``cache`` is still the one this graph reads and writes, with the same layout."""
+        return cache is self.cache and all(
+            layer.states.get(n) is t for layer, bufs in zip(cache, self.buffers) for n, t in bufs.items()
+        ) and _layout(cache) == self.layout
+
+    def _step(self) -> torch.Tensor:
+        """The captured work: a cached forward of ``input_ids``, new states copied into the buffers."""
+        requested, self.cache.decode_graphs = self.cache.decode_graphs, False  # the eager step, not a replay
+        try:
+            logits = self.model(self.input_ids, past_key_values=self.cache, use_cache=True).logits
+        finally:
+            self.cache.decode_graphs = requested
+        for layer, bufs in zip(self.cache, self.buffers):
+            if set(layer.states) != set(bufs) or any(
+                layer.states[n].shape != t.shape or layer.states[n].dtype != t.dtype for n, t in bufs.items()
+            ):
+                raise ValueError("cuda_graph=True needs a decode state of fixed size, but a decode step changed "
+                                 f"the layout of the cache's entries {sorted(bufs)} -> {sorted(layer.states)}")
+            for name, buffer in bufs.items():
+                if layer.states[name] is not buffer:
+                    buffer.copy_(layer.states[name])
+            layer.states = dict(bufs)
+            layer.seen_tokens -= 1  # counted on the host by __call__, not by the graph
+        return logits
+
+    def _capture(self) -> torch.cuda.CUDAGraph:
+        # Warm up on a side stream (library handles, Triton autotuning, lazy allocations), then restore the
+        # state: warming up must not advance the cache.
+        saved = [{n: t.clone() for n, t in bufs.items()} for bufs in self.buffers]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.logits = self._step()
+        except RuntimeError as err:
+            raise RuntimeError(
+                "capturing the decode step as a CUDA graph failed (a step that reads a value back to the host "
+                f"cannot be captured): {err}"
+            ) from err
+        for bufs, values in zip(self.buffers, saved):
+            for name, buffer in bufs.items():
+                buffer.copy_(values[name])
+        return graph
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if tuple(input_ids.shape) != tuple(self.input_ids.shape):
+            raise ValueError(f"the decode graph takes input_ids of shape {tuple(self.input_ids.shape)}, "
+                             f"got {tuple(input_ids.shape)}")
+        self.input_ids.copy_(input_ids)
+        if self.capture:
+            self.graph.replay()
+            logits = self.logits.clone()  # the next replay overwrites the graph's output
+        else:
+            logits = self._step()
+        for layer in self.cache:
+            layer.seen_tokens += 1
+        return logits

@@ -1,0 +1,110 @@
+"""``generate(cuda_graph=True)``: the fixed-buffer decode step (captured as a CUDA graph on GPUs; run
+eagerly here) gives exactly what eager decoding gives, keeps the cache's tensors in place, and
+models whose state grows are refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mnemo import MnemoCache
+from mnemo.modeling.cuda_graph import DecodeGraph
+
+from conftest import tiny_atlas, tiny_deep_transformer, tiny_mc_titans, tiny_mom
+
+MOM_GRAPHABLE = {
+    "default": {},
+    "deltanet-no-shared": {"memory_update": "deltanet", "shared_memory": False},
+    "gated-deltanet": {"num_memories": 1, "topk": 1, "shared_memory": False},
+}
+
+
+def left_padded(lengths, width, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 97, (len(lengths), width), generator=gen)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, width - n:] = 1
+        ids[i, :width - n] = 0
+    return ids, mask
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """How many decode steps went through a DecodeGraph."""
+    import mnemo.modeling.generation as generation
+
+    calls = []
+
+    class Counted(DecodeGraph):
+        def __call__(self, input_ids):
+            calls.append(input_ids.shape)
+            return super().__call__(input_ids)
+
+    monkeypatch.setattr(generation, "DecodeGraph", Counted)
+    return calls
+
+
+@pytest.mark.parametrize("variant", sorted(MOM_GRAPHABLE))
+def test_graphed_generation_equals_eager_generation(variant, replays):
+    model = tiny_mom(seed=1, **MOM_GRAPHABLE[variant])
+    ids, mask = left_padded([7, 3, 5], 7)
+    eager = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    graphed = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                             cuda_graph=True)
+    assert torch.equal(graphed, eager)
+    assert len(replays) == 11  # every new token but the prefill's
+    torch.manual_seed(3)
+    sampled = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, top_k=20, pad_token_id=0)
+    torch.manual_seed(3)
+    sampled_graphed = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, top_k=20,
+                                     pad_token_id=0, cuda_graph=True)
+    assert torch.equal(sampled_graphed, sampled)
+
+
+def test_decode_graph_steps_in_place_and_match_the_eager_step():
+    model = tiny_mom(seed=2)
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        eager_cache, graph_cache = MnemoCache(2), MnemoCache(2)
+        model(ids[:, :5], past_key_values=eager_cache, use_cache=True)
+        model(ids[:, :5], past_key_values=graph_cache, use_cache=True)
+        step = DecodeGraph(model, graph_cache, capture=False)
+        addresses = [{n: t.data_ptr() for n, t in layer.states.items()} for layer in graph_cache]
+        for t in range(5, 9):
+            expected = model(ids[:, t:t + 1], past_key_values=eager_cache, use_cache=True).logits
+            torch.testing.assert_close(step(ids[:, t:t + 1]), expected, rtol=0, atol=0)
+            assert graph_cache.get_seq_length() == eager_cache.get_seq_length() == t + 1
+            assert step.matches(graph_cache)
+        assert [{n: t.data_ptr() for n, t in layer.states.items()} for layer in graph_cache] == addresses
+        for eager_layer, graph_layer in zip(eager_cache, graph_cache):
+            for name, tensor in eager_layer.states.items():
+                torch.testing.assert_close(graph_layer[name], tensor, rtol=0, atol=0, msg=name)
+        with pytest.raises(ValueError, match="shape"):
+            step(ids[:, :2])
+
+
+@pytest.mark.parametrize("build, overrides, reason", [
+    (tiny_mom, {"num_hidden_layers": 3, "attention_layers": [1], "num_attention_heads": 4}, "attention layers"),
+    (tiny_mom, {"segment_size": 4, "aggregation": "grm"}, "Memory Caching"),
+    (tiny_mc_titans, {}, "MCTitansForCausalLM"),
+    (tiny_atlas, {}, "AtlasForCausalLM"),
+    (tiny_deep_transformer, {}, "DeepTransformerForCausalLM"),
+], ids=["mom-hybrid", "mom-mc", "mc-titans", "atlas", "deep-transformer"])
+def test_graphed_generation_refuses_a_growing_state(build, overrides, reason):
+    model = build(**overrides)
+    with pytest.raises(ValueError, match=reason):
+        model.generate(torch.randint(1, 97, (1, 4)), max_new_tokens=2, cuda_graph=True)
+
+
+def test_graphed_generation_refuses_beam_search_and_frees_the_graph():
+    model = tiny_mom()
+    ids = torch.randint(1, 97, (1, 4))
+    with pytest.raises(ValueError, match="beam search"):
+        model.generate(ids, max_new_tokens=2, num_beams=2, cuda_graph=True)
+    cache = MnemoCache(model.config.num_hidden_layers)
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, past_key_values=cache, cuda_graph=True)
+    assert out.shape == (1, 7) and cache.decode_graph is None and not cache.decode_graphs
+    # the cache continues eagerly, as if it had been decoded eagerly all along
+    eager = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert torch.equal(out, eager)
