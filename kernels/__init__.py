@@ -6,7 +6,7 @@ top-level folder named ``kernels`` when the repository root is on ``sys.path``).
 """
 
 from .backend import BACKENDS, requested_backend, resolve_backend, triton_available, use_backend
-from .gated_delta import chunk_gated_delta, reference_gated_delta, step_gated_delta
+from .gated_delta import chunk_gated_delta, reference_gated_delta, step_gated_delta, step_gated_delta_
 from .norms import l2_normalize
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "requested_backend",
     "resolve_backend",
     "step_gated_delta",
+    "step_gated_delta_",
     "triton_available",
     "use_backend",
 ]

@@ -29,7 +29,7 @@ import torch
 from .backend import resolve_backend
 from .norms import L2_EPS, l2_normalize
 
-__all__ = ["reference_gated_delta", "chunk_gated_delta", "step_gated_delta"]
+__all__ = ["reference_gated_delta", "chunk_gated_delta", "step_gated_delta", "step_gated_delta_"]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -144,6 +144,39 @@ def step_gated_delta(
     S = S + k.unsqueeze(-1) * (beta.unsqueeze(-1) * residual).unsqueeze(-2)
     o = torch.einsum("nhkv,nhk->nhv", S, q)
     return o.to(out_dtype), S
+
+
+def step_gated_delta_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """:func:`step_gated_delta` on ``states[slots]``, written back in place.
+
+    ``states`` ``(P, H, d_k, d_v)`` holds every state (MoM: every row's every memory) and ``slots``
+    ``(N,)`` picks, without repeats, the one each of the ``N`` sequences steps; the others are left
+    as they are. Returns ``o`` ``(N, H, d_v)``. Saves gathering the stepped states and scattering
+    them back into a copy, which dominate a routed decode step at larger batches.
+    """
+    out_dtype = v.dtype
+    if (states.dtype == torch.float32 and states.is_contiguous()
+            and resolve_backend(q, has_triton_impl=_triton_covers(q, v, 16)) == "triton"):
+        from .gated_delta_triton import step
+
+        K = q.shape[-1]
+        o, _ = step(q, k, v, g, beta, states, K**-0.5 if scale is None else scale, use_qk_l2norm, L2_EPS,
+                    slots=slots)
+        return o.to(out_dtype)
+    o, new = step_gated_delta(q, k, v, g, beta, states[slots], scale=scale, use_qk_l2norm=use_qk_l2norm)
+    states.index_copy_(0, slots, new.to(states.dtype))
+    return o
 
 
 # --------------------------------------------------------------------------- chunked

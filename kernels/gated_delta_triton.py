@@ -21,7 +21,8 @@ kernel too (:func:`intra_chunk_terms_packed`), read straight from the packed
 tokens; with gradients they stay PyTorch, whose autograd gives their backward.
 
 :func:`step` fuses one decoding step (L2 norm, decay, delta write, read) for all
-sequences and heads in one launch.
+sequences and heads in one launch; given slot indices it steps those states of a
+larger state tensor in place (MoM's routed memories, no gather or scatter).
 
 Triton 3.6 on Hopper miscompiles ``tl.dot`` of a transposed ``tl.dot`` result
 (see the project's Triton notes): every transposed operand here is loaded
@@ -485,11 +486,14 @@ if triton is not None:
 
     @triton.jit
     def _step_kernel(
-        Q, K_, V_, G, BETA, S, O, S_OUT,
-        K, V, scale, eps,
-        BK: tl.constexpr, BV: tl.constexpr, HAS_G: tl.constexpr, L2NORM: tl.constexpr,
+        Q, K_, V_, G, BETA, S, O, S_OUT, SLOTS,
+        H, K, V, scale, eps,
+        BK: tl.constexpr, BV: tl.constexpr, HAS_G: tl.constexpr, L2NORM: tl.constexpr, HAS_SLOTS: tl.constexpr,
     ):
         i_nh = tl.program_id(0).to(tl.int64)
+        i_sh = i_nh  # this program's (state, head) in S and S_OUT
+        if HAS_SLOTS:
+            i_sh = tl.load(SLOTS + i_nh // H).to(tl.int64) * H + i_nh % H
         i_v = tl.program_id(1)
         kk = tl.arange(0, BK)
         vv = i_v * BV + tl.arange(0, BV)
@@ -503,7 +507,7 @@ if triton is not None:
         q = q * scale
         v = tl.load(V_ + i_nh * V + vv, mask=mv, other=0.0).to(tl.float32)
         beta = tl.load(BETA + i_nh).to(tl.float32)
-        kv_off = i_nh * K * V + kk[:, None] * V + vv[None, :]
+        kv_off = i_sh * K * V + kk[:, None] * V + vv[None, :]
         kv_mask = mk[:, None] & mv[None, :]
         s = tl.load(S + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         if HAS_G:
@@ -679,18 +683,29 @@ def intra_chunk_terms_packed(q, k, v, g, beta, chunk_start, chunk_len, chunk_siz
     return _intra_forward(*args, save_t=False)[0]
 
 
-def step(q, k, v, g, beta, state, scale: float, use_qk_l2norm: bool, eps: float):
-    """One fused decoding step; shapes as ``gated_delta.step_gated_delta``. Float32 state and output."""
+def step(q, k, v, g, beta, state, scale: float, use_qk_l2norm: bool, eps: float, slots=None):
+    """One fused decoding step; shapes as ``gated_delta.step_gated_delta``. Float32 state and output.
+
+    With ``slots`` (``(N,)`` distinct indices into a contiguous float32 ``state`` of any length), sequence
+    ``n`` steps ``state[slots[n]]`` in place (each program reads and writes only its own tile) and
+    ``state`` itself is returned as the new state.
+    """
     N, H, K = q.shape
     V = v.shape[-1]
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     g = None if g is None else g.contiguous()
-    state = state.contiguous()
     o = torch.empty(N, H, V, dtype=torch.float32, device=v.device)
-    new_state = torch.empty(N, H, K, V, dtype=torch.float32, device=v.device)
+    if slots is None:
+        state = state.contiguous()
+        new_state = torch.empty(N, H, K, V, dtype=torch.float32, device=v.device)
+    else:
+        if state.dtype != torch.float32 or not state.is_contiguous():
+            raise ValueError("an in-place step needs a contiguous float32 state")
+        slots, new_state = slots.contiguous(), state
     BV = min(64, _block(V))
     _step_kernel[(N * H, triton.cdiv(V, BV))](
-        q, k, v, g if g is not None else beta, beta, state, o, new_state,
-        K, V, scale, eps, BK=_block(K), BV=BV, HAS_G=g is not None, L2NORM=use_qk_l2norm, num_warps=4,
+        q, k, v, g if g is not None else beta, beta, state, o, new_state, slots if slots is not None else beta,
+        H, K, V, scale, eps, BK=_block(K), BV=BV, HAS_G=g is not None, L2NORM=use_qk_l2norm,
+        HAS_SLOTS=slots is not None, num_warps=4,
     )
     return o, new_state

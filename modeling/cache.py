@@ -30,6 +30,9 @@ class LayerCache:
     def __init__(self) -> None:
         self.states: dict[str, torch.Tensor] = {}
         self.seen_tokens = 0
+        # Layers may update the tensors in place instead of replacing them: only for a cache whose
+        # tensors nothing else holds (a CUDA-graph decode's buffers), never by default.
+        self.in_place = False
 
     def __contains__(self, name: str) -> bool:
         return name in self.states

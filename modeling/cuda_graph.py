@@ -5,8 +5,10 @@ MoM launches hundreds of small kernels per token), so the step is captured once
 as a CUDA graph and replayed for every new token. What makes that possible:
 
 - the state is fixed in size: the prefill's cache tensors become the graph's
-  static buffers, and the captured step copies each new state back into them
-  (the cache's tensors keep their addresses for the whole generation);
+  static buffers; layers that can update them in place do (``LayerCache.in_place``,
+  MoM's routed states and conv windows), and the captured step copies any other
+  new state back into them (the cache's tensors keep their addresses for the
+  whole generation);
 - the step reads nothing back to the host: the step runs without an attention
   mask, which inside ``generate()`` is exact, because every generated token is
   real (left padding only ever precedes the prompt; the cache already holds
@@ -76,10 +78,14 @@ class DecodeGraph:
     def _step(self) -> torch.Tensor:
         """The captured work: a cached forward of ``input_ids``, new states copied into the buffers."""
         requested, self.cache.decode_graphs = self.cache.decode_graphs, False  # the eager step, not a replay
+        for layer in self.cache:
+            layer.in_place = True  # the buffers are this graph's own: layers may write them where they lie
         try:
             logits = self.model(self.input_ids, past_key_values=self.cache, use_cache=True).logits
         finally:
             self.cache.decode_graphs = requested
+            for layer in self.cache:
+                layer.in_place = False
         for layer, bufs in zip(self.cache, self.buffers):
             if set(layer.states) != set(bufs) or any(
                 layer.states[n].shape != t.shape or layer.states[n].dtype != t.dtype for n, t in bufs.items()

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from ..configuration.configuration_mom import MoMConfig
 from ..kernels.cached_linear import CachedStates, chunk_mc_gated_delta, step_mc_gated_delta
-from ..kernels.gated_delta import chunk_gated_delta, step_gated_delta
+from ..kernels.gated_delta import chunk_gated_delta, step_gated_delta, step_gated_delta_
 from .cache import LayerCache
 from .normalization import GatedRMSNorm
 from .routing import balance_loss, route, top_memories
@@ -177,21 +177,18 @@ class MoMMemoryLayer(nn.Module):
             memory = torch.cat([memory, memory.new_full((B, 1), self.num_memories)], dim=-1)
             weight = torch.cat([weight, weight.new_ones(B, 1)], dim=-1)
         rows = torch.arange(B, device=x.device)[:, None]
-
-        def routed(outputs: list[torch.Tensor]) -> torch.Tensor:  # (M, B, C) -> (B, slots, C)
-            return torch.stack(outputs, dim=1)[rows, memory]
-
-        projections = [self._memory(m) for m in range(self.num_states)]
-        k = routed([p[0](x) for p in projections])
-        v = routed([p[1](x) for p in projections])
-        beta = routed([p[2](x) for p in projections]).float().sigmoid() * valid[:, None, None]
+        k, v, b, a = self._routed_projections(x, rows, memory)
+        beta = b.float().sigmoid() * valid[:, None, None]
         q = self.q_proj(x)[:, None].expand_as(k)
         windows = {}
+        # A cache stepped in place (a CUDA-graph decode owns its tensors) is written where it lies.
+        in_place = cache.in_place
         for name, conv, inp in (("conv_q", self.q_conv1d, q), ("conv_k", self.k_conv1d, k), ("conv_v", self.v_conv1d, v)):
             old = cache[name][rows, memory]
             out, new = conv.step(inp, old)
-            windows[name] = cache[name].index_put((rows.expand_as(memory), memory),
-                                                  torch.where(valid[:, None, None, None], new.to(old.dtype), old))
+            put = cache[name].index_put_ if in_place else cache[name].index_put
+            windows[name] = put((rows.expand_as(memory), memory),
+                                torch.where(valid[:, None, None, None], new.to(old.dtype), old))
             if name == "conv_q":
                 q = out
             elif name == "conv_k":
@@ -200,8 +197,7 @@ class MoMMemoryLayer(nn.Module):
                 v = out
         g = None
         if self.gated:
-            a = routed([p[3](x) for p in projections]).float()
-            g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float()) * valid[:, None, None]
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()) * valid[:, None, None]
 
         S = memory.shape[1]
         state = cache["recurrent"]
@@ -211,6 +207,11 @@ class MoMMemoryLayer(nn.Module):
         if self.gated_aggregation:
             o, entries = self._gated_decode(x, inputs, memory, valid, cache)
             cache.update(**entries, **windows)
+        elif in_place and state.is_contiguous():
+            # every routed (row, memory) state stepped where it lies: no gather, no scattered copy
+            slots = (rows * state.shape[1] + memory).reshape(B * S)
+            o = step_gated_delta_(*inputs, state.view((-1,) + state.shape[2:]), slots)
+            cache.update(**windows)
         else:
             o, new = step_gated_delta(*inputs, state[rows, memory].reshape((B * S,) + state.shape[2:]))
             cache.update(recurrent=state.index_put((rows.expand_as(memory), memory), new.view((B, S) + state.shape[2:]).to(state.dtype)),
@@ -219,6 +220,27 @@ class MoMMemoryLayer(nn.Module):
         gate = self.g_proj(hidden_states).view(B, 1, H, self.head_v_dim)
         out = self.o_norm(mixed.view(B, 1, H, self.head_v_dim).to(hidden_states.dtype), gate)
         return self.o_proj(out.reshape(B, 1, self.value_dim)), aux_loss
+
+    def _routed_projections(self, x: torch.Tensor, rows: torch.Tensor, memory: torch.Tensor):
+        """``k, v, beta, decay`` logits ``(B, slots, C)`` of every row's routed memories (decay ``None``
+        when ungated), from every memory's projections of ``x (B, d)``.
+
+        Plain linear projections run as one matmul over their concatenated weights: at one token per
+        row, 4 x (memories + 1) tiny matmuls cost more in launches than copying the weights together
+        (a 4-layer decode step at hidden 1024 launched 80 of them). Projections that carry adapters
+        (PEFT) run one by one, so the adapters stay in the computation.
+        """
+        modules = [[p for p in self._memory(m) if p is not None] for m in range(self.num_states)]
+        flat = [p for per_memory in modules for p in per_memory]
+        sizes = [p.out_features for p in modules[0]]
+        if all(type(p) is nn.Linear and p.bias is None for p in flat):
+            fused = F.linear(x, torch.cat([p.weight for p in flat]))
+            picked = fused.view(x.shape[0], self.num_states, sum(sizes))[rows, memory]  # (B, slots, sum)
+        else:
+            picked = torch.stack([torch.cat([p(x) for p in per_memory], -1) for per_memory in modules],
+                                 dim=1)[rows, memory]
+        parts = list(picked.split(sizes, dim=-1))
+        return (*parts, None) if len(parts) == 3 else tuple(parts)
 
     def _gated_decode(self, x: torch.Tensor, inputs: tuple, memory: torch.Tensor, valid: torch.Tensor,
                       cache: LayerCache) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

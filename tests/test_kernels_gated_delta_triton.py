@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import tiny_mom
-from mnemo.kernels import chunk_gated_delta, reference_gated_delta, step_gated_delta, use_backend
+from mnemo.kernels import chunk_gated_delta, reference_gated_delta, step_gated_delta, step_gated_delta_, use_backend
 
 pytest.importorskip("triton")
 
@@ -185,3 +185,21 @@ def test_lora_reaches_the_output_and_trains_on_the_triton_path():
     # lora_B starts at zero, so only lora_B receives a gradient on the first step; it must be nonzero
     # for the memories' key projections, whose inputs reach the state only through the kernel.
     assert any(g.abs().sum() > 0 for n, g in grads.items() if "k_proj" in n and "lora_B" in n)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_in_place_routed_step_equals_the_step_on_gathered_states(backend):
+    """``step_gated_delta_`` steps ``states[slots]`` where they lie and leaves every other state as it was."""
+    q, k, v, g, beta = (x[:, 0].float() for x in make_inputs(3, 1, 2, 8, 20, seed=5))
+    states = torch.randn(7, 2, 8, 20, generator=torch.Generator().manual_seed(1))
+    slots = torch.tensor([5, 0, 3])
+    o_ref, s_ref = step_gated_delta(q, k, v, g, beta, states[slots].clone(), scale=0.3)
+    expected = states.clone()
+    expected[slots] = s_ref
+    moved = [x.to(DEVICE) for x in (q, k, v, g, beta, states, slots)]
+    pointer = moved[5].data_ptr()
+    with use_backend(backend):
+        o = step_gated_delta_(*moved[:6], moved[6], scale=0.3)
+    assert moved[5].data_ptr() == pointer
+    torch.testing.assert_close(o.cpu(), o_ref, rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(moved[5].cpu(), expected, rtol=1e-6, atol=2e-6)
