@@ -15,8 +15,9 @@ as a CUDA graph and replayed for every new token. What makes that possible:
   what each row's padding did, which is nothing).
 
 Only models that declare such a step take this path (``decode_graph_obstacle``
-on the model class: MoM without attention layers or Memory Caching, Gated
-DeltaNet); for the others ``generate(cuda_graph=True)`` raises and names why.
+on the model class returns no reason: MoM, Gated DeltaNet, plain Titans and
+Atlas, without attention layers or Memory Caching); for the others
+``generate(cuda_graph=True)`` raises and names why.
 On a device other than CUDA the same static step runs eagerly
 (``DecodeGraph(..., capture=False)``), which is how the CPU tests check it.
 """

@@ -119,3 +119,11 @@ class AtlasForCausalLM(MnemoCausalLMMixin, MnemoGenerationMixin, AtlasPreTrained
     """Atlas / Atlas++ / OmegaNet / DLA / SWLA language model; ``generate()`` on the memory cache."""
 
     base_model_class = AtlasModel
+
+    @classmethod
+    def decode_graph_obstacle(cls, config: AtlasConfig) -> str:
+        if config.hybrid is not None:
+            return f"its {config.hybrid!r} hybrid's sliding-window attention keeps a key/value cache that grows"
+        if config.segment_size is not None:
+            return "Memory Caching grows the cache by one memory per segment"
+        return ""

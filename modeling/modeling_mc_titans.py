@@ -68,3 +68,9 @@ class MCTitansForCausalLM(MnemoCausalLMMixin, MnemoGenerationMixin, MCTitansPreT
     """MC-Titans language model; ``generate()`` runs on the memory-and-snapshot cache."""
 
     base_model_class = MCTitansModel
+
+    @classmethod
+    def decode_graph_obstacle(cls, config: MCTitansConfig) -> str:
+        if config.segment_size is not None or config.segmentation == "logarithmic":
+            return "Memory Caching grows the cache by one memory per segment (segment_size=None is plain Titans)"
+        return ""

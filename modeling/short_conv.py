@@ -97,6 +97,8 @@ def convolve_qkv(layer: nn.Module, x: torch.Tensor, valid: torch.Tensor, cache, 
     and storing the next ones; padded positions come back as zeros.
     """
     B, T, _ = x.shape
+    if T == 1 and cache is not None and all(f"conv_{name}" in cache for name in "qkv"):
+        return _step_qkv(layer, x, valid[:, 0], cache, heads, head_dim)
     lengths = valid.sum(1)
     windows = ConvWindows.build(F.pad(lengths.cumsum(0), (1, 0)), layer.q_conv1d.kernel_size[0])
     outs = []
@@ -109,4 +111,20 @@ def convolve_qkv(layer: nn.Module, x: torch.Tensor, valid: torch.Tensor, cache, 
         full = y.new_zeros(B, T, y.shape[-1])
         full[valid] = y
         outs.append(full.view(B, T, heads, head_dim))
+    return outs
+
+
+def _step_qkv(layer: nn.Module, x: torch.Tensor, live: torch.Tensor, cache, heads: int, head_dim: int):
+    """:func:`convolve_qkv` of one token per row continuing cached windows, without the packed
+    layout's device-to-host reads (a decode step must not stall, and a CUDA graph cannot hold them).
+    A padded token (``live`` 0) leaves its row's window as it was and comes back as zeros."""
+    B = x.shape[0]
+    on = live[:, None]
+    outs = []
+    for name in ("q", "k", "v"):
+        proj, conv = getattr(layer, f"{name}_proj"), getattr(layer, f"{name}_conv1d")
+        window = cache[f"conv_{name}"]
+        y, nxt = conv.step(proj(x[:, 0]), window)
+        cache.update(**{f"conv_{name}": torch.where(on[..., None], nxt.to(window.dtype), window)})
+        outs.append((y * on).view(B, 1, heads, head_dim))
     return outs

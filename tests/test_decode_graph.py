@@ -1,6 +1,7 @@
 """``generate(cuda_graph=True)``: the fixed-buffer decode step (captured as a CUDA graph on GPUs; run
 eagerly here) gives exactly what eager decoding gives, keeps the cache's tensors in place, and
-models whose state grows are refused with the reason."""
+models whose state grows are refused with the reason. MoM, Gated DeltaNet, plain Titans and Atlas
+(without Memory Caching or attention) decode this way."""
 
 from __future__ import annotations
 
@@ -45,9 +46,18 @@ def replays(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("variant", sorted(MOM_GRAPHABLE))
+GRAPHABLE = {
+    **{f"mom-{name}": (tiny_mom, overrides) for name, overrides in MOM_GRAPHABLE.items()},
+    "titans": (tiny_mc_titans, {"segment_size": None}),
+    "titans-conv": (tiny_mc_titans, {"segment_size": None, "conv_size": 3}),
+    **{f"atlas-{preset}": (tiny_atlas, {"preset": preset}) for preset in ("atlas", "omeganet", "dla", "swla")},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(GRAPHABLE))
 def test_graphed_generation_equals_eager_generation(variant, replays):
-    model = tiny_mom(seed=1, **MOM_GRAPHABLE[variant])
+    build, overrides = GRAPHABLE[variant]
+    model = build(seed=1, **overrides)
     ids, mask = left_padded([7, 3, 5], 7)
     eager = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     graphed = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
@@ -87,10 +97,12 @@ def test_decode_graph_steps_in_place_and_match_the_eager_step():
 @pytest.mark.parametrize("build, overrides, reason", [
     (tiny_mom, {"num_hidden_layers": 3, "attention_layers": [1], "num_attention_heads": 4}, "attention layers"),
     (tiny_mom, {"segment_size": 4, "aggregation": "grm"}, "Memory Caching"),
-    (tiny_mc_titans, {}, "MCTitansForCausalLM"),
-    (tiny_atlas, {}, "AtlasForCausalLM"),
+    (tiny_mc_titans, {}, "Memory Caching"),
+    (tiny_mc_titans, {"segmentation": "logarithmic"}, "Memory Caching"),
+    (tiny_atlas, {"segment_size": 4}, "Memory Caching"),
+    (tiny_atlas, {"hybrid": "mag"}, "sliding-window attention"),
     (tiny_deep_transformer, {}, "DeepTransformerForCausalLM"),
-], ids=["mom-hybrid", "mom-mc", "mc-titans", "atlas", "deep-transformer"])
+], ids=["mom-hybrid", "mom-mc", "mc-titans", "mc-titans-log", "atlas-mc", "atlas-mag", "deep-transformer"])
 def test_graphed_generation_refuses_a_growing_state(build, overrides, reason):
     model = build(**overrides)
     with pytest.raises(ValueError, match=reason):
@@ -108,3 +120,28 @@ def test_graphed_generation_refuses_beam_search_and_frees_the_graph():
     # the cache continues eagerly, as if it had been decoded eagerly all along
     eager = model.generate(ids, max_new_tokens=3, do_sample=False)
     assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", sorted(GRAPHABLE))
+def test_captured_graph_on_cuda_equals_eager_decoding(variant):
+    """A real CUDA graph: replayed steps give eager's logits exactly and generate() eager's tokens."""
+    build, overrides = GRAPHABLE[variant]
+    model = build(seed=1, **overrides).cuda()
+    ids, mask = (t.cuda() for t in left_padded([7, 3, 5], 7))
+    with torch.no_grad():
+        eager = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        graphed = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                 cuda_graph=True)
+        assert torch.equal(graphed, eager)
+        caches = MnemoCache(model.config.num_hidden_layers), MnemoCache(model.config.num_hidden_layers)
+        for cache in caches:
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        step = DecodeGraph(model, caches[1])
+        assert step.capture
+        token = ids[:, -1:]
+        for _ in range(6):
+            expected = model(token, past_key_values=caches[0], use_cache=True).logits
+            torch.testing.assert_close(step(token), expected, rtol=0, atol=0)
+            token = expected[:, -1:].argmax(-1)
