@@ -22,6 +22,7 @@ from mnemo.kernels import chunk_gated_delta, use_backend
 from mnemo.modeling.mom_layer import MoMMemoryLayer
 
 from bench_layers import SdpaAttention, bench, layer_fwd_bwd_ms  # noqa: E402  (run as a script from benchmarks/)
+from decode import decode_ms, prefill  # noqa: E402
 
 D, TOKENS, DEV, DT = 1024, 16384, "cuda", torch.bfloat16
 results: dict = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}}
@@ -119,59 +120,32 @@ def decode(fla):
             try:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-                ids = torch.randint(0, 32000, (B, P), device=DEV)
-                with torch.no_grad():
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    out = model(input_ids=ids, use_cache=True)
-                    torch.cuda.synchronize()
-                    prefill = time.perf_counter() - start
-                    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-                    for _ in range(8):
-                        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-                        cache = out.past_key_values
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    for _ in range(32):
-                        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-                        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-                    torch.cuda.synchronize()
-                ms = (time.perf_counter() - start) / 32 * 1e3
-                row = dict(what="decode", model=name, B=B, prompt=P, ms_per_token=round(ms, 2),
-                           prefill_s=round(prefill, 2), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+                cache, token, seconds = prefill(model, B, P)
+                row = dict(what="decode", model=name, B=B, prompt=P,
+                           ms_per_token=round(decode_ms(model, cache, token, graph=False), 2),
+                           prefill_s=round(seconds, 2), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
                 if name.startswith("mnemo"):
-                    # The same steps replayed as a CUDA graph (generate(cuda_graph=True)); the first captures.
-                    cache.decode_graphs = True
-                    with torch.no_grad():
-                        for _ in range(8):
-                            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-                        torch.cuda.synchronize()
-                        start = time.perf_counter()
-                        for _ in range(32):
-                            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-                            nxt = out.logits[:, -1:].argmax(-1)
-                        torch.cuda.synchronize()
-                    row["graph_ms_per_token"] = round((time.perf_counter() - start) / 32 * 1e3, 3)
-                    cache.decode_graphs, cache.decode_graph = False, None
-                if name.startswith("mnemo") and P == 1024:
-                    with torch.no_grad():
-                        model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-                        torch.cuda.synchronize()
-                        start = time.perf_counter()
-                        model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
-                        torch.cuda.synchronize()
-                    row["generate_tok_per_s"] = round(B * 64 / (time.perf_counter() - start))
-                    with torch.no_grad():
-                        model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, cuda_graph=True)
-                        torch.cuda.synchronize()
-                        start = time.perf_counter()
-                        model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False, cuda_graph=True)
-                        torch.cuda.synchronize()
-                    row["graph_generate_tok_per_s"] = round(B * 64 / (time.perf_counter() - start))
+                    # the same steps replayed as a CUDA graph (generate(cuda_graph=True)'s path)
+                    row["graph_ms_per_token"] = round(decode_ms(model, cache, token, graph=True), 3)
+                    if P == 1024:
+                        ids = torch.randint(0, 32000, (B, P), device=DEV)
+                        for graph in (False, True):
+                            row["graph_generate_tok_per_s" if graph else "generate_tok_per_s"] = \
+                                generate_tok_per_s(model, ids, graph)
                 record(**row)
             except Exception as exc:
                 record(what="decode", model=name, B=B, prompt=P, err=repr(exc)[:300])
         del model
+
+
+def generate_tok_per_s(model, ids, graph: bool, new_tokens: int = 64) -> int:
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, cuda_graph=graph)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cuda_graph=graph)
+        torch.cuda.synchronize()
+    return round(ids.shape[0] * new_tokens / (time.perf_counter() - start))
 
 
 def main():

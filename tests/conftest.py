@@ -192,3 +192,26 @@ def left_pad(seqs, width: int | None = None, pad: int = 0) -> tuple[torch.Tensor
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+def assert_graphed_decoding_equals_eager(model, ids, mask, new_tokens: int = 12, steps: int = 6) -> None:
+    """``generate(cuda_graph=True)`` gives eager ``generate()``'s greedy tokens, and a :class:`DecodeGraph`
+    (captured on CUDA) replays steps whose logits equal the eager step's exactly."""
+    from mnemo import MnemoCache
+    from mnemo.modeling.cuda_graph import DecodeGraph
+
+    with torch.no_grad():
+        eager = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        graphed = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=0, cuda_graph=True)
+        assert torch.equal(graphed, eager)
+        caches = MnemoCache(model.config.num_hidden_layers), MnemoCache(model.config.num_hidden_layers)
+        for cache in caches:
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        step = DecodeGraph(model, caches[1])
+        assert step.capture == (ids.device.type == "cuda")
+        token = ids[:, -1:]
+        for _ in range(steps):
+            expected = model(token, past_key_values=caches[0], use_cache=True).logits
+            torch.testing.assert_close(step(token), expected, rtol=0, atol=0)
+            token = expected[:, -1:].argmax(-1)

@@ -11,7 +11,7 @@ import torch
 from mnemo import MnemoCache
 from mnemo.modeling.cuda_graph import DecodeGraph
 
-from conftest import tiny_atlas, tiny_deep_transformer, tiny_mc_titans, tiny_mom
+from conftest import assert_graphed_decoding_equals_eager, tiny_atlas, tiny_deep_transformer, tiny_mc_titans, tiny_mom
 
 MOM_GRAPHABLE = {
     "default": {},
@@ -128,20 +128,5 @@ def test_graphed_generation_refuses_beam_search_and_frees_the_graph():
 def test_captured_graph_on_cuda_equals_eager_decoding(variant):
     """A real CUDA graph: replayed steps give eager's logits exactly and generate() eager's tokens."""
     build, overrides = GRAPHABLE[variant]
-    model = build(seed=1, **overrides).cuda()
     ids, mask = (t.cuda() for t in left_padded([7, 3, 5], 7))
-    with torch.no_grad():
-        eager = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
-        graphed = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
-                                 cuda_graph=True)
-        assert torch.equal(graphed, eager)
-        caches = MnemoCache(model.config.num_hidden_layers), MnemoCache(model.config.num_hidden_layers)
-        for cache in caches:
-            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-        step = DecodeGraph(model, caches[1])
-        assert step.capture
-        token = ids[:, -1:]
-        for _ in range(6):
-            expected = model(token, past_key_values=caches[0], use_cache=True).logits
-            torch.testing.assert_close(step(token), expected, rtol=0, atol=0)
-            token = expected[:, -1:].argmax(-1)
+    assert_graphed_decoding_equals_eager(build(seed=1, **overrides).cuda(), ids, mask)

@@ -13,6 +13,8 @@ import torch
 from mnemo import MoMConfig, MoMForCausalLM
 from mnemo.kernels import chunk_gated_delta, step_gated_delta, use_backend
 
+from conftest import assert_graphed_decoding_equals_eager
+
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
@@ -150,24 +152,8 @@ def test_bf16_training_step_is_finite():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_graph_decoding_equals_eager_decoding(backend, dtype):
     """``generate(cuda_graph=True)`` captures the step (a real CUDA graph here) and gives eager's tokens."""
-    from mnemo import MnemoCache
-    from mnemo.modeling.cuda_graph import DecodeGraph
-
-    model = mom().to(dtype)
     ids = torch.randint(1, 512, (3, 200), device="cuda")
     mask = torch.ones_like(ids)
     mask[1, :40] = 0
-    with torch.no_grad(), use_backend(backend):
-        eager = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
-        graphed = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, cuda_graph=True)
-        assert torch.equal(graphed, eager)
-        caches = MnemoCache(2), MnemoCache(2)
-        for cache in caches:
-            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-        step = DecodeGraph(model, caches[1])
-        assert step.capture
-        nxt = ids[:, -1:]
-        for _ in range(8):
-            expected = model(nxt, past_key_values=caches[0], use_cache=True).logits
-            torch.testing.assert_close(step(nxt), expected, rtol=0, atol=0)
-            nxt = expected[:, -1:].argmax(-1)
+    with use_backend(backend):
+        assert_graphed_decoding_equals_eager(mom().to(dtype), ids, mask, new_tokens=24, steps=8)
