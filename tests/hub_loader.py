@@ -52,6 +52,11 @@ def main(job_path: str, result_path: str) -> None:
             out["generated"] = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=entry["max_new_tokens"], do_sample=False
             )
+            if entry.get("cuda_graph"):  # the exported code's fixed-buffer decode step (eager off CUDA)
+                out["generated_graph"] = model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=entry["max_new_tokens"], do_sample=False,
+                    cuda_graph=True,
+                )
         if entry.get("pipeline_prompt"):
             from transformers import pipeline
 

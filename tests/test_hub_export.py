@@ -95,7 +95,7 @@ def exported(tmp_path_factory):
         folder = export_hub_folder(model, tmp / "folders" / name, repo_id=HUB_IDS.get(name))
         ids, mask = _inputs(model.config.vocab_size)
         entry = {"name": name, "source": str(folder), "input_ids": ids.tolist(), "attention_mask": mask.tolist(),
-                 "max_new_tokens": MAX_NEW}
+                 "max_new_tokens": MAX_NEW, "cuda_graph": not model.decode_graph_obstacle(model.config)}
         entries.append(entry)
         if name in HUB_IDS:
             _install_in_offline_cache(folder, tmp / "hf", HUB_IDS[name])
@@ -104,7 +104,8 @@ def exported(tmp_path_factory):
     tokenizer = _word_tokenizer(97)
     models["with-tokenizer"] = tiny_mom(seed=3)
     folder = export_hub_folder(models["with-tokenizer"], tmp / "folders" / "with-tokenizer", tokenizer=tokenizer)
-    entries.append({**entries[0], "name": "with-tokenizer", "source": str(folder), "pipeline_prompt": "w5 w9 w17"})
+    entries.append({**entries[0], "name": "with-tokenizer", "source": str(folder), "pipeline_prompt": "w5 w9 w17",
+                    "cuda_graph": False})
 
     lora = get_peft_model(tiny_mc_titans(seed=4), LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8))
     with torch.no_grad():
@@ -115,7 +116,8 @@ def exported(tmp_path_factory):
     base = tiny_mc_titans(seed=4)  # the same weights as the adapted base, never touched by PEFT
     folder = export_hub_folder(base, tmp / "folders" / "lora-base")
     models["lora"] = lora
-    entries.append({**entries[0], "name": "lora", "source": str(folder), "adapter": str(tmp / "adapter")})
+    entries.append({**entries[0], "name": "lora", "source": str(folder), "adapter": str(tmp / "adapter"),
+                    "cuda_graph": False})
 
     results = _run_loader({"threads": torch.get_num_threads(), "models": entries}, tmp)
     return {"tmp": tmp, "models": models, "entries": {e["name"]: e for e in entries}, "results": results,
@@ -139,6 +141,8 @@ def test_exported_folder_matches_the_package_model(exported, name):
     assert torch.equal(got["logits"], logits)
     assert torch.equal(got["generated"], generated)
     assert generated.shape[1] == 11 + MAX_NEW
+    if entry["cuda_graph"]:
+        assert torch.equal(got["generated_graph"], generated)
 
 
 @pytest.mark.parametrize("name", sorted(HUB_IDS))
