@@ -100,28 +100,34 @@ class DecodeGraph:
             layer.seen_tokens -= 1  # counted on the host by __call__, not by the graph
         return logits
 
+    @torch.no_grad()
     def _capture(self) -> torch.cuda.CUDAGraph:
-        # Warm up on a side stream (library handles, Triton autotuning, lazy allocations), then restore the
-        # state: warming up must not advance the cache.
+        # Warm up on a side stream (library handles, Triton autotuning, lazy allocations), then capture. Neither
+        # may advance the cache: its tensors and token counts are put back whatever happens, so a step that
+        # cannot be captured leaves the cache as the prefill left it.
         saved = [{n: t.clone() for n, t in bufs.items()} for bufs in self.buffers]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
+        seen = [layer.seen_tokens for layer in self.cache]
         try:
-            with torch.cuda.graph(graph):
-                self.logits = self._step()
-        except RuntimeError as err:
-            raise RuntimeError(
-                "capturing the decode step as a CUDA graph failed (a step that reads a value back to the host "
-                f"cannot be captured): {err}"
-            ) from err
-        for bufs, values in zip(self.buffers, saved):
-            for name, buffer in bufs.items():
-                buffer.copy_(values[name])
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    self.logits = self._step()
+            except RuntimeError as err:
+                raise RuntimeError(
+                    "capturing the decode step as a CUDA graph failed (a step that reads a value back to the host "
+                    f"cannot be captured): {err}"
+                ) from err
+        finally:
+            for layer, bufs, values, count in zip(self.cache, self.buffers, saved, seen):
+                for name, buffer in bufs.items():
+                    buffer.copy_(values[name])
+                layer.states, layer.seen_tokens = dict(bufs), count
         return graph
 
     @torch.no_grad()

@@ -130,3 +130,35 @@ def test_captured_graph_on_cuda_equals_eager_decoding(variant):
     build, overrides = GRAPHABLE[variant]
     ids, mask = (t.cuda() for t in left_padded([7, 3, 5], 7))
     assert_graphed_decoding_equals_eager(build(seed=1, **overrides).cuda(), ids, mask)
+
+
+def test_a_step_that_cannot_be_captured_leaves_the_cache_as_the_prefill_left_it(monkeypatch):
+    """The capture's warm-up steps run for real; when the capture then fails, the cache's tensors, their
+    values and its token count are those of the prefill, and the error says what went wrong."""
+    import contextlib
+
+    class FakeStream:
+        def wait_stream(self, other):
+            pass
+
+    def failing_capture(graph):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", failing_capture)
+    model = tiny_mom(seed=2)
+    cache = MnemoCache(2)
+    with torch.no_grad():
+        model(torch.randint(1, 97, (2, 5)), past_key_values=cache, use_cache=True)
+    tensors = [dict(layer.states) for layer in cache]
+    values = [{n: t.clone() for n, t in layer.states.items()} for layer in cache]
+    with pytest.raises(RuntimeError, match="capturing the decode step as a CUDA graph failed"):
+        DecodeGraph(model, cache, capture=True)
+    assert cache.get_seq_length() == 5
+    for layer, before, copies in zip(cache, tensors, values):
+        assert layer.states.keys() == before.keys() and all(layer.states[n] is t for n, t in before.items())
+        for name, tensor in copies.items():
+            assert torch.equal(layer.states[name], tensor), name
