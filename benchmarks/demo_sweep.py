@@ -57,6 +57,17 @@ GRIDS: dict[str, dict[str, dict]] = {
         "d32-n16-400": _pairs(16, steps=400, eval_every=50, hidden_size=32),
     },
 }
+# MoM alone: routed top-1 plus the shared memory (two memories over each token, like the variants that learned
+# on the default settings) on the quick and the default settings, two seeds.
+_DEFAULT = dict(seq_len=64, num_pairs=12, steps=500, eval_every=50, final_lr_ratio=0.1)
+_TOP1 = dict(families=("MoM",), model_overrides={"MoM": {"topk": 1}})
+GRIDS["mom"] = {
+    "mom-top1-quick": dict(_TOP1),
+    "mom-top1-quick-s1": dict(_TOP1, seed=1),
+    "mom-top1-default": dict(_TOP1, **_DEFAULT),
+    "mom-top1-default-s1": dict(_TOP1, **_DEFAULT, seed=1),
+    "mom-default-s1": dict(families=("MoM",), **_DEFAULT, seed=1),
+}
 CANDIDATES: dict[str, dict] = {name: c for grid in GRIDS.values() for name, c in grid.items()}
 
 
