@@ -67,6 +67,9 @@ GRIDS["mom"] = {
     "mom-top1-default": dict(_TOP1, **_DEFAULT),
     "mom-top1-default-s1": dict(_TOP1, **_DEFAULT, seed=1),
     "mom-default-s1": dict(families=("MoM",), **_DEFAULT, seed=1),
+    "mom-default-s2": dict(families=("MoM",), **_DEFAULT, seed=2),
+    "mom-default-s3": dict(families=("MoM",), **_DEFAULT, seed=3),
+    "mom-default-1000": dict(families=("MoM",), **{**_DEFAULT, "steps": 1000, "eval_every": 100}),
 }
 CANDIDATES: dict[str, dict] = {name: c for grid in GRIDS.values() for name, c in grid.items()}
 
