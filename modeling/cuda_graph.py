@@ -39,10 +39,6 @@ def check_decode_graph_support(model) -> None:
         raise ValueError(f"cuda_graph=True is not available for this model: {reason}")
 
 
-def _layout(cache: MnemoCache) -> list[dict[str, tuple]]:
-    return [{name: (tuple(t.shape), t.dtype, t.device) for name, t in layer.states.items()} for layer in cache]
-
-
 class DecodeGraph:
     """One-token decode step of ``model`` on ``cache``, captured once and replayed.
 
@@ -57,7 +53,6 @@ class DecodeGraph:
             raise ValueError("a decode graph is built on a cache that holds a prefill")
         self.model, self.cache = model, cache
         self.buffers = [dict(layer.states) for layer in cache]
-        self.layout = _layout(cache)
         batch = cache.layers[0].batch_size
         device = next(iter(self.buffers[0].values())).device
         self.capture = device.type == "cuda" if capture is None else capture
@@ -66,15 +61,13 @@ class DecodeGraph:
         if self.capture:
             self.graph = self._capture()
 
-    @property
-    def batch_size(self) -> int:
-        return self.input_ids.shape[0]
-
     def matches(self, cache: MnemoCache) -> bool:
-        """Whether ``cache`` is still the one this graph reads and writes, with the same layout."""
+        """Whether ``cache`` still holds exactly this graph's buffers (checked every step: identity only,
+        since a tensor that is still the buffer still has its shape and dtype)."""
         return cache is self.cache and all(
-            layer.states.get(n) is t for layer, bufs in zip(cache, self.buffers) for n, t in bufs.items()
-        ) and _layout(cache) == self.layout
+            layer.states.keys() == bufs.keys() and all(layer.states[n] is t for n, t in bufs.items())
+            for layer, bufs in zip(cache, self.buffers)
+        )
 
     def _step(self) -> torch.Tensor:
         """The captured work: a cached forward of ``input_ids``, new states copied into the buffers."""
