@@ -1,57 +1,18 @@
-"""Causal depthwise short convolutions over packed variable-length sequences.
+"""Short causal convolutions of q, k and v, as modules: packed sequences and one-token steps.
 
-The memories of a MoM layer each see their own subsequence of tokens, and each
-keeps the last ``kernel_size - 1`` inputs of that subsequence as conv state. The
-convolution therefore runs over a packed batch (``cu_seqlens`` offsets) where
-every sequence starts from its own cached window. :class:`ConvWindows` computes,
-once per layer call, where each tap of each token reads from (the packed input
-or the cached window) and which inputs become the next window; every conv of the
-layer (q, k, v) then reuses it.
+The packed computation itself (each sequence continuing its own cached window) is
+``kernels.causal_conv``'s, with its PyTorch and Triton paths; this module holds the
+``Conv1d`` parameters, the one-token decode step and :func:`convolve_qkv`, which
+the layers with one sequence per batch row share.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-
-@dataclass
-class ConvWindows:
-    """Where each sequence's cached window and tokens sit in one extended packed sequence.
-
-    Sequence ``i`` becomes the block ``[window_i, tokens_i]`` (``K - 1 + L_i`` rows)
-    and the blocks are laid back to back, so one ungapped depthwise ``conv1d`` over
-    the whole thing computes every token from its own window and predecessors and
-    never reads across a sequence boundary. Indices into that extended sequence:
-
-    ``placement``: ``(N * (K - 1) + P,)``, where ``cat([window.flatten(0, 1), packed])`` goes.
-    ``outputs``: ``(P,)``, the conv output row of each token.
-    ``next_window``: ``(N * (K - 1),)``, the rows that form each sequence's next window.
-    """
-
-    placement: torch.Tensor
-    outputs: torch.Tensor
-    next_window: torch.Tensor
-    num_sequences: int
-
-    @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, kernel_size: int) -> "ConvWindows":
-        device = cu_seqlens.device
-        n = cu_seqlens.numel() - 1
-        w = kernel_size - 1
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        seq = torch.repeat_interleave(torch.arange(n, device=device), lengths)
-        pos = torch.arange(int(cu_seqlens[-1]), device=device)
-        block_start = cu_seqlens[:-1] + torch.arange(n, device=device) * w  # where window i begins
-        r = torch.arange(w, device=device)
-        window_rows = (block_start[:, None] + r).flatten()
-        token_rows = pos + (seq + 1) * w
-        next_window = ((block_start + lengths)[:, None] + r).flatten()
-        return cls(placement=torch.cat([window_rows, token_rows]), outputs=token_rows - w,
-                   next_window=next_window, num_sequences=n)
+from ..kernels.causal_conv import ConvWindows, packed_causal_conv
 
 
 class ShortConvolution(nn.Conv1d):
@@ -67,19 +28,7 @@ class ShortConvolution(nn.Conv1d):
 
         Returns ``(silu(conv(x)), next_window)``.
         """
-        k = self.kernel_size[0]
-        n, c = windows.num_sequences, x.shape[-1]
-        if window is None:
-            window = x.new_zeros(n, k - 1, c)
-        if x.shape[0] == 0:  # no tokens: nothing to convolve, every window stays
-            return x, window.to(x.dtype)
-        source = torch.cat([window.to(x.dtype).reshape(n * (k - 1), c), x], dim=0)
-        # A scatter and a gather (whose backwards are a gather and a scatter to distinct
-        # rows) around one conv1d: no per-tap gathers with atomic scatter-add backwards.
-        extended = source.new_zeros(source.shape).index_copy(0, windows.placement, source)
-        y = F.conv1d(extended.T.unsqueeze(0), self.weight.to(x.dtype), groups=c)[0]
-        y = y.T.index_select(0, windows.outputs)
-        return F.silu(y), extended.index_select(0, windows.next_window).view(n, k - 1, c)
+        return packed_causal_conv(x, self.weight, windows, window)
 
     def step(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per sequence: ``x`` ``(..., C)``, ``window`` ``(..., K - 1, C)``; the same
