@@ -292,24 +292,20 @@ def _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2no
 
 
 def _chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int):
-    """The flat chunk layout of a packed batch: each sequence padded to whole chunks, back to back.
+    """The flat chunk layout of a packed batch: each sequence split into whole chunks, back to back.
 
-    Returns the row of every packed token in a ``(n_chunks * chunk_size)`` grid,
-    each sequence's first chunk (``N + 1`` offsets), each chunk's first token and
-    length, and the number of chunks.
+    Returns each sequence's first chunk (``N + 1`` offsets), each chunk's first token
+    and length, and the number of chunks.
     """
     device = cu_seqlens.device
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     chunks = (lengths + chunk_size - 1) // chunk_size
     offsets = torch.nn.functional.pad(chunks.cumsum(0), (1, 0))
     n_chunks = int(offsets[-1])
-    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
-    local = torch.arange(int(cu_seqlens[-1]), device=device) - cu_seqlens[seq]
-    rows = offsets[seq] * chunk_size + local
     chunk_seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), chunks)
     chunk_start = cu_seqlens[chunk_seq] + (torch.arange(n_chunks, device=device) - offsets[chunk_seq]) * chunk_size
     chunk_len = torch.minimum(cu_seqlens[chunk_seq + 1] - chunk_start, torch.full_like(chunk_start, chunk_size))
-    return rows, offsets, chunk_start, chunk_len.to(torch.int32), n_chunks
+    return offsets, chunk_start, chunk_len.to(torch.int32), n_chunks
 
 
 def _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size):
@@ -323,7 +319,7 @@ def _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2n
     B, T, H, K = q.shape
     V = v.shape[-1]
     cu = torch.arange(B + 1, device=q.device) * T if cu_seqlens is None else cu_seqlens.to(q.device)
-    rows, offsets, chunk_start, chunk_len, n_chunks = _chunk_layout(cu, chunk_size)
+    offsets, chunk_start, chunk_len, n_chunks = _chunk_layout(cu, chunk_size)
     S0 = None if initial_state is None else initial_state.float()
     if n_chunks == 0 or n == 0:
         return v.new_zeros(B, T, H, V), q.new_zeros(n, H, K, V, dtype=torch.float32) if S0 is None else S0
@@ -333,9 +329,8 @@ def _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2n
         chunk_start, chunk_len, chunk_size, K**-0.5 if scale is None else scale, use_qk_l2norm, L2_EPS,
         low_precision,
     )
-    O, S = scan_chunks(*terms, S0, offsets, low_precision)
-    o = O.transpose(1, 2).reshape(n_chunks * chunk_size, H, V).index_select(0, rows)
-    return o.view(B, T, H, V).to(out_dtype), S
+    o, S = scan_chunks(*terms, S0, offsets, chunk_start, chunk_len, B * T, out_dtype, low_precision)
+    return o.view(B, T, H, V), S
 
 
 def _triton_covers(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> bool:

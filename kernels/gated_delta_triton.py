@@ -43,6 +43,8 @@ except ImportError:  # machines without Triton use the PyTorch path
 __all__ = ["intra_chunk_terms_packed", "scan_chunks", "step", "supports"]
 
 MAX_HEAD_DIM = 256
+# Whether bf16/fp16 problems keep the chunk terms U, W, Qd, Kd in bf16 (see ``_intra_forward``).
+TERMS_IN_BF16 = True
 
 
 def supports(key_dim: int, value_dim: int, chunk_size: int) -> bool:
@@ -83,7 +85,7 @@ if triton is not None:
     @triton.jit
     def _store_kv(ptr, kb: tl.constexpr, vv, K, V, BK: tl.constexpr, x):
         p, m = _kv_ptrs(ptr, kb, vv, K, V, BK)
-        tl.store(p, x, mask=m)
+        tl.store(p, x.to(ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _load_state(ptr, vv, K, V, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, PRESENT: tl.constexpr):
@@ -116,11 +118,26 @@ if triton is not None:
     # one (d_k, BV) tile would put whole (C, d_k) operands in shared memory.
 
     @triton.jit
+    def _mm(a, b, PRECISION: tl.constexpr, LOW: tl.constexpr):
+        """``a @ b`` accumulated in float32. Operands stored in bf16 (``LOW``: bf16/fp16 problems) are
+        widened: a product with the float32 state must not round the state to bf16 (the residual
+        ``U - W S`` cancels, and bf16 state operands doubled the error against the float64 reference),
+        and TF32 keeps 10 bits of the state's mantissa."""
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+
+    @triton.jit
+    def _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V):
+        """Offsets and mask of chunk ``c``'s ``(C, BV)`` tile in a packed ``(tokens, H, V)`` tensor."""
+        t0 = tl.load(CH_START + c).to(tl.int64)
+        length = tl.load(CH_LEN + c)
+        return ((t0 + r) * H + i_h)[:, None] * V + vv[None, :], (r < length)[:, None] & (vv < V)[None, :]
+
+    @triton.jit
     def _scan_forward_kernel(
-        U, W, P, QD, KD, GAMMA, S0, O, D, STATES, SF, OFFSETS,
+        U, W, P, QD, KD, GAMMA, S0, O, D, STATES, SF, OFFSETS, CH_START, CH_LEN,
         H, K, V,
         C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr,
-        HAS_S0: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_S0: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr, LOW: tl.constexpr,
     ):
         i_nh = tl.program_id(0)
         i_v = tl.program_id(1)
@@ -144,43 +161,49 @@ if triton is not None:
             if SAVE:
                 _store_state(STATES + ch * K * V, vv, K, V, BK, NK, s0, s1, s2, s3)
             # D = U - W S and O = Qd S + P D
-            d = tl.load(U + ch * C * V + cv_off, mask=cv_mask, other=0.0)
-            d -= tl.dot(_ck(w, 0, r, K, BK), s0, input_precision=PRECISION)
-            o = tl.dot(_ck(qd, 0, r, K, BK), s0, input_precision=PRECISION)
+            d = tl.load(U + ch * C * V + cv_off, mask=cv_mask, other=0.0).to(tl.float32)
+            d -= _mm(_ck(w, 0, r, K, BK), s0, PRECISION, LOW)
+            o = _mm(_ck(qd, 0, r, K, BK), s0, PRECISION, LOW)
             if NK > 1:
-                d -= tl.dot(_ck(w, 1, r, K, BK), s1, input_precision=PRECISION)
-                o += tl.dot(_ck(qd, 1, r, K, BK), s1, input_precision=PRECISION)
+                d -= _mm(_ck(w, 1, r, K, BK), s1, PRECISION, LOW)
+                o += _mm(_ck(qd, 1, r, K, BK), s1, PRECISION, LOW)
             if NK > 2:
-                d -= tl.dot(_ck(w, 2, r, K, BK), s2, input_precision=PRECISION)
-                o += tl.dot(_ck(qd, 2, r, K, BK), s2, input_precision=PRECISION)
+                d -= _mm(_ck(w, 2, r, K, BK), s2, PRECISION, LOW)
+                o += _mm(_ck(qd, 2, r, K, BK), s2, PRECISION, LOW)
             if NK > 3:
-                d -= tl.dot(_ck(w, 3, r, K, BK), s3, input_precision=PRECISION)
-                o += tl.dot(_ck(qd, 3, r, K, BK), s3, input_precision=PRECISION)
+                d -= _mm(_ck(w, 3, r, K, BK), s3, PRECISION, LOW)
+                o += _mm(_ck(qd, 3, r, K, BK), s3, PRECISION, LOW)
             if SAVE:
-                tl.store(D + ch * C * V + cv_off, d, mask=cv_mask)
-            o += tl.dot(tl.load(P + ch * C * C + cc_off), d, input_precision=PRECISION)
-            tl.store(O + ch * C * V + cv_off, o, mask=cv_mask)
+                tl.store(D + ch * C * V + cv_off, d.to(D.dtype.element_ty), mask=cv_mask)
+            o += _mm(tl.load(P + ch * C * C + cc_off), d, PRECISION, LOW)
+            # straight into the packed token layout: no chunk-layout output to reorder
+            o_off, o_mask = _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V)
+            tl.store(O + o_off, o.to(O.dtype.element_ty), mask=o_mask)
             # S <- gamma S + Kd^T D
             gamma = tl.load(GAMMA + ch)
-            s0 = gamma * s0 + tl.dot(_kc(kd, 0, r, K, BK), d, input_precision=PRECISION)
+            s0 = gamma * s0 + _mm(_kc(kd, 0, r, K, BK), d, PRECISION, LOW)
             if NK > 1:
-                s1 = gamma * s1 + tl.dot(_kc(kd, 1, r, K, BK), d, input_precision=PRECISION)
+                s1 = gamma * s1 + _mm(_kc(kd, 1, r, K, BK), d, PRECISION, LOW)
             if NK > 2:
-                s2 = gamma * s2 + tl.dot(_kc(kd, 2, r, K, BK), d, input_precision=PRECISION)
+                s2 = gamma * s2 + _mm(_kc(kd, 2, r, K, BK), d, PRECISION, LOW)
             if NK > 3:
-                s3 = gamma * s3 + tl.dot(_kc(kd, 3, r, K, BK), d, input_precision=PRECISION)
+                s3 = gamma * s3 + _mm(_kc(kd, 3, r, K, BK), d, PRECISION, LOW)
 
         _store_state(SF + state, vv, K, V, BK, NK, s0, s1, s2, s3)
 
     @triton.jit
     def _scan_backward_kernel(
-        W, QD, KD, GAMMA, DO, PT_DO, DSF, DD, DS_NEXT, DS0, OFFSETS,
+        W, P, QD, KD, GAMMA, STATES, DO, DSF, DO_CH, DD, DS_NEXT, DGAMMA_PART, DS0, OFFSETS, CH_START, CH_LEN,
         H, K, V,
         C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr,
-        HAS_DSF: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_DSF: tl.constexpr, PRECISION: tl.constexpr, LOW: tl.constexpr,
     ):
+        """The scan in reverse: ``dD`` and the state gradients, with this column block's share of
+        ``dgamma`` (``sum(S * dS')``, float32) and ``dO`` copied into the chunk layout for the
+        batched products that follow."""
         i_nh = tl.program_id(0)
         i_v = tl.program_id(1)
+        n_v = tl.num_programs(1)
         i_n = i_nh // H
         i_h = i_nh % H
         c_start = tl.load(OFFSETS + i_n).to(tl.int64)
@@ -190,6 +213,7 @@ if triton is not None:
         vv = i_v * BV + tl.arange(0, BV)
         cv_off = r[:, None] * V + vv[None, :]
         cv_mask = (r[:, None] >= 0) & (vv[None, :] < V)
+        cc_t = r[None, :] * C + r[:, None]
 
         state = i_nh.to(tl.int64) * K * V
         ds0, ds1, ds2, ds3 = _load_state(DSF + state, vv, K, V, BK, BV, NK, HAS_DSF)
@@ -200,30 +224,41 @@ if triton is not None:
             w, qd, kd = W + ch * C * K, QD + ch * C * K, KD + ch * C * K
             # ds* is the gradient of the state leaving chunk c.
             _store_state(DS_NEXT + ch * K * V, vv, K, V, BK, NK, ds0, ds1, ds2, ds3)
+            s0, s1, s2, s3 = _load_state(STATES + ch * K * V, vv, K, V, BK, BV, NK, True)
+            dgamma = tl.sum(s0 * ds0, axis=1)
+            if NK > 1:
+                dgamma += tl.sum(s1 * ds1, axis=1)
+            if NK > 2:
+                dgamma += tl.sum(s2 * ds2, axis=1)
+            if NK > 3:
+                dgamma += tl.sum(s3 * ds3, axis=1)
+            tl.store(DGAMMA_PART + ch * n_v + i_v, tl.sum(dgamma, axis=0))
+            o_off, o_mask = _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V)
+            do = tl.load(DO + o_off, mask=o_mask, other=0.0).to(tl.float32)
+            tl.store(DO_CH + ch * C * V + cv_off, do.to(DO_CH.dtype.element_ty), mask=cv_mask)
             # dD = P^T dO + Kd dS'
-            dd = tl.load(PT_DO + ch * C * V + cv_off, mask=cv_mask, other=0.0)
-            dd += tl.dot(_ck(kd, 0, r, K, BK), ds0, input_precision=PRECISION)
+            dd = _mm(tl.load(P + ch * C * C + cc_t), do, PRECISION, LOW)
+            dd += _mm(_ck(kd, 0, r, K, BK), ds0, PRECISION, LOW)
             if NK > 1:
-                dd += tl.dot(_ck(kd, 1, r, K, BK), ds1, input_precision=PRECISION)
+                dd += _mm(_ck(kd, 1, r, K, BK), ds1, PRECISION, LOW)
             if NK > 2:
-                dd += tl.dot(_ck(kd, 2, r, K, BK), ds2, input_precision=PRECISION)
+                dd += _mm(_ck(kd, 2, r, K, BK), ds2, PRECISION, LOW)
             if NK > 3:
-                dd += tl.dot(_ck(kd, 3, r, K, BK), ds3, input_precision=PRECISION)
-            tl.store(DD + ch * C * V + cv_off, dd, mask=cv_mask)
+                dd += _mm(_ck(kd, 3, r, K, BK), ds3, PRECISION, LOW)
+            tl.store(DD + ch * C * V + cv_off, dd.to(DD.dtype.element_ty), mask=cv_mask)
             # dS = gamma dS' + Qd^T dO - W^T dD
-            do = tl.load(DO + ch * C * V + cv_off, mask=cv_mask, other=0.0)
             gamma = tl.load(GAMMA + ch)
-            ds0 = gamma * ds0 + tl.dot(_kc(qd, 0, r, K, BK), do, input_precision=PRECISION) - tl.dot(
-                _kc(w, 0, r, K, BK), dd, input_precision=PRECISION)
+            ds0 = gamma * ds0 + _mm(_kc(qd, 0, r, K, BK), do, PRECISION, LOW) - _mm(
+                _kc(w, 0, r, K, BK), dd, PRECISION, LOW)
             if NK > 1:
-                ds1 = gamma * ds1 + tl.dot(_kc(qd, 1, r, K, BK), do, input_precision=PRECISION) - tl.dot(
-                    _kc(w, 1, r, K, BK), dd, input_precision=PRECISION)
+                ds1 = gamma * ds1 + _mm(_kc(qd, 1, r, K, BK), do, PRECISION, LOW) - _mm(
+                    _kc(w, 1, r, K, BK), dd, PRECISION, LOW)
             if NK > 2:
-                ds2 = gamma * ds2 + tl.dot(_kc(qd, 2, r, K, BK), do, input_precision=PRECISION) - tl.dot(
-                    _kc(w, 2, r, K, BK), dd, input_precision=PRECISION)
+                ds2 = gamma * ds2 + _mm(_kc(qd, 2, r, K, BK), do, PRECISION, LOW) - _mm(
+                    _kc(w, 2, r, K, BK), dd, PRECISION, LOW)
             if NK > 3:
-                ds3 = gamma * ds3 + tl.dot(_kc(qd, 3, r, K, BK), do, input_precision=PRECISION) - tl.dot(
-                    _kc(w, 3, r, K, BK), dd, input_precision=PRECISION)
+                ds3 = gamma * ds3 + _mm(_kc(qd, 3, r, K, BK), do, PRECISION, LOW) - _mm(
+                    _kc(w, 3, r, K, BK), dd, PRECISION, LOW)
 
         _store_state(DS0 + state, vv, K, V, BK, NK, ds0, ds1, ds2, ds3)
 
@@ -314,7 +349,7 @@ if triton is not None:
             m = valid[:, None] & (cols[None, :] < V)
             v_b = tl.load(V_ + (tok * H * V + i_h * V)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
             u = tl.dot(T, v_b * beta[:, None], input_precision=PRECISION)
-            tl.store(U + chh * C * V + r[:, None] * V + cols[None, :], u, mask=(r[:, None] >= 0) & (cols[None, :] < V))
+            tl.store(U + chh * C * V + r[:, None] * V + cols[None, :], u.to(U.dtype.element_ty), mask=(r[:, None] >= 0) & (cols[None, :] < V))
         w_scale = beta * tl.exp(G_cum) * rk
         q_scale = rq * tl.exp(G_cum)
         k_scale = rk * tl.exp(G_last - G_cum)
@@ -325,9 +360,10 @@ if triton is not None:
             out_mask = (r[:, None] >= 0) & (cols[None, :] < K)
             k_b = tl.load(K_ + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
             q_b = tl.load(Q + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            tl.store(W + out, tl.dot(T, k_b * w_scale[:, None], input_precision=PRECISION), mask=out_mask)
-            tl.store(QD + out, q_b * q_scale[:, None], mask=out_mask)
-            tl.store(KD + out, k_b * k_scale[:, None], mask=out_mask)
+            tl.store(W + out, tl.dot(T, k_b * w_scale[:, None], input_precision=PRECISION).to(W.dtype.element_ty),
+                     mask=out_mask)
+            tl.store(QD + out, (q_b * q_scale[:, None]).to(QD.dtype.element_ty), mask=out_mask)
+            tl.store(KD + out, (k_b * k_scale[:, None]).to(KD.dtype.element_ty), mask=out_mask)
 
     @triton.jit
     def _intra_backward_kernel(
@@ -392,8 +428,8 @@ if triton is not None:
             cv_mask_t = (cols[:, None] < V) & (r[None, :] >= 0)
             v_b = tl.load(V_ + v_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
             v_t = tl.load(V_ + v_base[None, :] + cols[:, None], mask=m_t, other=0.0).to(tl.float32)
-            du = tl.load(DU + cv, mask=cv_mask, other=0.0)
-            du_t = tl.load(DU + cv_t, mask=cv_mask_t, other=0.0)
+            du = tl.load(DU + cv, mask=cv_mask, other=0.0).to(tl.float32)
+            du_t = tl.load(DU + cv_t, mask=cv_mask_t, other=0.0).to(tl.float32)
             dT += tl.dot(du, v_t * beta[None, :], input_precision=PRECISION)
             dT_t += tl.dot(v_b * beta[:, None], du_t, input_precision=PRECISION)
             y = tl.dot(T_t, du, input_precision=PRECISION)  # T^T dU = d(beta v)
@@ -408,8 +444,8 @@ if triton is not None:
             ck_t = chh * C * K + r[None, :] * K + cols[:, None]
             k_b = tl.load(K_ + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
             k_t = tl.load(K_ + qk_base[None, :] + cols[:, None], mask=m_t, other=0.0).to(tl.float32)
-            dw = tl.load(DW + ck, mask=(r[:, None] >= 0) & (cols[None, :] < K), other=0.0)
-            dw_t = tl.load(DW + ck_t, mask=(cols[:, None] < K) & (r[None, :] >= 0), other=0.0)
+            dw = tl.load(DW + ck, mask=(r[:, None] >= 0) & (cols[None, :] < K), other=0.0).to(tl.float32)
+            dw_t = tl.load(DW + ck_t, mask=(cols[:, None] < K) & (r[None, :] >= 0), other=0.0).to(tl.float32)
             dT += tl.dot(dw, k_t * w_in[None, :], input_precision=PRECISION)
             dT_t += tl.dot(k_b * w_in[:, None], dw_t, input_precision=PRECISION)
             x = tl.dot(T_t, dw, input_precision=PRECISION)  # T^T dW = d(beta e^G k^)
@@ -424,16 +460,16 @@ if triton is not None:
         dG += tl.sum(dAA, axis=1) - tl.sum(dAA, axis=0)
         # d(k^ k^T) symmetrised: dKk + dKk^T with dKk = dA beta_i E_ij
         sym = dA * beta[:, None] * E + dA_t * beta[None, :] * E_t
-        dP = tl.load(DPM + cc)
+        dP = tl.load(DPM + cc).to(tl.float32)
         M = dP * E
-        M_t = tl.load(DPM + cc_t) * E_t
+        M_t = tl.load(DPM + cc_t).to(tl.float32) * E_t
         dPP = dP * qk * rq[:, None] * rk[None, :] * E
         dG += tl.sum(dPP, axis=1) - tl.sum(dPP, axis=0)
 
         # dq^ and dk^ per column block (kept unnormalised in DQ, DK, float32), and their row dots.
         q_dot = tl.zeros([C], dtype=tl.float32)
         k_dot = tl.zeros([C], dtype=tl.float32)
-        dG_last = tl.load(DGAMMA + chh) * tl.exp(G_last)
+        dG_last = tl.load(DGAMMA + chh).to(tl.float32) * tl.exp(G_last)
         for kb in tl.static_range(NK):
             cols = kb * BK + tl.arange(0, BK)
             m = valid[:, None] & (cols[None, :] < K)
@@ -443,9 +479,9 @@ if triton is not None:
             k_b = tl.load(K_ + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
             qh = q_b * rq[:, None]
             kh = k_b * rk[:, None]
-            dqd = tl.load(DQD + ck, mask=ck_mask, other=0.0)
-            dkd = tl.load(DKD + ck, mask=ck_mask, other=0.0)
-            dw = tl.load(DW + ck, mask=ck_mask, other=0.0)
+            dqd = tl.load(DQD + ck, mask=ck_mask, other=0.0).to(tl.float32)
+            dkd = tl.load(DKD + ck, mask=ck_mask, other=0.0).to(tl.float32)
+            dw = tl.load(DW + ck, mask=ck_mask, other=0.0).to(tl.float32)
             dq_h = tl.dot(M, kh, input_precision=PRECISION) + dqd * e_g[:, None]
             dk_h = (tl.dot(T_t, dw, input_precision=PRECISION) * (beta * e_g)[:, None]
                     + tl.dot(sym, kh, input_precision=PRECISION) + tl.dot(M_t, qh, input_precision=PRECISION)
@@ -540,73 +576,85 @@ _SCAN_WARPS = 8
 # No software pipelining of the chunk loop: its tiles already fill much of the shared memory.
 
 
-def _scan_forward(U, W, P, Qd, Kd, gamma, S0, offsets, save: bool, low_precision: bool):
+def _scan_forward(U, W, P, Qd, Kd, gamma, S0, offsets, chunk_start, chunk_len, num_tokens: int, out_dtype,
+                  save: bool, low_precision: bool):
     n_chunks, H, C, V = U.shape
     K = W.shape[-1]
     N = offsets.numel() - 1
-    O = torch.empty_like(U)
-    SF = U.new_empty(N, H, K, V)
-    D = torch.empty_like(U) if save else U.new_empty(0)
-    states = U.new_empty(n_chunks, H, K, V) if save else U.new_empty(0)
+    O = U.new_empty(num_tokens, H, V, dtype=out_dtype)
+    SF = U.new_empty(N, H, K, V, dtype=torch.float32)
+    # What the backward reads stays float32 whatever the problem's dtype: kept in bf16 it raised the
+    # gradients' error against the float64 reference from about 5e-3 to over 1e-2.
+    D = torch.empty_like(U, dtype=torch.float32) if save else U.new_empty(0)
+    states = U.new_empty(n_chunks, H, K, V, dtype=torch.float32) if save else U.new_empty(0)
     grid = (N * H, triton.cdiv(V, _SCAN_BV))
     BK, NK = _state_tiles(K)
     _scan_forward_kernel[grid](
-        U, W, P, Qd, Kd, gamma, S0 if S0 is not None else U, O, D, states, SF, offsets,
+        U, W, P, Qd, Kd, gamma, S0 if S0 is not None else U, O, D, states, SF, offsets, chunk_start, chunk_len,
         H, K, V, C=C, BK=BK, NK=NK, BV=_SCAN_BV, HAS_S0=S0 is not None, SAVE=save,
-        PRECISION=_precision(low_precision), num_warps=_SCAN_WARPS, num_stages=1,
+        PRECISION=_precision(low_precision), LOW=low_precision, num_warps=_SCAN_WARPS, num_stages=1,
     )
     return O, SF, D, states
 
 
 class _ScanChunks(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, U, W, P, Qd, Kd, gamma, S0, offsets, low_precision):
+    def forward(ctx, U, W, P, Qd, Kd, gamma, S0, offsets, chunk_start, chunk_len, num_tokens, out_dtype,
+                low_precision):
         U, W, P, Qd, Kd, gamma = (x.contiguous() for x in (U, W, P, Qd, Kd, gamma))
         S0 = None if S0 is None else S0.contiguous()
         save = any(ctx.needs_input_grad[:7])
-        O, SF, D, states = _scan_forward(U, W, P, Qd, Kd, gamma, S0, offsets, save, low_precision)
+        O, SF, D, states = _scan_forward(U, W, P, Qd, Kd, gamma, S0, offsets, chunk_start, chunk_len, num_tokens,
+                                         out_dtype, save, low_precision)
         if save:
-            ctx.save_for_backward(W, P, Qd, Kd, gamma, D, states, offsets)
+            ctx.save_for_backward(W, P, Qd, Kd, gamma, D, states, offsets, chunk_start, chunk_len)
         ctx.low_precision = low_precision
         ctx.has_s0 = S0 is not None
+        ctx.num_tokens = num_tokens
         return O, SF
 
     @staticmethod
     def backward(ctx, dO, dSF):
-        W, P, Qd, Kd, gamma, D, states, offsets = ctx.saved_tensors
+        W, P, Qd, Kd, gamma, D, states, offsets, chunk_start, chunk_len = ctx.saved_tensors
         n_chunks, H, C, V = D.shape
         K = W.shape[-1]
         N = offsets.numel() - 1
-        dO = torch.zeros_like(D) if dO is None else dO.contiguous().to(D.dtype)
-        pt_do = (P.transpose(-1, -2) @ dO).contiguous()
+        dO = D.new_zeros(ctx.num_tokens, H, V) if dO is None else dO.contiguous()
+        dO_ch = torch.zeros_like(D)  # chunk rows past a sequence's end stay zero
         dD = torch.empty_like(D)
         ds_next = torch.empty_like(states)
-        dS0 = D.new_empty(N, H, K, V)
-        grid = (N * H, triton.cdiv(V, _SCAN_BV))
+        n_v = triton.cdiv(V, _SCAN_BV)
+        dgamma = D.new_empty(n_chunks, H, n_v, dtype=torch.float32)
+        dS0 = D.new_empty(N, H, K, V, dtype=torch.float32)
         BK, NK = _state_tiles(K)
-        _scan_backward_kernel[grid](
-            W, Qd, Kd, gamma, dO, pt_do, dSF.contiguous() if dSF is not None else dO, dD, ds_next, dS0, offsets,
+        _scan_backward_kernel[(N * H, n_v)](
+            W, P, Qd, Kd, gamma, states, dO, dSF.contiguous() if dSF is not None else dS0, dO_ch, dD, ds_next,
+            dgamma, dS0, offsets, chunk_start, chunk_len,
             H, K, V, C=C, BK=BK, NK=NK, BV=_SCAN_BV, HAS_DSF=dSF is not None,
-            PRECISION=_precision(ctx.low_precision), num_warps=_SCAN_WARPS, num_stages=1,
+            PRECISION=_precision(ctx.low_precision), LOW=ctx.low_precision, num_warps=_SCAN_WARPS, num_stages=1,
         )
         states_t = states.transpose(-1, -2)
         dW = -(dD @ states_t)
-        dQd = dO @ states_t
-        dP = dO @ D.transpose(-1, -2)
+        dQd = dO_ch @ states_t
+        dP = dO_ch @ D.transpose(-1, -2)
         dKd = D @ ds_next.transpose(-1, -2)
-        dgamma = (states * ds_next).sum((-1, -2))
-        return dD, dW, dP, dQd, dKd, dgamma, dS0 if ctx.has_s0 else None, None, None
+        return (dD, dW, dP, dQd, dKd, dgamma.sum(-1), dS0 if ctx.has_s0 else None,
+                None, None, None, None, None, None)
 
 
-def scan_chunks(U, W, P, Qd, Kd, gamma, S0, offsets: torch.Tensor, low_precision: bool = False):
+def scan_chunks(U, W, P, Qd, Kd, gamma, S0, offsets: torch.Tensor, chunk_start: torch.Tensor,
+                chunk_len: torch.Tensor, num_tokens: int, out_dtype: torch.dtype, low_precision: bool = False):
     """Run the chunk-to-chunk scan over a flat list of chunks.
 
-    ``U, Qd`` ... are ``(n_chunks, H, C, D)`` (``P`` ``(n_chunks, H, C, C)``,
-    ``gamma`` ``(n_chunks, H)``), float32; sequence ``i`` owns chunks
-    ``offsets[i]:offsets[i + 1]``. ``S0`` is ``(N, H, d_k, d_v)`` or ``None``.
-    Returns the outputs ``(n_chunks, H, C, d_v)`` and the final states.
+    ``U, Qd`` ... are ``(n_chunks, H, C, D)`` (``P`` ``(n_chunks, H, C, C)``, ``gamma``
+    ``(n_chunks, H)``; float32, or bf16 for ``U, W, Qd, Kd`` of a low-precision
+    problem); sequence ``i`` owns chunks ``offsets[i]:offsets[i + 1]`` and chunk ``c``
+    holds packed tokens ``chunk_start[c] ...`` (``chunk_len[c]`` of them). ``S0`` is
+    ``(N, H, d_k, d_v)`` or ``None``. Returns the outputs in the packed layout
+    ``(num_tokens, H, d_v)`` (``out_dtype``) and the final states (float32).
     """
-    return _ScanChunks.apply(U, W, P, Qd, Kd, gamma, S0, offsets, low_precision)
+    return _ScanChunks.apply(U, W, P, Qd, Kd, gamma, S0, offsets, chunk_start, chunk_len, num_tokens, out_dtype,
+                             low_precision)
 
 
 def _intra_launch_args(q, k, v, chunk_size: int):
@@ -621,7 +669,10 @@ def _intra_forward(q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, 
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     n_chunks, C = chunk_start.numel(), chunk_size
     f32 = dict(dtype=torch.float32, device=q.device)
-    U, W = torch.empty(n_chunks, H, C, V, **f32), torch.empty(n_chunks, H, C, K, **f32)
+    # The chunk terms the scan multiplies with the state: bf16 for bf16/fp16 problems (tensor-core
+    # operands, half the traffic); P and gamma, small, stay float32.
+    low = dict(dtype=torch.bfloat16 if low_precision and TERMS_IN_BF16 else torch.float32, device=q.device)
+    U, W = torch.empty(n_chunks, H, C, V, **low), torch.empty(n_chunks, H, C, K, **low)
     Pm, gamma = torch.empty(n_chunks, H, C, C, **f32), torch.empty(n_chunks, H, **f32)
     Qd, Kd = torch.empty_like(W), torch.empty_like(W)
     T = torch.empty_like(Pm) if save_t else Pm
@@ -649,7 +700,7 @@ class _IntraChunk(torch.autograd.Function):
         grads = [dU, dW, dP, dQd, dKd, dgamma]
         like = [(T.shape[:2] + (chunk_size, v.shape[-1])), (T.shape[:2] + (chunk_size, k.shape[-1])), T.shape,
                 (T.shape[:2] + (chunk_size, k.shape[-1])), (T.shape[:2] + (chunk_size, k.shape[-1])), T.shape[:2]]
-        grads = [torch.zeros(shape, dtype=torch.float32, device=q.device) if d is None else d.float().contiguous()
+        grads = [torch.zeros(shape, dtype=torch.float32, device=q.device) if d is None else d.contiguous()
                  for d, shape in zip(grads, like)]
         f32 = dict(dtype=torch.float32, device=q.device)
         dq, dk = torch.empty(q.shape, **f32), torch.empty(k.shape, **f32)
