@@ -87,20 +87,6 @@ def train(fla):
                 record(what="train_fwd_bwd", layer=name, T=T, B=B, err=repr(exc)[:300])
 
 
-def float32_terms(fn):
-    """``fn`` with the chunk terms kept in float32 for bf16 problems (the layout before they went bf16)."""
-    from mnemo.kernels import gated_delta_triton
-
-    def run():
-        gated_delta_triton.TERMS_IN_BF16 = False
-        try:
-            return fn()
-        finally:
-            gated_delta_triton.TERMS_IN_BF16 = True
-
-    return run
-
-
 def kernel(fla):
     """The recurrence alone, 4 heads x 256, bf16: 16K tokens (B=8, T=2K) and 48K (B=24)."""
     for B in (8, 24):
@@ -109,8 +95,7 @@ def kernel(fla):
         q, k, v = (torch.randn(B, T, 4, 256, device=DEV, dtype=DT, generator=gen).requires_grad_() for _ in range(3))
         g = (-F.softplus(torch.randn(B, T, 4, device=DEV, generator=gen))).requires_grad_()
         beta = torch.rand(B, T, 4, device=DEV, generator=gen).requires_grad_()
-        runs = {"mnemo_triton": lambda: chunk_gated_delta(q, k, v, g, beta),
-                "mnemo_triton_float32_terms": float32_terms(lambda: chunk_gated_delta(q, k, v, g, beta))}
+        runs = {"mnemo_triton": lambda: chunk_gated_delta(q, k, v, g, beta)}
         if fla is not None:
             runs["fla_chunk_gated_delta_rule"] = lambda: fla[2](q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
         for name, fn in runs.items():

@@ -43,8 +43,6 @@ except ImportError:  # machines without Triton use the PyTorch path
 __all__ = ["intra_chunk_terms_packed", "scan_chunks", "step", "supports"]
 
 MAX_HEAD_DIM = 256
-# Whether bf16/fp16 problems keep the chunk terms U, W, Qd, Kd in bf16 (see ``_intra_forward``).
-TERMS_IN_BF16 = True
 
 
 def supports(key_dim: int, value_dim: int, chunk_size: int) -> bool:
@@ -118,12 +116,9 @@ if triton is not None:
     # one (d_k, BV) tile would put whole (C, d_k) operands in shared memory.
 
     @triton.jit
-    def _mm(a, b, PRECISION: tl.constexpr, LOW: tl.constexpr):
-        """``a @ b`` accumulated in float32. Operands stored in bf16 (``LOW``: bf16/fp16 problems) are
-        widened: a product with the float32 state must not round the state to bf16 (the residual
-        ``U - W S`` cancels, and bf16 state operands doubled the error against the float64 reference),
-        and TF32 keeps 10 bits of the state's mantissa."""
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+    def _mm(a, b, PRECISION: tl.constexpr):
+        """``a @ b`` in float32 at ``PRECISION`` (``tf32`` for bf16/fp16 problems, exact otherwise)."""
+        return tl.dot(a, b, input_precision=PRECISION)
 
     @triton.jit
     def _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V):
@@ -137,7 +132,7 @@ if triton is not None:
         U, W, P, QD, KD, GAMMA, S0, O, D, STATES, SF, OFFSETS, CH_START, CH_LEN,
         H, K, V,
         C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr,
-        HAS_S0: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr, LOW: tl.constexpr,
+        HAS_S0: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
     ):
         i_nh = tl.program_id(0)
         i_v = tl.program_id(1)
@@ -162,32 +157,32 @@ if triton is not None:
                 _store_state(STATES + ch * K * V, vv, K, V, BK, NK, s0, s1, s2, s3)
             # D = U - W S and O = Qd S + P D
             d = tl.load(U + ch * C * V + cv_off, mask=cv_mask, other=0.0).to(tl.float32)
-            d -= _mm(_ck(w, 0, r, K, BK), s0, PRECISION, LOW)
-            o = _mm(_ck(qd, 0, r, K, BK), s0, PRECISION, LOW)
+            d -= _mm(_ck(w, 0, r, K, BK), s0, PRECISION)
+            o = _mm(_ck(qd, 0, r, K, BK), s0, PRECISION)
             if NK > 1:
-                d -= _mm(_ck(w, 1, r, K, BK), s1, PRECISION, LOW)
-                o += _mm(_ck(qd, 1, r, K, BK), s1, PRECISION, LOW)
+                d -= _mm(_ck(w, 1, r, K, BK), s1, PRECISION)
+                o += _mm(_ck(qd, 1, r, K, BK), s1, PRECISION)
             if NK > 2:
-                d -= _mm(_ck(w, 2, r, K, BK), s2, PRECISION, LOW)
-                o += _mm(_ck(qd, 2, r, K, BK), s2, PRECISION, LOW)
+                d -= _mm(_ck(w, 2, r, K, BK), s2, PRECISION)
+                o += _mm(_ck(qd, 2, r, K, BK), s2, PRECISION)
             if NK > 3:
-                d -= _mm(_ck(w, 3, r, K, BK), s3, PRECISION, LOW)
-                o += _mm(_ck(qd, 3, r, K, BK), s3, PRECISION, LOW)
+                d -= _mm(_ck(w, 3, r, K, BK), s3, PRECISION)
+                o += _mm(_ck(qd, 3, r, K, BK), s3, PRECISION)
             if SAVE:
                 tl.store(D + ch * C * V + cv_off, d.to(D.dtype.element_ty), mask=cv_mask)
-            o += _mm(tl.load(P + ch * C * C + cc_off), d, PRECISION, LOW)
+            o += _mm(tl.load(P + ch * C * C + cc_off), d, PRECISION)
             # straight into the packed token layout: no chunk-layout output to reorder
             o_off, o_mask = _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V)
             tl.store(O + o_off, o.to(O.dtype.element_ty), mask=o_mask)
             # S <- gamma S + Kd^T D
             gamma = tl.load(GAMMA + ch)
-            s0 = gamma * s0 + _mm(_kc(kd, 0, r, K, BK), d, PRECISION, LOW)
+            s0 = gamma * s0 + _mm(_kc(kd, 0, r, K, BK), d, PRECISION)
             if NK > 1:
-                s1 = gamma * s1 + _mm(_kc(kd, 1, r, K, BK), d, PRECISION, LOW)
+                s1 = gamma * s1 + _mm(_kc(kd, 1, r, K, BK), d, PRECISION)
             if NK > 2:
-                s2 = gamma * s2 + _mm(_kc(kd, 2, r, K, BK), d, PRECISION, LOW)
+                s2 = gamma * s2 + _mm(_kc(kd, 2, r, K, BK), d, PRECISION)
             if NK > 3:
-                s3 = gamma * s3 + _mm(_kc(kd, 3, r, K, BK), d, PRECISION, LOW)
+                s3 = gamma * s3 + _mm(_kc(kd, 3, r, K, BK), d, PRECISION)
 
         _store_state(SF + state, vv, K, V, BK, NK, s0, s1, s2, s3)
 
@@ -196,7 +191,7 @@ if triton is not None:
         W, P, QD, KD, GAMMA, STATES, DO, DSF, DO_CH, DD, DS_NEXT, DGAMMA_PART, DS0, OFFSETS, CH_START, CH_LEN,
         H, K, V,
         C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr,
-        HAS_DSF: tl.constexpr, PRECISION: tl.constexpr, LOW: tl.constexpr,
+        HAS_DSF: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """The scan in reverse: ``dD`` and the state gradients, with this column block's share of
         ``dgamma`` (``sum(S * dS')``, float32) and ``dO`` copied into the chunk layout for the
@@ -237,30 +232,72 @@ if triton is not None:
             do = tl.load(DO + o_off, mask=o_mask, other=0.0).to(tl.float32)
             tl.store(DO_CH + ch * C * V + cv_off, do.to(DO_CH.dtype.element_ty), mask=cv_mask)
             # dD = P^T dO + Kd dS'
-            dd = _mm(tl.load(P + ch * C * C + cc_t), do, PRECISION, LOW)
-            dd += _mm(_ck(kd, 0, r, K, BK), ds0, PRECISION, LOW)
+            dd = _mm(tl.load(P + ch * C * C + cc_t), do, PRECISION)
+            dd += _mm(_ck(kd, 0, r, K, BK), ds0, PRECISION)
             if NK > 1:
-                dd += _mm(_ck(kd, 1, r, K, BK), ds1, PRECISION, LOW)
+                dd += _mm(_ck(kd, 1, r, K, BK), ds1, PRECISION)
             if NK > 2:
-                dd += _mm(_ck(kd, 2, r, K, BK), ds2, PRECISION, LOW)
+                dd += _mm(_ck(kd, 2, r, K, BK), ds2, PRECISION)
             if NK > 3:
-                dd += _mm(_ck(kd, 3, r, K, BK), ds3, PRECISION, LOW)
+                dd += _mm(_ck(kd, 3, r, K, BK), ds3, PRECISION)
             tl.store(DD + ch * C * V + cv_off, dd.to(DD.dtype.element_ty), mask=cv_mask)
             # dS = gamma dS' + Qd^T dO - W^T dD
             gamma = tl.load(GAMMA + ch)
-            ds0 = gamma * ds0 + _mm(_kc(qd, 0, r, K, BK), do, PRECISION, LOW) - _mm(
-                _kc(w, 0, r, K, BK), dd, PRECISION, LOW)
+            ds0 = gamma * ds0 + _mm(_kc(qd, 0, r, K, BK), do, PRECISION) - _mm(
+                _kc(w, 0, r, K, BK), dd, PRECISION)
             if NK > 1:
-                ds1 = gamma * ds1 + _mm(_kc(qd, 1, r, K, BK), do, PRECISION, LOW) - _mm(
-                    _kc(w, 1, r, K, BK), dd, PRECISION, LOW)
+                ds1 = gamma * ds1 + _mm(_kc(qd, 1, r, K, BK), do, PRECISION) - _mm(
+                    _kc(w, 1, r, K, BK), dd, PRECISION)
             if NK > 2:
-                ds2 = gamma * ds2 + _mm(_kc(qd, 2, r, K, BK), do, PRECISION, LOW) - _mm(
-                    _kc(w, 2, r, K, BK), dd, PRECISION, LOW)
+                ds2 = gamma * ds2 + _mm(_kc(qd, 2, r, K, BK), do, PRECISION) - _mm(
+                    _kc(w, 2, r, K, BK), dd, PRECISION)
             if NK > 3:
-                ds3 = gamma * ds3 + _mm(_kc(qd, 3, r, K, BK), do, PRECISION, LOW) - _mm(
-                    _kc(w, 3, r, K, BK), dd, PRECISION, LOW)
+                ds3 = gamma * ds3 + _mm(_kc(qd, 3, r, K, BK), do, PRECISION) - _mm(
+                    _kc(w, 3, r, K, BK), dd, PRECISION)
 
         _store_state(DS0 + state, vv, K, V, BK, NK, ds0, ds1, ds2, ds3)
+
+    @triton.jit
+    def _state_products_kernel(
+        DD, DO_CH, D, STATES, DS_NEXT, DW, DQD, DKD, DP, K, V,
+        C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    ):
+        """Per (chunk, head) the products of the scan's backward with the states, at TF32:
+        ``dW = -dD S^T``, ``dQd = dO S^T``, ``dKd = D dS'^T`` for one row block of the state
+        (program column ``< NK``), or ``dP = dO D^T`` (the last column). Transposed operands
+        are loaded transposed."""
+        ch = tl.program_id(0).to(tl.int64)
+        kb = tl.program_id(1)
+        r = tl.arange(0, C)
+        cv = ch * C * V + r[:, None] * V
+        if kb == NK:
+            dp = tl.zeros([C, C], dtype=tl.float32)
+            for vb in tl.static_range(NV):
+                vv = vb * BV + tl.arange(0, BV)
+                do = tl.load(DO_CH + cv + vv[None, :], mask=vv[None, :] < V, other=0.0)
+                d_t = tl.load(D + ch * C * V + r[None, :] * V + vv[:, None], mask=vv[:, None] < V, other=0.0)
+                dp += tl.dot(do, d_t, input_precision="tf32")
+            tl.store(DP + ch * C * C + r[:, None] * C + r[None, :], dp)
+        else:
+            kk = kb * BK + tl.arange(0, BK)
+            dw = tl.zeros([C, BK], dtype=tl.float32)
+            dqd = tl.zeros([C, BK], dtype=tl.float32)
+            dkd = tl.zeros([C, BK], dtype=tl.float32)
+            for vb in tl.static_range(NV):
+                vv = vb * BV + tl.arange(0, BV)
+                m = vv[None, :] < V
+                m_t = (vv[:, None] < V) & (kk[None, :] < K)
+                kv_t = ch * K * V + kk[None, :] * V + vv[:, None]
+                s_t = tl.load(STATES + kv_t, mask=m_t, other=0.0)
+                dw -= tl.dot(tl.load(DD + cv + vv[None, :], mask=m, other=0.0), s_t, input_precision="tf32")
+                dqd += tl.dot(tl.load(DO_CH + cv + vv[None, :], mask=m, other=0.0), s_t, input_precision="tf32")
+                dkd += tl.dot(tl.load(D + cv + vv[None, :], mask=m, other=0.0), tl.load(DS_NEXT + kv_t, mask=m_t, other=0.0),
+                              input_precision="tf32")
+            ck = ch * C * K + r[:, None] * K + kk[None, :]
+            ck_mask = kk[None, :] < K
+            tl.store(DW + ck, dw, mask=ck_mask)
+            tl.store(DQD + ck, dqd, mask=ck_mask)
+            tl.store(DKD + ck, dkd, mask=ck_mask)
 
     @triton.jit
     def _chunk_gates(G, BETA, tok, H, i_h, valid, C: tl.constexpr, HAS_G: tl.constexpr):
@@ -583,16 +620,14 @@ def _scan_forward(U, W, P, Qd, Kd, gamma, S0, offsets, chunk_start, chunk_len, n
     N = offsets.numel() - 1
     O = U.new_empty(num_tokens, H, V, dtype=out_dtype)
     SF = U.new_empty(N, H, K, V, dtype=torch.float32)
-    # What the backward reads stays float32 whatever the problem's dtype: kept in bf16 it raised the
-    # gradients' error against the float64 reference from about 5e-3 to over 1e-2.
-    D = torch.empty_like(U, dtype=torch.float32) if save else U.new_empty(0)
-    states = U.new_empty(n_chunks, H, K, V, dtype=torch.float32) if save else U.new_empty(0)
+    D = torch.empty_like(U) if save else U.new_empty(0)
+    states = U.new_empty(n_chunks, H, K, V) if save else U.new_empty(0)
     grid = (N * H, triton.cdiv(V, _SCAN_BV))
     BK, NK = _state_tiles(K)
     _scan_forward_kernel[grid](
         U, W, P, Qd, Kd, gamma, S0 if S0 is not None else U, O, D, states, SF, offsets, chunk_start, chunk_len,
         H, K, V, C=C, BK=BK, NK=NK, BV=_SCAN_BV, HAS_S0=S0 is not None, SAVE=save,
-        PRECISION=_precision(low_precision), LOW=low_precision, num_warps=_SCAN_WARPS, num_stages=1,
+        PRECISION=_precision(low_precision), num_warps=_SCAN_WARPS, num_stages=1,
     )
     return O, SF, D, states
 
@@ -631,15 +666,31 @@ class _ScanChunks(torch.autograd.Function):
             W, P, Qd, Kd, gamma, states, dO, dSF.contiguous() if dSF is not None else dS0, dO_ch, dD, ds_next,
             dgamma, dS0, offsets, chunk_start, chunk_len,
             H, K, V, C=C, BK=BK, NK=NK, BV=_SCAN_BV, HAS_DSF=dSF is not None,
-            PRECISION=_precision(ctx.low_precision), LOW=ctx.low_precision, num_warps=_SCAN_WARPS, num_stages=1,
+            PRECISION=_precision(ctx.low_precision), num_warps=_SCAN_WARPS, num_stages=1,
         )
-        states_t = states.transpose(-1, -2)
-        dW = -(dD @ states_t)
-        dQd = dO_ch @ states_t
-        dP = dO_ch @ D.transpose(-1, -2)
-        dKd = D @ ds_next.transpose(-1, -2)
+        dW, dP, dQd, dKd = _state_products(dD, dO_ch, D, states, ds_next, ctx.low_precision)
         return (dD, dW, dP, dQd, dKd, dgamma.sum(-1), dS0 if ctx.has_s0 else None,
                 None, None, None, None, None, None)
+
+
+def _state_products(dD, dO_ch, D, states, ds_next, low_precision: bool):
+    """``dW, dP, dQd, dKd`` of the scan's backward: one kernel at TF32 for bf16/fp16 problems (four
+    float32 batched matmuls cost 2.3 ms of a 28 ms MoM layer step at 16K tokens); exact float32
+    products for float32 problems."""
+    if not low_precision:
+        states_t = states.transpose(-1, -2)
+        return -(dD @ states_t), dO_ch @ D.transpose(-1, -2), dO_ch @ states_t, D @ ds_next.transpose(-1, -2)
+    n_chunks, H, C, V = D.shape
+    K = states.shape[-2]
+    dW, dQd, dKd = (D.new_empty(n_chunks, H, C, K) for _ in range(3))
+    dP = D.new_empty(n_chunks, H, C, C)
+    BK, NK = _state_tiles(K)
+    BV = min(64, _block(V))
+    _state_products_kernel[(n_chunks * H, NK + 1)](
+        dD, dO_ch, D, states, ds_next, dW, dQd, dKd, dP, K, V, C=C, BK=BK, NK=NK, BV=BV,
+        NV=triton.cdiv(V, BV), num_warps=4,
+    )
+    return dW, dP, dQd, dKd
 
 
 def scan_chunks(U, W, P, Qd, Kd, gamma, S0, offsets: torch.Tensor, chunk_start: torch.Tensor,
@@ -647,8 +698,7 @@ def scan_chunks(U, W, P, Qd, Kd, gamma, S0, offsets: torch.Tensor, chunk_start: 
     """Run the chunk-to-chunk scan over a flat list of chunks.
 
     ``U, Qd`` ... are ``(n_chunks, H, C, D)`` (``P`` ``(n_chunks, H, C, C)``, ``gamma``
-    ``(n_chunks, H)``; float32, or bf16 for ``U, W, Qd, Kd`` of a low-precision
-    problem); sequence ``i`` owns chunks ``offsets[i]:offsets[i + 1]`` and chunk ``c``
+    ``(n_chunks, H)``, float32); sequence ``i`` owns chunks ``offsets[i]:offsets[i + 1]`` and chunk ``c``
     holds packed tokens ``chunk_start[c] ...`` (``chunk_len[c]`` of them). ``S0`` is
     ``(N, H, d_k, d_v)`` or ``None``. Returns the outputs in the packed layout
     ``(num_tokens, H, d_v)`` (``out_dtype``) and the final states (float32).
@@ -669,10 +719,10 @@ def _intra_forward(q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, 
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     n_chunks, C = chunk_start.numel(), chunk_size
     f32 = dict(dtype=torch.float32, device=q.device)
-    # The chunk terms the scan multiplies with the state: bf16 for bf16/fp16 problems (tensor-core
-    # operands, half the traffic); P and gamma, small, stay float32.
-    low = dict(dtype=torch.bfloat16 if low_precision and TERMS_IN_BF16 else torch.float32, device=q.device)
-    U, W = torch.empty(n_chunks, H, C, V, **low), torch.empty(n_chunks, H, C, K, **low)
+    # Float32 for every problem: bf16 chunk terms (flash-linear-attention's choice) saved 6% of the
+    # recurrence's fwd+bwd at 48K tokens on an H100 and took the gradients' error against the float64
+    # reference from 3e-3 to 1.4e-2 (d_k = 130).
+    U, W = torch.empty(n_chunks, H, C, V, **f32), torch.empty(n_chunks, H, C, K, **f32)
     Pm, gamma = torch.empty(n_chunks, H, C, C, **f32), torch.empty(n_chunks, H, **f32)
     Qd, Kd = torch.empty_like(W), torch.empty_like(W)
     T = torch.empty_like(Pm) if save_t else Pm
