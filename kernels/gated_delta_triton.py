@@ -258,48 +258,6 @@ if triton is not None:
         _store_state(DS0 + state, vv, K, V, BK, NK, ds0, ds1, ds2, ds3)
 
     @triton.jit
-    def _state_products_kernel(
-        DD, DO_CH, D, STATES, DS_NEXT, DW, DQD, DKD, DP, K, V,
-        C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-    ):
-        """Per (chunk, head) the products of the scan's backward with the states, at TF32:
-        ``dW = -dD S^T``, ``dQd = dO S^T``, ``dKd = D dS'^T`` for one row block of the state
-        (program column ``< NK``), or ``dP = dO D^T`` (the last column). Transposed operands
-        are loaded transposed."""
-        ch = tl.program_id(0).to(tl.int64)
-        kb = tl.program_id(1)
-        r = tl.arange(0, C)
-        cv = ch * C * V + r[:, None] * V
-        if kb == NK:
-            dp = tl.zeros([C, C], dtype=tl.float32)
-            for vb in tl.static_range(NV):
-                vv = vb * BV + tl.arange(0, BV)
-                do = tl.load(DO_CH + cv + vv[None, :], mask=vv[None, :] < V, other=0.0)
-                d_t = tl.load(D + ch * C * V + r[None, :] * V + vv[:, None], mask=vv[:, None] < V, other=0.0)
-                dp += tl.dot(do, d_t, input_precision="tf32")
-            tl.store(DP + ch * C * C + r[:, None] * C + r[None, :], dp)
-        else:
-            kk = kb * BK + tl.arange(0, BK)
-            dw = tl.zeros([C, BK], dtype=tl.float32)
-            dqd = tl.zeros([C, BK], dtype=tl.float32)
-            dkd = tl.zeros([C, BK], dtype=tl.float32)
-            for vb in tl.static_range(NV):
-                vv = vb * BV + tl.arange(0, BV)
-                m = vv[None, :] < V
-                m_t = (vv[:, None] < V) & (kk[None, :] < K)
-                kv_t = ch * K * V + kk[None, :] * V + vv[:, None]
-                s_t = tl.load(STATES + kv_t, mask=m_t, other=0.0)
-                dw -= tl.dot(tl.load(DD + cv + vv[None, :], mask=m, other=0.0), s_t, input_precision="tf32")
-                dqd += tl.dot(tl.load(DO_CH + cv + vv[None, :], mask=m, other=0.0), s_t, input_precision="tf32")
-                dkd += tl.dot(tl.load(D + cv + vv[None, :], mask=m, other=0.0), tl.load(DS_NEXT + kv_t, mask=m_t, other=0.0),
-                              input_precision="tf32")
-            ck = ch * C * K + r[:, None] * K + kk[None, :]
-            ck_mask = kk[None, :] < K
-            tl.store(DW + ck, dw, mask=ck_mask)
-            tl.store(DQD + ck, dqd, mask=ck_mask)
-            tl.store(DKD + ck, dkd, mask=ck_mask)
-
-    @triton.jit
     def _chunk_gates(G, BETA, tok, H, i_h, valid, C: tl.constexpr, HAS_G: tl.constexpr):
         """``g`` (zeros without a decay), ``beta``, the cumulative ``G`` and ``G_last`` of one chunk."""
         if HAS_G:
@@ -668,29 +626,13 @@ class _ScanChunks(torch.autograd.Function):
             H, K, V, C=C, BK=BK, NK=NK, BV=_SCAN_BV, HAS_DSF=dSF is not None,
             PRECISION=_precision(ctx.low_precision), num_warps=_SCAN_WARPS, num_stages=1,
         )
-        dW, dP, dQd, dKd = _state_products(dD, dO_ch, D, states, ds_next, ctx.low_precision)
+        states_t = states.transpose(-1, -2)
+        dW = -(dD @ states_t)
+        dQd = dO_ch @ states_t
+        dP = dO_ch @ D.transpose(-1, -2)
+        dKd = D @ ds_next.transpose(-1, -2)
         return (dD, dW, dP, dQd, dKd, dgamma.sum(-1), dS0 if ctx.has_s0 else None,
                 None, None, None, None, None, None)
-
-
-def _state_products(dD, dO_ch, D, states, ds_next, low_precision: bool):
-    """``dW, dP, dQd, dKd`` of the scan's backward: one kernel at TF32 for bf16/fp16 problems (four
-    float32 batched matmuls cost 2.3 ms of a 28 ms MoM layer step at 16K tokens); exact float32
-    products for float32 problems."""
-    if not low_precision:
-        states_t = states.transpose(-1, -2)
-        return -(dD @ states_t), dO_ch @ D.transpose(-1, -2), dO_ch @ states_t, D @ ds_next.transpose(-1, -2)
-    n_chunks, H, C, V = D.shape
-    K = states.shape[-2]
-    dW, dQd, dKd = (D.new_empty(n_chunks, H, C, K) for _ in range(3))
-    dP = D.new_empty(n_chunks, H, C, C)
-    BK, NK = _state_tiles(K)
-    BV = min(64, _block(V))
-    _state_products_kernel[(n_chunks * H, NK + 1)](
-        dD, dO_ch, D, states, ds_next, dW, dQd, dKd, dP, K, V, C=C, BK=BK, NK=NK, BV=BV,
-        NV=triton.cdiv(V, BV), num_warps=4,
-    )
-    return dW, dP, dQd, dKd
 
 
 def scan_chunks(U, W, P, Qd, Kd, gamma, S0, offsets: torch.Tensor, chunk_start: torch.Tensor,
