@@ -51,16 +51,21 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _tile(SEQ, P, C, BT: tl.constexpr, BC: tl.constexpr):
+        """This program's tokens ``t`` and channels ``c``, the channel mask, the tile's mask and each
+        token's sequence ``n``."""
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        tm, cm = t < P, c < C
+        return t, c, cm, tm[:, None] & cm[None, :], tl.load(SEQ + t, mask=tm, other=0)
+
+    @triton.jit
     def _conv_forward_kernel(
         X, WEIGHT, WIN, SEQ, CU, Y, P, C,
         KS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_WIN: tl.constexpr, SILU: tl.constexpr,
     ):
-        t = tl.program_id(0) * BT + tl.arange(0, BT)
-        c = tl.program_id(1) * BC + tl.arange(0, BC)
-        tm, cm = t < P, c < C
-        live = tm[:, None] & cm[None, :]
-        n = tl.load(SEQ + t, mask=tm, other=0)
-        start = tl.load(CU + n, mask=tm, other=0)
+        t, c, cm, live, n = _tile(SEQ, P, C, BT, BC)
+        start = tl.load(CU + n, mask=t < P, other=0)
         y = _preactivation(X, WEIGHT, WIN, t, c, live, cm, n, start, C, KS, BT, BC, HAS_WIN)
         if SILU:
             y = y * tl.sigmoid(y)
@@ -93,12 +98,8 @@ if triton is not None:
         KS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_WIN: tl.constexpr, SILU: tl.constexpr,
     ):
         """The pre-activation's gradient (float32) and this tile's share of the weight's gradient."""
-        t = tl.program_id(0) * BT + tl.arange(0, BT)
-        c = tl.program_id(1) * BC + tl.arange(0, BC)
-        tm, cm = t < P, c < C
-        live = tm[:, None] & cm[None, :]
-        n = tl.load(SEQ + t, mask=tm, other=0)
-        start = tl.load(CU + n, mask=tm, other=0)
+        t, c, cm, live, n = _tile(SEQ, P, C, BT, BC)
+        start = tl.load(CU + n, mask=t < P, other=0)
         off = t[:, None].to(tl.int64) * C + c[None, :]
         dpre = tl.load(DY + off, mask=live, other=0.0).to(tl.float32)
         if SILU:
@@ -117,12 +118,8 @@ if triton is not None:
         KS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_DNW: tl.constexpr,
     ):
         """``dx[t] = sum_i w_i dpre[t + K - 1 - i]`` within ``t``'s sequence, plus its next-window gradient."""
-        t = tl.program_id(0) * BT + tl.arange(0, BT)
-        c = tl.program_id(1) * BC + tl.arange(0, BC)
-        tm, cm = t < P, c < C
-        live = tm[:, None] & cm[None, :]
-        n = tl.load(SEQ + t, mask=tm, other=0)
-        end = tl.load(CU + n + 1, mask=tm, other=0)
+        t, c, cm, live, n = _tile(SEQ, P, C, BT, BC)
+        end = tl.load(CU + n + 1, mask=t < P, other=0)
         acc = tl.zeros([BT, BC], dtype=tl.float32)
         for i in tl.static_range(KS):
             dst = t + (KS - 1) - i
