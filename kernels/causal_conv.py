@@ -15,7 +15,7 @@ keeping it). The backend rule is the memory kernels' (``backend.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 
 import torch
 from torch.nn import functional as F
@@ -25,47 +25,58 @@ from .backend import resolve_backend
 __all__ = ["ConvWindows", "packed_causal_conv"]
 
 
-@dataclass
 class ConvWindows:
-    """Where each sequence's cached window and tokens sit in one extended packed sequence.
+    """Where each sequence's tokens sit: ``cu_seqlens`` (int32) and ``token_sequence`` (``(P,)``
+    int32, the sequence of each packed token), which the Triton path reads.
 
-    Sequence ``i`` becomes the block ``[window_i, tokens_i]`` (``K - 1 + L_i`` rows)
-    and the blocks are laid back to back, so one ungapped depthwise ``conv1d`` over
-    the whole thing computes every token from its own window and predecessors and
-    never reads across a sequence boundary. Indices into that extended sequence
-    (the PyTorch path's layout):
+    The PyTorch path lays sequence ``i`` out as the block ``[window_i, tokens_i]``
+    (``K - 1 + L_i`` rows), blocks back to back, so one ungapped depthwise ``conv1d``
+    over the whole thing computes every token from its own window and predecessors and
+    never reads across a sequence boundary. Its indices into that extended sequence are
+    built on first use only (the Triton path never needs them):
 
     ``placement``: ``(N * (K - 1) + P,)``, where ``cat([window.flatten(0, 1), packed])`` goes.
     ``outputs``: ``(P,)``, the conv output row of each token.
     ``next_window``: ``(N * (K - 1),)``, the rows that form each sequence's next window.
-
-    The Triton path reads ``cu_seqlens`` and ``token_sequence`` (``(P,)`` int32, the
-    sequence of each packed token) instead.
     """
 
-    placement: torch.Tensor
-    outputs: torch.Tensor
-    next_window: torch.Tensor
-    num_sequences: int
-    cu_seqlens: torch.Tensor
-    token_sequence: torch.Tensor
+    def __init__(self, cu_seqlens: torch.Tensor, token_sequence: torch.Tensor, kernel_size: int) -> None:
+        self.cu_seqlens = cu_seqlens
+        self.token_sequence = token_sequence
+        self.kernel_size = kernel_size
+        self.num_sequences = cu_seqlens.numel() - 1
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, kernel_size: int) -> "ConvWindows":
-        device = cu_seqlens.device
         n = cu_seqlens.numel() - 1
-        w = kernel_size - 1
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        seq = torch.repeat_interleave(torch.arange(n, device=device), lengths)
-        pos = torch.arange(seq.numel(), device=device)
-        block_start = cu_seqlens[:-1] + torch.arange(n, device=device) * w  # where window i begins
+        seq = torch.repeat_interleave(torch.arange(n, device=cu_seqlens.device), lengths)
+        return cls(cu_seqlens.to(torch.int32), seq.to(torch.int32), kernel_size)
+
+    @functools.cached_property
+    def _extended_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        device, n, w = self.cu_seqlens.device, self.num_sequences, self.kernel_size - 1
+        cu = self.cu_seqlens.long()
+        seq = self.token_sequence.long()
+        lengths = cu[1:] - cu[:-1]
+        block_start = cu[:-1] + torch.arange(n, device=device) * w  # where window i begins
         r = torch.arange(w, device=device)
         window_rows = (block_start[:, None] + r).flatten()
-        token_rows = pos + (seq + 1) * w
+        token_rows = torch.arange(seq.numel(), device=device) + (seq + 1) * w
         next_window = ((block_start + lengths)[:, None] + r).flatten()
-        return cls(placement=torch.cat([window_rows, token_rows]), outputs=token_rows - w,
-                   next_window=next_window, num_sequences=n, cu_seqlens=cu_seqlens.to(torch.int32),
-                   token_sequence=seq.to(torch.int32))
+        return torch.cat([window_rows, token_rows]), token_rows - w, next_window
+
+    @property
+    def placement(self) -> torch.Tensor:
+        return self._extended_layout[0]
+
+    @property
+    def outputs(self) -> torch.Tensor:
+        return self._extended_layout[1]
+
+    @property
+    def next_window(self) -> torch.Tensor:
+        return self._extended_layout[2]
 
 
 def _torch_packed_conv(x: torch.Tensor, weight: torch.Tensor, windows: ConvWindows, window: torch.Tensor,
