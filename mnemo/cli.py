@@ -61,7 +61,7 @@ def _demo(args: argparse.Namespace) -> int:
           f"sequences of {settings.seq_len} tokens), {settings.steps} training steps per model on {settings.device}.")
     print("Each memory family is measured against the plain recurrent baseline: one fixed-size gated-delta memory "
           "(Gated DeltaNet).\n")
-    results, models = run_demo(settings, progress=not args.no_progress)
+    results, models = run_demo(settings, progress=not args.no_progress, workers=args.workers)
     print("\n" + results_table(results))
     json_path, csv_path = write_results(results, out, settings)
     png = plot_results(results, out / "accuracy.png")
@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default=None, help="default: cuda when available (quick mode: cpu)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--steps", type=int, default=None, help="training steps per model (default: the mode's)")
+    demo.add_argument("--workers", type=int, default=1,
+                      help="train this many families at once, one process each (default 1: one after another)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.add_argument("--no-export", action="store_true", help="skip exporting and reloading the best model")
     demo.set_defaults(func=_demo)

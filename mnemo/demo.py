@@ -18,10 +18,14 @@ CSV and a plot of accuracy against training steps.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
+import multiprocessing
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -44,6 +48,10 @@ class DemoSettings:
     that ruling out already-answered values is no shortcut (see :func:`~mnemo.tasks.mqar_batch`).
     The learning rate warms up linearly, then follows a cosine down to ``final_lr_ratio``
     of its peak (1.0: constant).
+    ``head_dim`` is the key width per head of every state-bound memory (``None``: ``hidden_size //
+    num_heads``): it sets how many keys one memory matrix can keep apart. The gated-delta memories keep their
+    values ``hidden_size // num_heads`` wide whatever it is; attention (DeepTransformer) is not state-bound and
+    keeps ``hidden_size // num_heads`` per head.
     ``eval_every`` is the step interval of the held-out evaluations (the accuracy curve).
     ``model_overrides`` maps a family name to config fields that replace the demo's choices.
     """
@@ -53,6 +61,7 @@ class DemoSettings:
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 2
+    head_dim: int | None = None
     seq_len: int = 33
     num_pairs: int = 8
     num_queries: int | None = None
@@ -80,10 +89,12 @@ class DemoSettings:
 
     @classmethod
     def default(cls, **overrides) -> "DemoSettings":
-        """Half again as many pairs, queries scattered over a longer sequence, two and a half times the
-        steps with a cosine decay: about 10-15 minutes on a laptop CPU, a few on a GPU."""
-        base = dict(seq_len=64, num_pairs=12, steps=500, eval_every=50, final_lr_ratio=0.1,
-                    device="cuda" if torch.cuda.is_available() else "cpu")
+        """Where the baseline's state runs short: 16 pairs (8 of them queried) over 24 possible keys, for
+        memories whose keys are 16 wide, 1,500 steps. One Gated DeltaNet matrix per head then has to keep 16
+        keys apart in 16 dimensions; the memory families hold more (several matrices, an MLP, cached copies).
+        About 20 minutes on a laptop CPU (less with ``workers``), 5 on a GPU with every family at once."""
+        base = dict(num_pairs=16, num_queries=8, vocab_size=52, seq_len=49, head_dim=16, steps=1500,
+                    eval_every=100, device="cuda" if torch.cuda.is_available() else "cpu")
         return cls(**{**base, **overrides})
 
     @property
@@ -131,15 +142,17 @@ def _common(settings: DemoSettings) -> dict:
 
 
 def _head_dim(settings: DemoSettings) -> int:
-    return settings.hidden_size // settings.num_heads
+    return settings.head_dim or settings.hidden_size // settings.num_heads
 
 
 def _mom(settings: DemoSettings, name: str, **memories):
     from mnemo import MoMConfig, MoMForCausalLM
 
     chunk = min(64, settings.seq_len)
-    kwargs = dict(num_heads=settings.num_heads, head_dim=_head_dim(settings), chunk_size=chunk, **memories,
-                  **_common(settings))
+    # Values as wide as the model's heads, keys as narrow as the settings ask (expand_v makes up the difference).
+    expand_v = max(1, settings.hidden_size // settings.num_heads // _head_dim(settings))
+    kwargs = dict(num_heads=settings.num_heads, head_dim=_head_dim(settings), expand_v=expand_v, chunk_size=chunk,
+                  **memories, **_common(settings))
     return MoMForCausalLM(MoMConfig(**{**kwargs, **settings.model_overrides.get(name, {})}))
 
 
@@ -225,13 +238,15 @@ def _learning_rate(step: int, settings: DemoSettings) -> float:
     return settings.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def _progress_bar(total: int, name: str, enabled: bool):
+def _progress_bar(total: int, name: str, enabled: bool, position: int = 0):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=f"{name:>16s}", disable=not enabled, leave=True, dynamic_ncols=True)
+    return tqdm(total=total, desc=f"{name:>16s}", disable=not enabled, leave=True, dynamic_ncols=True,
+                position=position)
 
 
-def train_family(name: str, model: PreTrainedModel, settings: DemoSettings, progress: bool = True) -> FamilyResult:
+def train_family(name: str, model: PreTrainedModel, settings: DemoSettings, progress: bool = True, *,
+                 bar_position: int = 0) -> FamilyResult:
     """Train ``model`` with AdamW on fresh MQAR batches and score it on the held-out set every ``eval_every`` steps.
 
     The batch stream is seeded by ``settings.seed`` alone, so every family sees the same
@@ -255,7 +270,7 @@ def train_family(name: str, model: PreTrainedModel, settings: DemoSettings, prog
 
     curve = [(0, evaluate())]
     train_seconds, loss_value, skipped = 0.0, float("nan"), 0
-    with _progress_bar(settings.steps, name, progress) as bar:
+    with _progress_bar(settings.steps, name, progress, bar_position) as bar:
         for step in range(settings.steps):
             start = time.perf_counter()
             input_ids, labels = mqar_batch(settings.batch_size, settings.num_pairs, settings.queries,
@@ -299,13 +314,48 @@ def train_family(name: str, model: PreTrainedModel, settings: DemoSettings, prog
     )
 
 
-def run_demo(settings: DemoSettings, progress: bool = True) -> tuple[list[FamilyResult], dict[str, PreTrainedModel]]:
-    """Build and train every family of ``settings``; returns the results and the trained models by family."""
+def _train_in_worker(name: str, settings: DemoSettings, progress: bool, position: int,
+                     threads: int) -> tuple[FamilyResult, bytes, dict]:
+    """One family trained in a worker process: its result, its weights (serialised) and the task it learnt."""
+    torch.set_num_threads(threads)
+    model = build_model(name, settings)
+    result = train_family(name, model, settings, progress=progress, bar_position=position)
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buffer)
+    return result, buffer.getvalue(), model.config.mqar_task
+
+
+def run_demo(settings: DemoSettings, progress: bool = True,
+             workers: int = 1) -> tuple[list[FamilyResult], dict[str, PreTrainedModel]]:
+    """Build and train every family of ``settings``; returns the results and the trained models by family.
+
+    ``workers > 1`` trains that many families at once, each in its own process (on a CPU, with the cores
+    shared out between them; on a GPU, all of them on the same device). Every family is seeded on its own,
+    so the results are those of a sequential run on a GPU; on a CPU they are those of a sequential run with
+    as many threads as each worker gets.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     results, models = [], {}
-    for name in settings.families:
-        model = build_model(name, settings)
-        results.append(train_family(name, model, settings, progress=progress))
-        models[name] = model
+    if workers == 1 or len(settings.families) == 1:
+        for name in settings.families:
+            model = build_model(name, settings)
+            results.append(train_family(name, model, settings, progress=progress))
+            models[name] = model
+        return results, models
+    workers = min(workers, len(settings.families))
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    # Spawned, not forked: a forked child of a process that has touched CUDA or OpenMP threads can hang.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_train_in_worker, name, settings, progress, position, threads)
+                   for position, name in enumerate(settings.families)]
+        for name, future in zip(settings.families, futures):
+            result, weights, task = future.result()
+            model = build_model(name, settings)
+            model.load_state_dict(torch.load(io.BytesIO(weights), weights_only=True))
+            model.config.mqar_task = task
+            results.append(result)
+            models[name] = model.to(settings.device).eval()
     return results, models
 
 

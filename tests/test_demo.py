@@ -73,6 +73,46 @@ def _heldout_loss(model, settings) -> float:
         return float(model(ids, labels=labels).loss)
 
 
+def test_head_dim_narrows_every_state_bound_memory():
+    """``head_dim`` sets the key width of every recurrent memory; gated-delta values stay head-wide."""
+    settings = tiny_settings(head_dim=8)  # hidden 32, 2 heads: heads 16 wide
+    for name in ("MoM", BASELINE, "Atlas", "MC-Titans"):
+        assert build_model(name, settings).config.head_dim == 8, name
+    for name in ("MoM", BASELINE):
+        config = build_model(name, settings).config
+        assert config.head_dim * config.expand_v == 16
+    attention = build_model("DeepTransformer", settings).config
+    assert attention.hidden_size // attention.num_attention_heads == 16
+    assert build_model(BASELINE, tiny_settings()).config.head_dim == 16
+    default = DemoSettings.default()
+    # The default asks the baseline to keep at least as many keys apart as its key width.
+    assert default.head_dim <= default.num_pairs and default.head_dim < default.hidden_size // default.num_heads
+
+
+def test_parallel_workers_give_the_sequential_results():
+    """Families trained in worker processes come back with the results and weights of a sequential run."""
+    import os
+
+    settings = tiny_settings(families=("MoM", BASELINE), steps=3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # what each of the two workers gets
+    try:
+        sequential, seq_models = run_demo(settings, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    parallel, par_models = run_demo(settings, progress=False, workers=2)
+    assert [r.family for r in parallel] == list(settings.families)
+    for a, b in zip(sequential, parallel):
+        assert (a.curve, a.final_loss, a.parameters) == (b.curve, b.final_loss, b.parameters)
+    for name in settings.families:
+        assert par_models[name].config.mqar_task == seq_models[name].config.mqar_task
+        expected = seq_models[name].state_dict()
+        for key, value in par_models[name].state_dict().items():
+            assert torch.equal(value, expected[key]), (name, key)
+    with pytest.raises(ValueError, match="workers"):
+        run_demo(settings, progress=False, workers=0)
+
+
 def test_training_changes_the_weights_and_reduces_the_loss():
     settings = tiny_settings(steps=25, eval_every=25, learning_rate=1e-2)
     model = build_model(BASELINE, settings)
