@@ -57,8 +57,10 @@ def _demo(args: argparse.Namespace) -> int:
     overrides = {"device": args.device, "steps": args.steps}
     settings = replace(settings, seed=args.seed, **{k: v for k, v in overrides.items() if v is not None})
     out = Path(args.output)
+    width = f"; memory keys {settings.head_dim} wide per head" if settings.head_dim else ""
     print(f"mnemo demo: multi-query associative recall ({settings.num_pairs} key-value pairs, then queries; "
-          f"sequences of {settings.seq_len} tokens), {settings.steps} training steps per model on {settings.device}.")
+          f"sequences of {settings.seq_len} tokens{width}), {settings.steps} training steps per model "
+          f"on {settings.device}.")
     print("Each memory family is measured against the plain recurrent baseline: one fixed-size gated-delta memory "
           "(Gated DeltaNet).\n")
     results, models = run_demo(settings, progress=not args.no_progress, workers=args.workers)
