@@ -92,7 +92,7 @@ class DemoSettings:
         """Where the baseline's state runs short: 16 pairs (8 of them queried) over 24 possible keys, for
         memories whose keys are 16 wide, 1,500 steps. One Gated DeltaNet matrix per head then has to keep 16
         keys apart in 16 dimensions; the memory families hold more (several matrices, an MLP, cached copies).
-        About 20 minutes on a laptop CPU (less with ``workers``), 5 on a GPU with every family at once."""
+        About 10 minutes on two CPU cores with two workers, 4-5 on a GPU with every family at once."""
         base = dict(num_pairs=16, num_queries=8, vocab_size=52, seq_len=49, head_dim=16, steps=1500,
                     eval_every=100, device="cuda" if torch.cuda.is_available() else "cpu")
         return cls(**{**base, **overrides})
