@@ -233,7 +233,17 @@ def format_results(result: dict) -> str:
     return header + "\n" + _table(rows)
 
 
+def _chosen_task(args: argparse.Namespace) -> str:
+    """The task named positionally (``mnemo eval MODEL mqar``) or by ``--task mqar``; both must agree."""
+    named = {t for t in (args.task, args.task_option) if t is not None}
+    if len(named) != 1:
+        problem = "name the task" if not named else f"two different tasks were named ({', '.join(sorted(named))})"
+        raise SystemExit(f"mnemo eval: {problem}: mnemo eval MODEL {{{','.join(TASKS)}}} (or --task TASK)")
+    return named.pop()
+
+
 def _run_eval(args: argparse.Namespace) -> int:
+    args.task = _chosen_task(args)
     options: dict[str, Any] = {}
     if args.task == "mqar":
         options = dict(length=args.length, pairs=args.pairs, queries=args.queries, samples=args.samples or 256,
@@ -256,13 +266,14 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 
 def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``eval`` subcommand (``mnemo eval MODEL {mqar,passkey,ppl} [options]``) to ``subparsers``."""
+    """Add the ``eval`` subcommand (``mnemo eval MODEL {mqar,passkey,ppl} [options]``, or ``--task TASK``)."""
     parser = subparsers.add_parser(
         "eval", help="score a model on MQAR, passkey retrieval or perplexity",
         description="Score a model folder (a mnemo checkpoint or an exported folder) on a task.",
     )
     parser.add_argument("model", help="a model folder (or Hub id)")
-    parser.add_argument("task", choices=TASKS)
+    parser.add_argument("task", nargs="?", choices=TASKS, help="the task (or --task)")
+    parser.add_argument("--task", dest="task_option", choices=TASKS, default=None, help="the task, as an option")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="write the results as JSON to this file")

@@ -339,6 +339,21 @@ def test_eval_subcommand_mqar_and_passkey(tmp_path, capsys):
     assert "passkey (token)" in printed and "32" in printed
 
 
+def test_eval_task_as_an_option(tmp_path, capsys):
+    """``--task mqar`` works as the positional task does; no task, or two different ones, is an error."""
+    tiny_atlas().save_pretrained(tmp_path / "atlas")
+    common = ["--length", "30", "--pairs", "4", "--samples", "4", "--device", "cpu"]
+    args = _parser().parse_args(["eval", str(tmp_path / "atlas"), "--task", "mqar", *common])
+    assert args.func(args) == 0 and "accuracy" in capsys.readouterr().out
+    args = _parser().parse_args(["eval", str(tmp_path / "atlas"), "mqar", "--task", "mqar", *common])
+    assert args.func(args) == 0
+    for argv, problem in ((["eval", str(tmp_path / "atlas")], "name the task"),
+                          (["eval", str(tmp_path / "atlas"), "mqar", "--task", "ppl"], "two different tasks")):
+        args = _parser().parse_args(argv)
+        with pytest.raises(SystemExit, match=problem):
+            args.func(args)
+
+
 def test_eval_subcommand_ppl_with_a_saved_tokenizer(tmp_path, capsys):
     tok = word_tokenizer()
     folder = tmp_path / "lm"
