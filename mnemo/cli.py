@@ -15,6 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _export_best(results, models, settings, out: Path) -> None:
     """Export the most accurate memory model, reload it without mnemo and generate from it."""
     import json
@@ -127,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output", default="mnemo-demo", help="folder for results.json/csv, the plot and the export")
     demo.add_argument("--device", default=None, help="default: cuda when available (quick mode: cpu)")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--steps", type=int, default=None, help="training steps per model (default: the mode's)")
-    demo.add_argument("--workers", type=int, default=1,
+    demo.add_argument("--steps", type=_positive_int, default=None, help="training steps per model (default: the mode's)")
+    demo.add_argument("--workers", type=_positive_int, default=1,
                       help="train this many families at once, one process each (default 1: one after another)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.add_argument("--no-export", action="store_true", help="skip exporting and reloading the best model")

@@ -217,3 +217,12 @@ def test_cli_demo_end_to_end_exports_and_reloads_without_mnemo(tmp_path, capsys)
     assert (out / "best-model" / "model.safetensors").is_file()
     # A second run into the same folder works (its results are rewritten).
     assert main(["demo", "--quick", "--steps", "1", "--output", str(out), "--no-progress", "--no-export"]) == 0
+
+
+@pytest.mark.parametrize("argv", [["--workers", "0"], ["--steps", "-3"]])
+def test_cli_demo_refuses_counts_below_one(argv, capsys):
+    from mnemo.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--quick", *argv])
+    assert exit_info.value.code == 2 and "must be >= 1" in capsys.readouterr().err
