@@ -43,6 +43,7 @@ import torch
 from .atlas import AtlasState, chunk_atlas, step_atlas
 from .memory_caching import mc_read
 from .norms import l2_normalize
+from .segment_keys import close_segments, key_mean, with_extra_slots
 from .titans import TitansMemorySpec, memory_apply, static_apply
 
 __all__ = ["AGGREGATIONS", "GATED_AGGREGATIONS", "CachedMemories", "chunk_mc_atlas", "reference_mc_atlas"]
@@ -102,7 +103,7 @@ class CachedMemories:
 
     def summary(self) -> torch.Tensor:
         """``r^(i)`` of every slot, ``(B, N, H, d_k)`` (zero in empty slots)."""
-        return self.key_sum / self.key_count.clamp(min=1)[..., None, None]
+        return key_mean(self.key_sum, self.key_count)
 
     def push(self, rows: torch.Tensor, weights: dict[str, torch.Tensor]) -> "CachedMemories":
         """A new list with ``weights`` appended for ``rows`` (bool ``(B,)``); with summaries, the
@@ -112,23 +113,17 @@ class CachedMemories:
         cached, key_sum, key_count = self.weights, self.key_sum, self.key_count
         N = next(iter(cached.values())).shape[1]
         if int((self.count + rows.long()).max()) > N:  # grow by one slot
-            def grow(c: torch.Tensor) -> torch.Tensor:
-                return torch.cat([c, c.new_zeros(c.shape[0], 1, *c.shape[2:])], 1)
-
-            cached = {n: grow(c) for n, c in cached.items()}
+            cached = {n: with_extra_slots(c, 1) for n, c in cached.items()}
             if self.has_summaries:
-                key_sum, key_count = grow(key_sum), grow(key_count)
+                key_sum, key_count = with_extra_slots(key_sum, 1), with_extra_slots(key_count, 1)
             N += 1
         slot = (torch.arange(N, device=rows.device)[None] == self.count[:, None]) & rows[:, None]
         s = slot[..., None, None, None]
         out = CachedMemories({n: torch.where(s, weights[n][:, None].to(c.dtype), c) for n, c in cached.items()},
                              self.count + rows.long())
         if self.has_summaries:
-            out.key_sum = torch.where(slot[..., None, None], self.online_key_sum[:, None], key_sum)
-            out.key_count = torch.where(slot, self.online_key_count[:, None], key_count)
-            out.online_key_sum = torch.where(rows[:, None, None], torch.zeros_like(self.online_key_sum),
-                                             self.online_key_sum)
-            out.online_key_count = torch.where(rows, torch.zeros_like(self.online_key_count), self.online_key_count)
+            out.key_sum, out.key_count, out.online_key_sum, out.online_key_count = close_segments(
+                key_sum, key_count, self.online_key_sum, self.online_key_count, slot, rows)
         return out
 
     def read(self, spec: TitansMemorySpec, q: torch.Tensor) -> torch.Tensor:
@@ -264,7 +259,7 @@ def chunk_mc_atlas(
                 keys = l2_normalize(piece[1].to(dtype)) * live[..., None, None]
                 run_sum = cached.online_key_sum[:, None] + keys.cumsum(1)  # (B, width, H, d_k)
                 run_count = cached.online_key_count[:, None] + live.to(dtype).cumsum(1)
-                online_summary = run_sum / run_count.clamp(min=1)[..., None, None]
+                online_summary = key_mean(run_sum, run_count)
                 gates_in = _front(u, start, width).to(dtype)
                 read = _gated_read(spec, aggregation, ssc_topk, cached)
             if width == 1:

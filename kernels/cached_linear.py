@@ -59,6 +59,7 @@ import torch
 
 from .gated_delta import _prepare_qk, chunk_gated_delta, reference_gated_delta, step_gated_delta
 from .memory_caching import mc_read, ssc_select
+from .segment_keys import close_segments, key_mean, with_extra_slots
 from .titans import TitansMemorySpec
 
 __all__ = [
@@ -128,35 +129,25 @@ class CachedStates:
 
     def summary(self) -> torch.Tensor:
         """``r^(i)`` of every slot, ``(..., N, H, d_k)``: zero where no key was received."""
-        return self.key_sum / self.key_count.clamp(min=1)[..., None, None]
+        return key_mean(self.key_sum, self.key_count)
 
     def with_slots(self, n: int) -> "CachedStates":
         """At least ``n`` slots (new slots are zero)."""
         extra = n - self.slots
         if extra <= 0:
             return self
-
-        def grow(t: torch.Tensor, dim: int) -> torch.Tensor:
-            shape = list(t.shape)
-            shape[dim] = extra
-            return torch.cat([t, t.new_zeros(shape)], dim)
-
-        return replace(self, states=grow(self.states, -4), key_sum=grow(self.key_sum, -3),
-                       key_count=grow(self.key_count, -1))
+        return replace(self, states=with_extra_slots(self.states, -4, extra),
+                       key_sum=with_extra_slots(self.key_sum, -3, extra),
+                       key_count=with_extra_slots(self.key_count, -1, extra))
 
     def push(self, closing: torch.Tensor, slot: torch.Tensor, state: torch.Tensor) -> "CachedStates":
         """Cache ``state`` ``(..., H, d_k, d_v)`` and the online segment's key sums in ``slot`` ``(...,)`` where
         ``closing`` ``(...,)``, and restart those online segments empty. The slots must exist (no device read
         here: :meth:`with_slots` first)."""
         at = (torch.arange(self.slots, device=slot.device) == slot[..., None]) & closing[..., None]  # (..., N)
-        closed = closing[..., None, None]
-        return CachedStates(
-            torch.where(at[..., None, None, None], state.unsqueeze(-4).to(self.states.dtype), self.states),
-            torch.where(at[..., None, None], self.online_key_sum.unsqueeze(-3), self.key_sum),
-            torch.where(at, self.online_key_count.unsqueeze(-1), self.key_count),
-            torch.where(closed, torch.zeros_like(self.online_key_sum), self.online_key_sum),
-            torch.where(closing, torch.zeros_like(self.online_key_count), self.online_key_count),
-        )
+        states = torch.where(at[..., None, None, None], state.unsqueeze(-4).to(self.states.dtype), self.states)
+        return CachedStates(states, *close_segments(self.key_sum, self.key_count, self.online_key_sum,
+                                                    self.online_key_count, at, closing))
 
 
 def read_scored(
@@ -273,7 +264,7 @@ def _read_segment_gated(o, qn, kn, u, pieces, cached: CachedStates, cached_valid
     # Running summary of the online segment: its keys so far, each token's own included.
     run_sum = cached.online_key_sum[:, None] + pad(kn).cumsum(1)  # (n, L, H, d_k)
     run_count = cached.online_key_count[:, None] + live.to(run_sum.dtype).cumsum(1)
-    summary = run_sum / run_count.clamp(min=1)[..., None, None]
+    summary = key_mean(run_sum, run_count)
     y = read_scored(pad(o), pad(qn), pad(u), summary, cached, cached_valid, aggregation, ssc_topk)[seq, local]
     return y, replace(cached, online_key_sum=run_sum[:, -1], online_key_count=run_count[:, -1])
 
@@ -404,7 +395,7 @@ def step_mc_gated_delta(
     weight = torch.ones(q.shape[0], dtype=dtype, device=q.device) if live is None else live.to(dtype)
     cached = replace(cached, online_key_sum=cached.online_key_sum.to(dtype) + kn * weight[:, None, None],
                      online_key_count=cached.online_key_count.to(dtype) + weight)
-    summary = cached.online_key_sum / cached.online_key_count.clamp(min=1)[:, None, None]
+    summary = key_mean(cached.online_key_sum, cached.online_key_count)
     y = read_scored(o.to(dtype)[:, None], qn[:, None], u.to(dtype)[:, None], summary[:, None],
                     cached.map(lambda t: t.to(dtype)), cached_valid, aggregation, ssc_topk)[:, 0]
     return y.to(v.dtype), new, cached

@@ -51,6 +51,7 @@ from .titans import (
     titans_chunk_operator,
 )
 from .norms import l2_normalize
+from .segment_keys import close_segments, key_mean, with_extra_slots
 
 __all__ = [
     "AGGREGATIONS",
@@ -297,7 +298,7 @@ class MCState:
         return torch.arange(N, device=self.seen.device)[None] < self.num_cached[:, None]
 
     def cached_summary(self) -> torch.Tensor:
-        return self.cached_key_sum / self.cached_key_count.clamp(min=1)[..., None, None]
+        return key_mean(self.cached_key_sum, self.cached_key_count)
 
     def push(self, rows: torch.Tensor, weights: dict[str, torch.Tensor]) -> None:
         """Cache ``weights`` and the online segment's keys for ``rows`` (bool ``(B,)``), then reset the segment."""
@@ -305,21 +306,16 @@ class MCState:
             return
         N = self.cached_key_count.shape[1]
         if int((self.num_cached + rows.long()).max()) > N:  # grow by one slot
-            self.cached = {n: torch.cat([c, c.new_zeros(c.shape[0], 1, *c.shape[2:])], 1) for n, c in self.cached.items()}
-            self.cached_key_sum = torch.cat([self.cached_key_sum, self.cached_key_sum.new_zeros(
-                self.cached_key_sum.shape[0], 1, *self.cached_key_sum.shape[2:])], 1)
-            self.cached_key_count = torch.cat([self.cached_key_count, self.cached_key_count.new_zeros(
-                self.cached_key_count.shape[0], 1)], 1)
+            self.cached = {n: with_extra_slots(c, 1) for n, c in self.cached.items()}
+            self.cached_key_sum = with_extra_slots(self.cached_key_sum, 1)
+            self.cached_key_count = with_extra_slots(self.cached_key_count, 1)
             N += 1
         slot = (torch.arange(N, device=rows.device)[None] == self.num_cached[:, None]) & rows[:, None]  # (B, N)
         s = slot[..., None, None, None]
         self.cached = {n: torch.where(s, weights[n][:, None].to(c.dtype), c) for n, c in self.cached.items()}
-        self.cached_key_sum = torch.where(slot[..., None, None], self.key_sum[:, None], self.cached_key_sum)
-        self.cached_key_count = torch.where(slot, self.key_count[:, None], self.cached_key_count)
+        self.cached_key_sum, self.cached_key_count, self.key_sum, self.key_count = close_segments(
+            self.cached_key_sum, self.cached_key_count, self.key_sum, self.key_count, slot, rows)
         self.num_cached = self.num_cached + rows.long()
-        r = rows[:, None, None]
-        self.key_sum = torch.where(r, torch.zeros_like(self.key_sum), self.key_sum)
-        self.key_count = torch.where(rows, torch.zeros_like(self.key_count), self.key_count)
 
     def merge_log(self, rows: torch.Tensor, length: torch.Tensor) -> None:
         """Logarithmic segments: keep ``popcount(length) - 1`` cached memories; merge the dropped ones' keys
@@ -380,7 +376,7 @@ def step_mc_titans(
     state.key_sum = state.key_sum + kn * live[:, None, None]
     state.key_count = state.key_count + live.to(state.key_count.dtype)
     qn = l2_normalize(q.to(dtype))[:, :, None]
-    online_summary = (state.key_sum / state.key_count.clamp(min=1)[:, None, None])[:, :, None]
+    online_summary = key_mean(state.key_sum, state.key_count)[:, :, None]
     y = mc_read(spec, options.aggregation, options.ssc_topk, qn, u.to(dtype)[:, :, None], static_apply(mem.weights),
                 online_summary, state.cached, state.cached_summary(), state.cached_valid)[:, :, 0]
     state.seen = n + live.long()
