@@ -3,6 +3,8 @@
 Same work as shared/anchors/bench_anchors.py: hidden 1024, 16,384 tokens per batch
 at T=2048 (B=8) and T=8192 (B=2). Prints one JSON line per measurement and writes
 ``$OUT/bench_layers.json``. Run on the GPU machine with mnemo importable.
+``ONLY=name`` picks layers, ``TF32=1`` lets float32 matmuls use TF32 tensor cores
+(``torch.set_float32_matmul_precision("high")``), ``ITERS=n`` times n steps.
 """
 
 from __future__ import annotations
@@ -117,6 +119,10 @@ def record(**row):
 
 def main():
     only = os.environ.get("ONLY")
+    tf32 = os.environ.get("TF32") == "1"
+    if tf32:
+        torch.set_float32_matmul_precision("high")
+    iters = int(os.environ.get("ITERS", 5))
     tokens = int(os.environ.get("TOKENS", TOKENS))
     for T in (2048, 8192):
         B = max(1, tokens // T)
@@ -127,8 +133,8 @@ def main():
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
                 layer = make().to(DEV, DT)
-                ms = layer_fwd_bwd_ms(layer, B, T)
-                record(layer=name, T=T, B=B, ms=round(ms, 2), tok_per_s=round(B * T / ms * 1e3),
+                ms = layer_fwd_bwd_ms(layer, B, T, iters=iters)
+                record(layer=name, T=T, B=B, tf32=tf32, ms=round(ms, 2), tok_per_s=round(B * T / ms * 1e3),
                        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
                 del layer
             except Exception as exc:  # a layer that does not fit is a result too

@@ -24,11 +24,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from .backend import resolve_backend
-from .titans import ChunkOperator, TitansMemorySpec, align_rows, grad_factors, memory_apply, static_apply
+from .chunk_loop import run_chunks
+from .titans import (
+    ChunkOperator,
+    TitansMemorySpec,
+    align_rows,
+    chunks_first,
+    chunks_last,
+    grad_factors,
+    memory_apply,
+    static_apply,
+)
 
 __all__ = [
     "NS_COEFFICIENTS",
@@ -243,6 +254,54 @@ class MuonChunk:
         return ({n: w[:, :, -1] for n, w in self.weights.items()}, {n: s[:, :, -1] for n, s in self.momenta.items()})
 
 
+def _atlas_chunk_step(spec: TitansMemorySpec, optimizer: str, ns_steps: int, track_start: bool, n_extra: int,
+                      with_stored: bool, read, carry, x, consts):
+    """One inner chunk of :func:`chunk_atlas` as a :func:`~.chunk_loop.run_chunks` step.
+
+    ``carry``: weights, (not ``gd``) momenta and (``track_start``) chunk-start weights, in
+    ``spec.shapes`` order. ``x``: the chunk's ``q`` ``(B, H, C, d_k)``, its window ``k, v, gamma``
+    (``C + c - 1`` tokens), ``alpha, lr, momentum`` ``(B, H, C)``, ``live (B, C)``, ``stops (B,)``
+    and ``n_extra`` read inputs. ``consts``: the window band ``(C, C + c - 1)``, the read's
+    constants, then (``with_stored``) ``use_stored (B,)`` and the stored chunk-start weights.
+    """
+    names = list(spec.shapes)
+    m = len(names)
+    W = dict(zip(names, carry[:m]))
+    S = None if optimizer == "gd" else dict(zip(names, carry[m:2 * m]))
+    q, k, v, gamma, alpha, lr, mom, lv, stops = x[:9]
+    extra = x[9:9 + n_extra]
+    inside = consts[0]
+    n_stored = m + 1 if with_stored else 0
+    read_consts = consts[1:len(consts) - n_stored]
+    grad_w = W
+    if with_stored:
+        use_stored = consts[len(consts) - n_stored][:, None, None, None]
+        grad_w = {n: torch.where(use_stored, c, W[n]) for n, c in zip(names, consts[len(consts) - m:])}
+    factors = grad_factors(spec, grad_w, k, v)
+    band = inside[None, None] * gamma[:, :, None, :] * lv[:, None, :, None]
+    one, zero = torch.ones_like(alpha), torch.zeros_like(alpha)
+    lvh = lv[:, None, :]
+    dM = torch.where(lvh, alpha, one)
+    gm = torch.where(lvh, -lr, zero)
+    if optimizer == "gd":
+        op = ChunkOperator(W, None, factors, band, dM, gm)
+    else:
+        dS = torch.where(lvh, mom, one)
+        if optimizer == "momentum":
+            op = ChunkOperator(W, S, factors, band, dM, gm, dS, torch.where(lvh, one, zero))
+        else:
+            op = MuonChunk(W, S, factors, band, dM, gm, dS, ns_steps)
+    y = memory_apply(spec, op, q) if read is None else read(op, q, *extra, *read_consts)
+    W, S = op.final()
+    new_carry = tuple(W[n] for n in names)
+    if optimizer != "gd":
+        new_carry += tuple(S[n] for n in names)
+    if track_start:
+        here = stops[:, None, None, None]
+        new_carry += tuple(torch.where(here, grad_w[n], c) for n, c in zip(names, carry[len(carry) - m:]))
+    return (y,), new_carry
+
+
 def chunk_atlas(
     spec: TitansMemorySpec,
     q, k, v, alpha, lr, momentum, gamma,
@@ -255,6 +314,7 @@ def chunk_atlas(
     lengths: torch.Tensor | None = None,
     read: Callable[..., torch.Tensor] | None = None,
     read_inputs: Sequence[torch.Tensor] = (),
+    read_consts: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, AtlasState]:
     """``T`` new tokens per row (compacted, ``lengths`` valid), continuing ``state``.
 
@@ -262,11 +322,13 @@ def chunk_atlas(
     :func:`~.titans.chunk_titans`) and each row's last ``c - 1`` tokens from the
     state sit just before its first new token, so every window is complete.
 
-    ``read(apply, q, *inputs)``, when given, replaces each inner chunk's read
+    ``read(apply, q, *inputs, *consts)``, when given, replaces each inner chunk's read
     ``memory_apply(spec, apply, q)``: ``apply`` gives every token's online weights
     (after its own write), ``q`` and ``inputs`` (per-token tensors ``(B, T, H, ...)``
-    laid out like ``q``) come as the chunk's ``(B, H, C, ...)`` slices. Memory
-    Caching reads its cached memories alongside the online one through it.
+    laid out like ``q``) come as the chunk's ``(B, H, C, ...)`` slices and ``consts``
+    are ``read_consts`` as given. Memory Caching reads its cached memories alongside
+    the online one through it. ``read`` must take every tensor it reads as an
+    argument (the chunks' backward recomputes it and differentiates only its arguments).
     """
     resolve_backend(q, has_triton_impl=False)
     if optimizer not in OPTIMIZERS:
@@ -300,46 +362,54 @@ def chunk_atlas(
     bufs = {n: b.transpose(1, 2) for n, b in bufs.items()}  # (B, H, total, ...)
     bufs["gamma"] = bufs["gamma"] * present[:, None, :]
 
-    W = {n: w.to(dtype) for n, w in state.weights.items()}
-    S = None if state.momentum is None else {n: s.to(dtype) for n, s in state.momentum.items()}
+    names = list(spec.shapes)
+    m = len(names)
     end = shift + lengths
-    chunk_start = dict(state.chunk_start)
+    n_chunks = span // C
+    starts = torch.arange(n_chunks, device=device)[:, None] * C
+    stops = (end[None] > starts) & (end[None] < starts + C)  # (n, B): rows whose last token is inside
+    # Only rows that stop inside a chunk change their chunk-start weights; with none (whole chunks,
+    # the training case) the carry leaves them out.
+    track_start = bool(stops.any())
+    stored = tuple(state.chunk_start[n].to(dtype) for n in names)
+    carry = tuple(state.weights[n].to(dtype) for n in names)
+    if optimizer != "gd":
+        carry += tuple(state.momentum[n].to(dtype) for n in names)
+    if track_start:
+        carry += stored
+
+    def own(x):  # (B, H, total, ...) -> each chunk's own tokens, (n, B, H, C, ...)
+        return chunks_first(x[:, :, pre:], C)
+
+    def windowed(x):  # each chunk's tokens with the c - 1 before them: (n, B, H, C + c - 1, ...)
+        w = x.unfold(2, C + pre, C)  # (B, H, n, ..., C + pre)
+        return w.movedim(-1, 3).movedim(2, 0)
+
+    xs = [own(bufs["q"]), windowed(bufs["k"]), windowed(bufs["v"]), windowed(bufs["gamma"]), own(bufs["alpha"]),
+          own(bufs["lr"]), own(bufs["mom"]), live[:, pre:].reshape(B, n_chunks, C).movedim(1, 0), stops]
+    xs += [own(x) for x in extra]
+    pos = torch.arange(C + pre, device=device)
+    t_pos, i_pos = pos[pre:], pos
+    inside = (i_pos[None, :] <= t_pos[:, None]) & (t_pos[:, None] <= i_pos[None, :] + c - 1)  # (C, C + c - 1)
+    read_consts = tuple(read_consts)
+    # Shifts are below C, so only the first chunk holds resumed rows' first tokens.
     resumed = state.position > 0
     outputs = []
-    pos = torch.arange(total, device=device)
-    for j in range(span // C):
-        lo, hi = pre + j * C, pre + (j + 1) * C
-        O = slice(lo - pre, hi)  # window tokens of this chunk
-        contains_first = resumed & (shift >= j * C) & (shift < (j + 1) * C)
-        use_stored = contains_first[:, None, None, None]
-        grad_w = {n: torch.where(use_stored, state.chunk_start[n].to(dtype), W[n]) for n in W}
-        stops = ((end > j * C) & (end < (j + 1) * C))[:, None, None, None]
-        chunk_start = {n: torch.where(stops, grad_w[n], chunk_start[n]) for n in W}
-        factors = grad_factors(spec, grad_w, bufs["k"][:, :, O], bufs["v"][:, :, O])
-        t_pos, i_pos = pos[lo:hi], pos[O]
-        inside = (i_pos[None, :] <= t_pos[:, None]) & (t_pos[:, None] <= i_pos[None, :] + c - 1)  # (C, K)
-        lv = live[:, lo:hi]
-        band = inside[None, None] * bufs["gamma"][:, :, None, O] * lv[:, None, :, None]
-        one, zero = torch.ones_like(bufs["alpha"][:, :, lo:hi]), torch.zeros_like(bufs["alpha"][:, :, lo:hi])
-        lvh = lv[:, None, :]
-        dM = torch.where(lvh, bufs["alpha"][:, :, lo:hi], one)
-        gm = torch.where(lvh, -bufs["lr"][:, :, lo:hi], zero)
-        if optimizer == "gd":
-            op = ChunkOperator(W, None, factors, band, dM, gm)
-        else:
-            dS = torch.where(lvh, bufs["mom"][:, :, lo:hi], one)
-            if optimizer == "momentum":
-                op = ChunkOperator(W, S, factors, band, dM, gm, dS, torch.where(lvh, one, zero))
-            else:
-                op = MuonChunk(W, S, factors, band, dM, gm, dS, ns_steps)
-        q_chunk = bufs["q"][:, :, lo:hi]
-        if read is None:
-            outputs.append(memory_apply(spec, op, q_chunk))
-        else:
-            outputs.append(read(op, q_chunk, *(x[:, :, lo:hi] for x in extra)))
-        W, S_new = op.final()
-        S = None if optimizer == "gd" else S_new
-    o = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, span, H, d_v)
+    first = 0
+    if bool(resumed.any()):
+        step = partial(_atlas_chunk_step, spec, optimizer, ns_steps, track_start, len(extra), True, read)
+        ys, carry = run_chunks(step, carry, [x[:1] for x in xs], (inside, *read_consts, resumed, *stored))
+        outputs.append(ys[0])
+        first = 1
+    if first < n_chunks:
+        step = partial(_atlas_chunk_step, spec, optimizer, ns_steps, track_start, len(extra), False, read)
+        ys, carry = run_chunks(step, carry, [x[first:] for x in xs], (inside, *read_consts))
+        outputs.append(ys[0])
+    o = chunks_last(torch.cat(outputs) if len(outputs) > 1 else outputs[0]).transpose(1, 2)  # (B, span, H, d_v)
+    W = dict(zip(names, carry[:m]))
+    S = None if optimizer == "gd" else dict(zip(names, carry[m:2 * m]))
+    k_ = 2 * m if optimizer != "gd" else m
+    chunk_start = dict(zip(names, carry[k_:k_ + m])) if track_start else dict(zip(names, stored))
     o = o.gather(1, (slot - pre).clamp(0, span - 1).view(B, T, 1, 1).expand(B, T, H, o.shape[-1]))
     o = o * (torch.arange(T, device=device)[None] < lengths[:, None])[..., None, None]
     # the last c - 1 tokens of each row form the next window

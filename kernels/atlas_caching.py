@@ -151,13 +151,19 @@ def _stack(items: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 def _gated_read(spec: TitansMemorySpec, aggregation: str, ssc_topk: int,
                 cached: CachedMemories) -> Callable[..., torch.Tensor]:
     """The read of one segment's tokens: the online memory and the memories ``cached`` before the segment."""
-    cached_summary, cached_valid = cached.summary(), cached.valid
+    names = list(cached.weights)
 
-    def read(apply, q: torch.Tensor, u: torch.Tensor, online_summary: torch.Tensor) -> torch.Tensor:
-        return mc_read(spec, aggregation, ssc_topk, q, u, apply, online_summary, cached.weights, cached_summary,
-                       cached_valid)
+    def read(apply, q: torch.Tensor, u: torch.Tensor, online_summary: torch.Tensor, cached_valid: torch.Tensor,
+             cached_summary: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        return mc_read(spec, aggregation, ssc_topk, q, u, apply, online_summary, dict(zip(names, weights)),
+                       cached_summary, cached_valid)
 
     return read
+
+
+def _read_consts(cached: CachedMemories) -> tuple[torch.Tensor, ...]:
+    """The tensors :func:`_gated_read`'s read takes after its per-token inputs."""
+    return (cached.valid, cached.summary(), *cached.weights.values())
 
 
 def reference_mc_atlas(
@@ -268,10 +274,12 @@ def chunk_mc_atlas(
                 o = o[:, None]
                 if gated:  # the step's own output is the online read alone: read again with the cache
                     o = read(static_apply(state.weights), piece[0].to(dtype).transpose(1, 2),
-                             gates_in.transpose(1, 2), online_summary.transpose(1, 2)).transpose(1, 2)
+                             gates_in.transpose(1, 2), online_summary.transpose(1, 2),
+                             *_read_consts(cached)).transpose(1, 2)
             elif gated:
                 o, state = chunk_atlas(spec, *piece, state, lengths=count, read=read,
-                                       read_inputs=(gates_in, online_summary), **options)
+                                       read_inputs=(gates_in, online_summary), read_consts=_read_consts(cached),
+                                       **options)
             else:
                 o, state = chunk_atlas(spec, *piece, state, lengths=count, **options)
             if gated:

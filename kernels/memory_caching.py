@@ -36,10 +36,12 @@ Entry points: :func:`reference_mc_titans` (readable, per row, Python lists),
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
 from .backend import resolve_backend
+from .chunk_loop import run_chunks
 from .titans import (
     TitansMemorySpec,
     TitansState,
@@ -388,6 +390,47 @@ def step_mc_titans(
 # --------------------------------------------------------------------------- chunked
 
 
+def _segment_chunks(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``(B, H, n * width, ...)`` -> ``(n, B, H, width, ...)``: chunks first, for :func:`run_chunks`."""
+    B, H, L = x.shape[:3]
+    return x.reshape(B, H, L // width, width, *x.shape[3:]).movedim(2, 0)
+
+
+def _mc_chunk_step(spec: TitansMemorySpec, options: MCOptions, track_start: bool, with_stored: bool,
+                   carry, x, consts):
+    """One inner chunk of :func:`chunk_mc_titans` as a :func:`~.chunk_loop.run_chunks` step.
+
+    ``carry``: weights, momenta, (``track_start``) chunk-start weights, in ``spec.shapes`` order,
+    then the online segment's ``key_sum, key_count``. ``x``: the chunk's ``q, k, v, u`` and gates
+    ``(B, H, C, .)``, ``live (B, C)``, ``stops (B,)`` (rows whose last token is inside) and
+    ``use_stored (B,)`` (resumed rows whose first token is inside). ``consts``: the cache
+    (``valid``, summaries, weights), then (``with_stored``) the stored chunk-start weights.
+    """
+    names = list(spec.shapes)
+    m = len(names)
+    W, M = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
+    key_sum, key_count = carry[-2], carry[-1]
+    q, k, v, u, alpha, eta, theta, lv, stops, use_stored = x
+    cached_valid, cached_summary = consts[0], consts[1]
+    cached = dict(zip(names, consts[2:2 + m]))
+    grad_w = W
+    if with_stored:
+        r = use_stored[:, None, None, None]
+        grad_w = {n: torch.where(r, c, W[n]) for n, c in zip(names, consts[2 + m:])}
+    op = titans_chunk_operator(spec, W, M, grad_w, k, v, alpha, eta, theta, lv)
+    run_sum = key_sum[:, :, None] + (k * lv[:, None, :, None]).cumsum(2)
+    run_count = key_count[:, None] + lv.to(k.dtype).cumsum(1)
+    summary = run_sum / run_count.clamp(min=1)[:, None, :, None]
+    y = mc_read(spec, options.aggregation, options.ssc_topk, q, u, op, summary, cached, cached_summary,
+                cached_valid)
+    W, M = op.final()
+    new_carry = tuple(W[n] for n in names) + tuple(M[n] for n in names)
+    if track_start:
+        here = stops[:, None, None, None]
+        new_carry += tuple(torch.where(here, grad_w[n], c) for n, c in zip(names, carry[2 * m:3 * m]))
+    return (y,), new_carry + (run_sum[:, :, -1], run_count[:, -1])
+
+
 def chunk_mc_titans(
     spec: TitansMemorySpec,
     options: MCOptions,
@@ -422,50 +465,64 @@ def chunk_mc_titans(
         buf, live, slot = align_rows(x.to(dtype), shift, lengths, total)
         bufs[name] = buf.transpose(1, 2)
     mem = state.memory
+    names = list(spec.shapes)
+    m = len(names)
     W = {n: w.to(dtype) for n, w in mem.weights.items()}
-    M = {n: m.to(dtype) for n, m in mem.momentum.items()}
+    M = {n: x.to(dtype) for n, x in mem.momentum.items()}
     end = shift + lengths
-    first = shift
     # A row whose first new token starts a segment starts a fresh inner chunk (inner chunks restart
     # at every segment start), whatever position its memory holds: the one-token step leaves the
     # position reached in a segment's last chunk and resets it only at the next token, so resuming
     # from it took the first chunk's gradients at a stale chunk-start memory.
     resumed = (mem.position > 0) & (shift > 0) if S_seg else (mem.position > 0)
-    chunk_start = dict(mem.chunk_start)
-    outputs = torch.zeros(B, H, total, v.shape[-1], dtype=dtype, device=q.device)
+    stored = tuple(mem.chunk_start[n].to(dtype) for n in names)
+    any_resumed = bool(resumed.any())
+    # Rows whose last token falls inside a chunk: only they change their chunk-start weights, and
+    # without any (whole chunks, the training case) the carry leaves those weights out.
+    grid = [(c0, min(c0 + C, s0 + seg)) for s0 in range(0, total, seg) for c0 in range(s0, s0 + seg, C)]
+    track_start = bool(torch.stack([(end > c0) & (end < c1) for c0, c1 in grid]).any())
+    chunk_start = stored
+    outputs = []
     key_sum, key_count = state.key_sum.to(dtype), state.key_count.to(dtype)
-    state.key_sum, state.key_count = key_sum, key_count
     for s0 in range(0, total, seg):
         if options.cache_mode == "independent" and S_seg:
             starts = live[:, s0] & (state.seen + (s0 - shift) > 0)
             r = starts[:, None, None, None]
             W = {n: torch.where(r, init[n].to(dtype).expand_as(w), w) for n, w in W.items()}
-            M = {n: torch.where(r, torch.zeros_like(m), m) for n, m in M.items()}
-        for c0 in range(s0, min(s0 + seg, total), C):
-            c1 = min(c0 + C, s0 + seg)
-            sl = slice(c0, c1)
-            contains_first = (first >= c0) & (first < c1) & resumed
-            use_stored = contains_first[:, None, None, None]
-            grad_w = {n: torch.where(use_stored, mem.chunk_start[n].to(dtype), W[n]) for n in W}
-            stops = ((end > c0) & (end < c1))[:, None, None, None]
-            chunk_start = {n: torch.where(stops, grad_w[n], chunk_start[n]) for n in W}
-            lv = live[:, sl]
-            op = titans_chunk_operator(spec, W, M, grad_w, bufs["k"][:, :, sl], bufs["v"][:, :, sl],
-                                       bufs["alpha"][:, :, sl], bufs["eta"][:, :, sl], bufs["theta"][:, :, sl], lv)
-            kl = bufs["k"][:, :, sl] * lv[:, None, :, None]
-            run_sum = key_sum[:, :, None] + kl.cumsum(2)
-            run_count = key_count[:, None] + lv.to(dtype).cumsum(1)
-            summary = run_sum / run_count.clamp(min=1)[:, None, :, None]
-            outputs[:, :, sl] = mc_read(spec, options.aggregation, options.ssc_topk, bufs["q"][:, :, sl],
-                                        bufs["u"][:, :, sl], op, summary, state.cached, state.cached_summary(),
-                                        state.cached_valid)
-            W, M = op.final()
-            key_sum, key_count = run_sum[:, :, -1], run_count[:, -1]
-            state.key_sum, state.key_count = key_sum, key_count
+            M = {n: torch.where(r, torch.zeros_like(x), x) for n, x in M.items()}
+        s1 = min(s0 + seg, total)
+        cached = state.cached
+        consts = (state.cached_valid, state.cached_summary(), *(cached[n] for n in names))
+        # the chunks of a segment come in at most two widths: whole chunks, then its remainder
+        for c0, c1 in ((s0, s0 + (s1 - s0) // C * C), (s0 + (s1 - s0) // C * C, s1)):
+            if c1 == c0:
+                continue
+            width = min(C, c1 - c0)
+            lo = torch.arange(c0, c1, width, device=q.device)[:, None]  # (n, 1)
+            xs = [_segment_chunks(bufs[name][:, :, c0:c1], width)
+                  for name in ("q", "k", "v", "u", "alpha", "eta", "theta")]
+            xs.append(live[:, c0:c1].reshape(B, -1, width).movedim(1, 0))
+            xs.append((end[None] > lo) & (end[None] < lo + width))  # stops
+            # Shifts stay inside the first segment: only its chunks can hold a resumed row's first token.
+            use_stored = resumed[None] & (shift[None] >= lo) & (shift[None] < lo + width)
+            with_stored = any_resumed and s0 == 0
+            xs.append(use_stored)
+            carry = (*(W[n] for n in names), *(M[n] for n in names), *(chunk_start if track_start else ()),
+                     key_sum, key_count)
+            step = partial(_mc_chunk_step, spec, options, track_start, with_stored)
+            ys, carry = run_chunks(step, carry, xs, consts + (stored if with_stored else ()))
+            outputs.append(ys[0])
+            W, M = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
+            if track_start:
+                chunk_start = carry[2 * m:3 * m]
+            key_sum, key_count = carry[-2], carry[-1]
+        state.key_sum, state.key_count = key_sum, key_count
         if S_seg:
-            closes = live[:, min(s0 + seg, total) - 1]
+            closes = live[:, s1 - 1]
             state.push(closes, W)
             key_sum, key_count = state.key_sum, state.key_count
+    outputs = torch.cat([y.movedim(0, 2).flatten(2, 3) for y in outputs], dim=2)  # (B, H, total, d_v)
+    chunk_start = dict(zip(names, chunk_start))
     o = outputs.transpose(1, 2).gather(1, slot.clamp(max=total - 1).view(B, T, 1, 1).expand(B, T, H, v.shape[-1]))
     o = o * (torch.arange(T, device=q.device)[None] < lengths[:, None])[..., None, None]
     new_seen = state.seen + lengths

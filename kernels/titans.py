@@ -28,11 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.nn import functional as F
 
 from .backend import resolve_backend
+from .chunk_loop import run_chunks
 from .deep_attention import gelu_derivative
 from .norms import clip_scale
 
@@ -369,6 +371,45 @@ def align_rows(x: torch.Tensor, shift: torch.Tensor, lengths: torch.Tensor, tota
     return out[:, :total], live[:, :total], slot
 
 
+def _titans_step(spec: TitansMemorySpec, track_start: bool, carry, x, consts):
+    """One inner chunk as a :func:`~.chunk_loop.run_chunks` step.
+
+    ``carry`` is the weights, momenta and (``track_start``) chunk-start weights in
+    ``spec.shapes`` order; ``x`` the chunk's ``q, k, v, alpha, eta, theta`` ``(B, H, C, .)``,
+    ``live (B, C)`` and ``stops (B,)`` (rows whose last token falls inside the chunk);
+    ``consts`` is empty or ``(use_stored (B,), *stored_chunk_start)`` for the chunk where
+    resumed rows take their gradients at the stored chunk-start weights.
+    """
+    names = list(spec.shapes)
+    m = len(names)
+    W, S = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
+    q, k, v, alpha, eta, theta, live, stops = x
+    grad_w = W
+    if consts:
+        use_stored = consts[0][:, None, None, None]
+        grad_w = {n: torch.where(use_stored, c, W[n]) for n, c in zip(names, consts[1:])}
+    op = titans_chunk_operator(spec, W, S, grad_w, k, v, alpha, eta, theta, live)
+    y = memory_apply(spec, op, q)
+    W, S = op.final()
+    new_carry = tuple(W[n] for n in names) + tuple(S[n] for n in names)
+    if track_start:
+        here = stops[:, None, None, None]
+        new_carry += tuple(torch.where(here, grad_w[n], c) for n, c in zip(names, carry[2 * m:]))
+    return (y,), new_carry
+
+
+def chunks_first(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``(B, H, n * C, ...)`` -> ``(n, B, H, C, ...)``: the per-chunk layout of :func:`~.chunk_loop.run_chunks`."""
+    B, H, L = x.shape[:3]
+    return x.reshape(B, H, L // chunk_size, chunk_size, *x.shape[3:]).movedim(2, 0)
+
+
+def chunks_last(y: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`chunks_first`: ``(n, B, H, C, ...)`` -> ``(B, H, n * C, ...)``."""
+    n, B, H, C = y.shape[:4]
+    return y.movedim(0, 2).reshape(B, H, n * C, *y.shape[4:])
+
+
 def chunk_titans(
     spec: TitansMemorySpec,
     q: torch.Tensor,
@@ -382,12 +423,15 @@ def chunk_titans(
     chunk_size: int = 64,
     lengths: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
+    checkpoint_every: int | None = None,
 ) -> tuple[torch.Tensor, TitansState]:
     """Chunked Titans over ``T`` new tokens per row (compacted, ``lengths`` valid), continuing ``state``.
 
     Each row is shifted by its position in the current inner chunk so that every
     row's chunk grid lines up; the slots before a row's first token are no-ops and
     the chunk holding it takes its gradients at the stored chunk-start weights.
+    The chunks run through :func:`~.chunk_loop.run_chunks` (``checkpoint_every``:
+    its checkpoint spacing for the backward).
     """
     resolve_backend(q, has_triton_impl=False)
     B, T, H, _ = q.shape
@@ -396,32 +440,42 @@ def chunk_titans(
     q, k = _prepare(q.to(dtype), k.to(dtype), use_qk_l2norm)
     lengths = torch.full((B,), T, dtype=torch.long, device=q.device) if lengths is None else lengths
     shift = state.position
-    total = -(-int((shift + lengths).max()) // C) * C if B else 0
-    total = max(total, C)
-    bufs = {}
-    for name, x in (("q", q), ("k", k), ("v", v.to(dtype)), ("alpha", alpha), ("eta", eta), ("theta", theta)):
-        buf, live, slot = align_rows(x.to(dtype), shift, lengths, total)
-        bufs[name] = buf.transpose(1, 2)  # (B, H, total, ...)
-    W = {n: w.to(dtype) for n, w in state.weights.items()}
-    S = {n: s.to(dtype) for n, s in state.momentum.items()}
-    first_chunk = shift // C  # the chunk of each row's first slot
     end = shift + lengths
+    total = -(-int(end.max()) // C) * C if B else 0
+    total = max(total, C)
+    n = total // C
+    xs = []
+    for x in (q, k, v.to(dtype), alpha, eta, theta):
+        buf, live, slot = align_rows(x.to(dtype), shift, lengths, total)
+        xs.append(chunks_first(buf.transpose(1, 2), C))  # (n, B, H, C, ...)
+    live_chunks = live.reshape(B, n, C).movedim(1, 0)
+    starts = torch.arange(n, device=q.device)[:, None] * C
+    stops = (end[None] > starts) & (end[None] < starts + C)  # (n, B): rows whose last token is inside
+    xs += [live_chunks, stops]
+    names = list(spec.shapes)
+    # Only rows that stop inside a chunk change their chunk-start weights; with none (whole chunks,
+    # the training case) the carry leaves them out.
+    track_start = bool(stops.any())
+    carry = tuple(state.weights[n_].to(dtype) for n_ in names) + tuple(state.momentum[n_].to(dtype) for n_ in names)
+    stored = tuple(state.chunk_start[n_].to(dtype) for n_ in names)
+    if track_start:
+        carry += stored
+    # Shifts are below C, so only the first chunk holds resumed rows' first tokens.
+    resumed = state.position > 0
+    step = partial(_titans_step, spec, track_start)
     outputs = []
-    chunk_start = {n: w.clone() for n, w in state.chunk_start.items()}
-    resumed = (state.position > 0)[:, None, None, None]
-    for j in range(total // C):
-        sl = slice(j * C, (j + 1) * C)
-        use_stored = resumed & (first_chunk == j)[:, None, None, None]
-        grad_w = {n: torch.where(use_stored, state.chunk_start[n].to(dtype), W[n]) for n in W}
-        # the weights this chunk started from, for rows that stop inside it
-        stops_here = ((end > j * C) & (end < (j + 1) * C))[:, None, None, None]
-        chunk_start = {n: torch.where(stops_here, grad_w[n], chunk_start[n]) for n in W}
-        op = titans_chunk_operator(spec, W, S, grad_w, bufs["k"][:, :, sl], bufs["v"][:, :, sl],
-                                   bufs["alpha"][:, :, sl], bufs["eta"][:, :, sl], bufs["theta"][:, :, sl],
-                                   live[:, sl])
-        outputs.append(memory_apply(spec, op, bufs["q"][:, :, sl]))
-        W, S = op.final()
-    o = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, total, H, d_v)
+    first = 0
+    if bool(resumed.any()):
+        ys, carry = run_chunks(step, carry, [x[:1] for x in xs], (resumed, *stored))
+        outputs.append(ys[0])
+        first = 1
+    if first < n:
+        ys, carry = run_chunks(step, carry, [x[first:] for x in xs], checkpoint_every=checkpoint_every)
+        outputs.append(ys[0])
+    o = chunks_last(torch.cat(outputs) if len(outputs) > 1 else outputs[0]).transpose(1, 2)  # (B, total, H, d_v)
+    m = len(names)
+    W, S = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
+    chunk_start = dict(zip(names, carry[2 * m:])) if track_start else dict(zip(names, stored))
     gather = slot.clamp(max=total - 1)
     o = o.gather(1, gather.view(B, T, 1, 1).expand(B, T, H, o.shape[-1]))
     o = o * (torch.arange(T, device=q.device)[None] < lengths[:, None])[..., None, None]

@@ -1,0 +1,346 @@
+"""The chunk-to-chunk loop of the deep memories, with a backward that recomputes instead of storing.
+
+Titans, Atlas and Memory Caching advance a memory one inner chunk at a time: a
+chunk's gradients are taken at the weights it starts from, so the chunks form a
+sequential loop of steps ``(carry, x_j) -> (y_j, carry')`` whose carry is the
+memory's weights and momenta. Recorded by autograd as it stands, that loop keeps
+every intermediate of every chunk (several weight-sized tensors each) and its
+backward pays for slicing the per-chunk inputs out of whole-sequence tensors
+once per chunk.
+
+:func:`run_chunks` runs the loop once without recording and keeps only the
+carry entering every ``r``-th chunk (``r`` about the square root of the number of
+chunks). Its backward walks those stretches from the last one: it recomputes the
+carries inside a stretch from its checkpoint, then back-propagates through one
+chunk at a time by re-running that chunk's step under autograd. So memory holds
+about ``2 sqrt(n)`` carries instead of ``n`` chunks' worth of intermediates, for
+one extra forward pass; gradients are the same sums as plain autograd's (the
+per-chunk graphs are the plain loop's), in another order.
+
+The step is any function of tensors that does not modify its arguments::
+
+    step(carry, x, consts) -> (ys, new_carry)
+
+with tuples of tensors throughout: ``x`` holds chunk ``j``'s slices of ``xs``
+(tensors indexed by chunk first) and ``consts`` is the same for every chunk. It
+must read no tensor other than its arguments (the backward differentiates only
+those) and must not read values to the host.
+
+On CUDA every chunk is the same few hundred small kernels, so the loop is bound by
+the host launching them, not by the GPU. There the step is captured in two CUDA
+graphs per set of input shapes (:class:`GraphedStep`): its forward, and its
+recomputation with the backward; each chunk then costs a few copies and one replay.
+``MNEMO_CHUNK_GRAPHS=0`` turns this off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["GraphedStep", "run_chunks"]
+
+Tensors = tuple[torch.Tensor, ...]
+Step = Callable[[Tensors, Tensors, Tensors], tuple[Tensors, Tensors]]
+
+
+def _stretch(n: int, checkpoint_every: int | None) -> int:
+    if checkpoint_every is not None:
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        return checkpoint_every
+    return max(1, math.ceil(math.sqrt(n)))
+
+
+def _chunk(xs: Sequence[torch.Tensor], j: int) -> Tensors:
+    return tuple(x[j] for x in xs)
+
+
+def _stack(per_chunk: list[Tensors]) -> Tensors:
+    return tuple(torch.stack(ys) for ys in zip(*per_chunk))
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _autocast_state() -> tuple:
+    """Autocast as it stands, per device type: the backward recomputes the chunks under the same."""
+    return tuple((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda"))
+
+
+def _autocast(state: tuple) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for dev, enabled, dtype in state:
+        stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+    return stack
+
+
+def _zeros_for_none(grads: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]) -> Tensors:
+    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, like))
+
+
+class GraphedStep:
+    """A step captured in CUDA graphs for one set of input shapes.
+
+    ``forward()`` runs the step on the static inputs ``carry, x, consts`` into ``ys, carry_out``;
+    ``backward()`` re-runs it under autograd from the same inputs and back-propagates the static
+    ``d_ys, d_carry_out`` into ``d_carry, d_x, d_consts`` (zeros where an input gets no gradient).
+    Callers copy inputs in and results out: every buffer is reused by the next replay.
+    """
+
+    def __init__(self, step: Step, carry: Tensors, x: Tensors, consts: Tensors, need_x: Sequence[bool],
+                 need_consts: Sequence[bool], backward: bool):
+        self.carry = tuple(t.detach().clone() for t in carry)
+        self.x = tuple(t.detach().clone() for t in x)
+        self.consts = tuple(t.detach().clone() for t in consts)
+        self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):  # warm-up outside the capture: lazy initialisation, library workspaces
+                step(self.carry, self.x, self.consts)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.fwd = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.fwd, pool=self.pool), torch.no_grad():
+            self.ys, self.carry_out = step(self.carry, self.x, self.consts)
+        self.bwd = None
+        if backward:
+            self._capture_backward(step, need_x, need_consts)
+
+    def _capture_backward(self, step: Step, need_x: Sequence[bool], need_consts: Sequence[bool]) -> None:
+        leaves = (
+            tuple(t.detach().requires_grad_(_differentiable(t)) for t in self.carry)
+            + tuple(t.detach().requires_grad_(want) for t, want in zip(self.x, need_x))
+            + tuple(t.detach().requires_grad_(want) for t, want in zip(self.consts, need_consts))
+        )
+        self.d_ys = tuple(torch.zeros_like(t) for t in self.ys)
+        self.d_carry_out = tuple(torch.zeros_like(t) for t in self.carry_out)
+        n_carry, n_x = len(self.carry), len(self.x)
+
+        def run():
+            with torch.enable_grad():
+                ys, carry_out = step(leaves[:n_carry], leaves[n_carry:n_carry + n_x], leaves[n_carry + n_x:])
+            pairs = [(o, g) for o, g in zip(ys + carry_out, self.d_ys + self.d_carry_out) if o.requires_grad]
+            inputs = [t for t in leaves if t.requires_grad]
+            found = iter(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
+                                             allow_unused=True) if pairs else [None] * len(inputs))
+            got = [next(found) if t.requires_grad else None for t in leaves]
+            return _zeros_for_none(got, leaves)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.bwd = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.bwd, pool=self.pool):
+            grads = run()
+        self.d_carry = grads[:n_carry]
+        self.d_x = grads[n_carry:n_carry + n_x]
+        self.d_consts = grads[n_carry + n_x:]
+
+    def load(self, carry: Sequence[torch.Tensor] | None = None, x: Sequence[torch.Tensor] | None = None,
+             consts: Sequence[torch.Tensor] | None = None) -> None:
+        for dst, src in ((self.carry, carry), (self.x, x), (self.consts, consts)):
+            if src is not None:
+                for d, t in zip(dst, src):
+                    if d is not t:
+                        d.copy_(t)
+
+
+_GRAPHS: OrderedDict = OrderedDict()
+_MAX_GRAPHS = 8
+
+
+def _step_key(step: Step):
+    parts = (step.func, step.args, tuple(sorted(step.keywords.items()))) if hasattr(step, "func") else (step,)
+    try:
+        hash(parts)
+    except TypeError:
+        return None
+    return parts
+
+
+def _signature(tensors: Sequence[torch.Tensor]):
+    return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+
+
+def _graphs_wanted(tensors: Sequence[torch.Tensor], n: int) -> bool:
+    return (
+        n > 2
+        and os.environ.get("MNEMO_CHUNK_GRAPHS", "1") != "0"
+        and all(t.is_cuda for t in tensors)
+        and not torch.cuda.is_current_stream_capturing()
+    )
+
+
+def graphed_step(step: Step, carry: Tensors, x: Tensors, consts: Tensors, need_x: Sequence[bool] = (),
+                 need_consts: Sequence[bool] = (), backward: bool = False) -> GraphedStep | None:
+    """The :class:`GraphedStep` of ``step`` for these shapes (cached), or ``None`` where it cannot be captured."""
+    base = _step_key(step)
+    if base is None:
+        return None
+    need_x = tuple(need_x) or (False,) * len(x)
+    need_consts = tuple(need_consts) or (False,) * len(consts)
+    key = (base, _signature(carry), _signature(x), _signature(consts), need_x, need_consts, _autocast_state())
+    graphed = _GRAPHS.get(key)
+    if graphed is False:
+        return None
+    if graphed is not None and (graphed.bwd is not None or not backward):
+        _GRAPHS.move_to_end(key)
+        return graphed
+    try:
+        graphed = GraphedStep(step, carry, x, consts, need_x, need_consts, backward)
+    except RuntimeError:  # a step that syncs with the host cannot be captured: run it eagerly
+        _GRAPHS[key] = False
+        return None
+    _GRAPHS[key] = graphed
+    while len(_GRAPHS) > _MAX_GRAPHS:
+        _GRAPHS.popitem(last=False)
+    return graphed
+
+
+def _forward(step: Step, graphed: GraphedStep | None, carry: Tensors, xs: Tensors, consts: Tensors, lo: int,
+             hi: int, every: int | None = None) -> tuple[list[Tensors], Tensors, list[Tensors]]:
+    """Chunks ``lo .. hi - 1`` from ``carry``: each chunk's outputs, the final carry and the carry
+    entering every chunk ``j`` with ``(j - lo) % every == 0`` (none without ``every``)."""
+    kept, ys = [], []
+    if graphed is None:
+        for j in range(lo, hi):
+            if every and (j - lo) % every == 0:
+                kept.append(carry)
+            y, carry = step(carry, _chunk(xs, j), consts)
+            ys.append(y)
+        return ys, carry, kept
+    graphed.load(carry, consts=consts)
+    for j in range(lo, hi):
+        if every and (j - lo) % every == 0:
+            kept.append(tuple(t.clone() for t in graphed.carry))
+        graphed.load(x=_chunk(xs, j))
+        graphed.fwd.replay()
+        ys.append(tuple(t.clone() for t in graphed.ys))
+        graphed.load(graphed.carry_out)
+    return ys, tuple(t.clone() for t in graphed.carry), kept
+
+
+def _backward_one(step: Step, graphed: GraphedStep | None, carry: Tensors, x: Tensors, consts_in: Tensors,
+                  need_x: Sequence[bool], d_ys: Sequence[torch.Tensor | None],
+                  d_carry: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """One chunk's backward from the carry entering it: gradients of its carry, ``x`` and ``consts``
+    (``None`` where there is none)."""
+    if graphed is not None:
+        graphed.load(carry, x)
+        for buf, g in zip(graphed.d_ys + graphed.d_carry_out, list(d_ys) + list(d_carry)):
+            buf.zero_() if g is None else buf.copy_(g)
+        graphed.bwd.replay()
+        return [t.clone() for t in graphed.d_carry + graphed.d_x + graphed.d_consts]
+    carry_in = tuple(t.detach().requires_grad_(_differentiable(t)) for t in carry)
+    x_in = tuple(t.detach().requires_grad_(want) for t, want in zip(x, need_x))
+    with torch.enable_grad():
+        y, carry_out = step(carry_in, x_in, consts_in)
+    outputs, grad_outputs = [], []
+    for out, g in zip(y + carry_out, list(d_ys) + list(d_carry)):
+        if g is not None and out.requires_grad:
+            outputs.append(out)
+            grad_outputs.append(g)
+    leaves = carry_in + x_in + consts_in
+    inputs = [t for t in leaves if t.requires_grad]
+    found = iter(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+                 if outputs else [None] * len(inputs))
+    return [next(found) if t.requires_grad else None for t in leaves]
+
+
+class _ChunkLoop(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, step: Step, n_carry: int, n_xs: int, checkpoint_every: int | None, *tensors):
+        carry = tensors[:n_carry]
+        xs = tensors[n_carry:n_carry + n_xs]
+        consts = tensors[n_carry + n_xs:]
+        n = xs[0].shape[0]
+        r = _stretch(n, checkpoint_every)
+        need = ctx.needs_input_grad[4:]
+        need_xs, need_consts = need[n_carry:n_carry + n_xs], need[n_carry + n_xs:]
+        graphed = None
+        if _graphs_wanted(tensors, n):
+            graphed = graphed_step(step, carry, _chunk(xs, 0), consts, need_xs, need_consts, backward=True)
+        ys, carry, checkpoints = _forward(step, graphed, carry, xs, consts, 0, n, every=r)
+        ctx.step, ctx.graphed, ctx.r, ctx.n = step, graphed, r, n
+        ctx.autocast = _autocast_state()
+        ctx.sizes = (n_carry, n_xs, len(consts), len(ys[0]))
+        ctx.save_for_backward(*xs, *consts, *(t for c in checkpoints for t in c))
+        # An output that is an input object would be taken for the input by autograd.
+        carry = tuple(t.clone() if any(t is s for s in tensors) else t for t in carry)
+        outputs = _stack(ys) + carry
+        ctx.mark_non_differentiable(*(t for t in outputs if not _differentiable(t)))
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n_carry, n_xs, n_consts, n_ys = ctx.sizes
+        step, graphed, r, n = ctx.step, ctx.graphed, ctx.r, ctx.n
+        saved = ctx.saved_tensors
+        xs, consts = saved[:n_xs], saved[n_xs:n_xs + n_consts]
+        flat = saved[n_xs + n_consts:]
+        checkpoints = [flat[i:i + n_carry] for i in range(0, len(flat), n_carry)]
+        d_ys, d_carry = grads[:n_ys], list(grads[n_ys:])
+        need = ctx.needs_input_grad[4:]
+        need_xs, need_consts = need[n_carry:n_carry + n_xs], need[n_carry + n_xs:]
+        d_xs = [torch.zeros_like(x) if want else None for x, want in zip(xs, need_xs)]
+        d_consts: list[torch.Tensor | None] = [None] * n_consts
+        consts_in = tuple(c.detach().requires_grad_(want) for c, want in zip(consts, need_consts))
+
+        for s in reversed(range(len(checkpoints))):
+            lo, hi = s * r, min(n, (s + 1) * r)
+            with torch.no_grad(), _autocast(ctx.autocast):
+                carries = _forward(step, graphed, checkpoints[s], xs, consts, lo, hi, every=1)[2]
+            if graphed is not None:
+                graphed.load(consts=consts)
+            for j in reversed(range(lo, hi)):
+                with _autocast(ctx.autocast):
+                    got = _backward_one(step, graphed, carries[j - lo], _chunk(xs, j), consts_in, need_xs,
+                                        [None if d is None else d[j] for d in d_ys], d_carry)
+                d_carry = got[:n_carry]
+                for i, g in enumerate(got[n_carry:n_carry + n_xs]):
+                    if g is not None and d_xs[i] is not None:
+                        d_xs[i][j] = g
+                for i, g in enumerate(got[n_carry + n_xs:]):
+                    if g is not None and need_consts[i]:
+                        d_consts[i] = g if d_consts[i] is None else d_consts[i] + g
+        d_carry = [g if want else None for g, want in zip(d_carry, need[:n_carry])]
+        return (None, None, None, None, *d_carry, *d_xs, *d_consts)
+
+
+def run_chunks(
+    step: Step,
+    carry: Sequence[torch.Tensor],
+    xs: Sequence[torch.Tensor],
+    consts: Sequence[torch.Tensor] = (),
+    *,
+    checkpoint_every: int | None = None,
+) -> tuple[Tensors, Tensors]:
+    """Run ``step`` over the chunks of ``xs`` (chunk index first); returns ``(ys, carry)``.
+
+    ``ys`` stacks each chunk's outputs along a new first dimension. With gradients,
+    the carry is kept every ``checkpoint_every`` chunks (default: about the square
+    root of their number) and the rest is recomputed in the backward.
+    """
+    carry, xs, consts = tuple(carry), tuple(xs), tuple(consts)
+    if not xs or xs[0].shape[0] == 0:
+        raise ValueError("run_chunks needs at least one per-chunk input with at least one chunk")
+    n = xs[0].shape[0]
+    if any(x.shape[0] != n for x in xs):
+        raise ValueError(f"every per-chunk input must have {n} chunks first, got {[x.shape[0] for x in xs]}")
+    tensors = carry + xs + consts
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        out = _ChunkLoop.apply(step, len(carry), len(xs), checkpoint_every, *tensors)
+        return tuple(out[:len(out) - len(carry)]), tuple(out[len(out) - len(carry):])
+    graphed = graphed_step(step, carry, _chunk(xs, 0), consts) if _graphs_wanted(tensors, n) else None
+    ys, carry, _ = _forward(step, graphed, carry, xs, consts, 0, n)
+    return _stack(ys), carry

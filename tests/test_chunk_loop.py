@@ -1,0 +1,290 @@
+"""The chunk loop's recompute backward gives plain autograd's gradients (kernels/chunk_loop.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mnemo.kernels.chunk_loop import run_chunks
+from mnemo.kernels.atlas import AtlasState, chunk_atlas, reference_atlas
+from mnemo.kernels.atlas_caching import GATED_AGGREGATIONS, CachedMemories, chunk_mc_atlas, reference_mc_atlas
+from mnemo.kernels.memory_caching import MCOptions, MCState, chunk_mc_titans, reference_mc_titans
+from mnemo.kernels.titans import TitansMemorySpec, TitansState, chunk_titans, reference_titans
+
+N, B, D = 7, 3, 5
+
+
+def toy_step(carry, x, consts):
+    """A nonlinear recurrence with a pass-through carry, a mask and a constant that needs gradients."""
+    h, kept = carry
+    inp, mask = x
+    (w,) = consts
+    new_h = torch.where(mask[:, None], torch.tanh(h @ w + inp), h)
+    return (new_h.sum(-1), new_h * 2), (new_h, kept)
+
+
+def toy_inputs():
+    gen = torch.Generator().manual_seed(0)
+    h0 = torch.randn(B, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    kept = torch.randn(B, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    inp = torch.randn(N, B, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(N, B, generator=gen) > 0.3
+    w = (torch.randn(D, D, generator=gen, dtype=torch.float64) * 0.5).requires_grad_()
+    return h0, kept, inp, mask, w
+
+
+def toy_loss(ys, carry):
+    a, b = ys
+    return (a * torch.arange(1, N + 1)[:, None]).sum() + b.pow(2).sum() + (carry[0] * carry[1]).sum()
+
+
+@pytest.mark.parametrize("every", [None, 1, 2, 3, 7, 10])
+def test_gradients_equal_plain_autograd(every):
+    h0, kept, inp, mask, w = toy_inputs()
+    carry, ys = (h0, kept), []
+    for j in range(N):
+        y, carry = toy_step(carry, (inp[j], mask[j]), (w,))
+        ys.append(y)
+    plain_ys = tuple(torch.stack(t) for t in zip(*ys))
+    loss = toy_loss(plain_ys, carry)
+    expected = torch.autograd.grad(loss, (h0, kept, inp, w))
+
+    got_ys, got_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=every)
+    for a, b in zip(got_ys + got_carry, plain_ys + carry):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    got = torch.autograd.grad(toy_loss(got_ys, got_carry), (h0, kept, inp, w))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_the_backward_recomputes_under_the_forwards_autocast():
+    """Chunks run under autocast are recomputed under it too (matmuls in bf16 here), though the
+    backward itself runs outside it; recomputing in float64 would give other carries."""
+    h0, kept, inp, mask, w = (t.float().detach().requires_grad_(t.requires_grad) for t in toy_inputs())
+    mask = mask.bool()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 matmuls are what autocast lowers
+        carry, ys = (h0, kept), []
+        for j in range(N):
+            y, carry = toy_step(carry, (inp[j], mask[j]), (w,))
+            ys.append(y)
+        plain = toy_loss(tuple(torch.stack(t) for t in zip(*ys)), carry)
+        got_ys, got_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=3)
+        loss = toy_loss(got_ys, got_carry)
+    expected = torch.autograd.grad(plain, (h0, kept, inp, w))
+    got = torch.autograd.grad(loss, (h0, kept, inp, w))
+    for a, b in zip(got[:3], expected[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # Plain autograd sums w's gradient over chunks in bf16 (autocast casts w once, and the gradients
+    # meet on that bf16 copy); the loop sums each chunk's in float32: bf16 rounding apart.
+    torch.testing.assert_close(got[3], expected[3], rtol=3e-2, atol=3e-2)
+
+
+def test_without_gradients_no_graph_is_kept():
+    h0, kept, inp, mask, w = toy_inputs()
+    with torch.no_grad():
+        ys, carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,))
+    assert ys[0].grad_fn is None and carry[0].grad_fn is None
+
+
+def test_bad_inputs_are_named():
+    h0, kept, inp, mask, w = toy_inputs()
+    with pytest.raises(ValueError, match="chunks first"):
+        run_chunks(toy_step, (h0, kept), (inp, mask[:3]), (w,))
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=0)
+
+
+# --- Titans: the chunked path's gradients equal the token-by-token reference's ------------------------------
+
+H, T, DK = 2, 19, 4
+SPECS = {
+    "linear": TitansMemorySpec(depth=1, d_k=DK, d_v=DK),
+    "mlp": TitansMemorySpec(depth=2, d_k=DK, d_v=DK, expansion=2),
+    "gated_skip_dot": TitansMemorySpec(depth=2, gated=True, d_k=DK, d_v=DK + 1, expansion=2, objective="dot"),
+    "clipped": TitansMemorySpec(depth=2, d_k=DK, d_v=DK, expansion=2, grad_clip=0.3),
+}
+
+
+def titans_inputs(spec):
+    gen = torch.Generator().manual_seed(1)
+    f64 = dict(generator=gen, dtype=torch.float64)
+    init = {n: (torch.randn(H, *s, **f64) * 0.5).requires_grad_() for n, s in spec.shapes.items()}
+    q, k = (torch.randn(B, T, H, DK, **f64).requires_grad_() for _ in range(2))
+    v = torch.randn(B, T, H, spec.d_v, **f64).requires_grad_()
+    alpha = (torch.rand(B, T, H, **f64) * 0.5 + 0.5).requires_grad_()
+    eta = torch.rand(B, T, H, **f64).requires_grad_()
+    theta = (torch.rand(B, T, H, **f64) * 0.05).requires_grad_()
+    return init, q, k, v, alpha, eta, theta
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("chunk, every", [(4, None), (4, 1), (5, 2), (64, None)])
+def test_titans_gradients_equal_the_reference(name, chunk, every):
+    spec = SPECS[name]
+    init, q, k, v, alpha, eta, theta = titans_inputs(spec)
+    lengths = torch.tensor([T, 11, 6])
+    leaves = [q, k, v, alpha, eta, theta, *init.values()]
+    weight = torch.randn(B, T, H, spec.d_v, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    ref = reference_titans(spec, q, k, v, alpha, eta, theta, init, chunk_size=chunk, lengths=lengths)
+    expected = torch.autograd.grad((ref * weight).sum(), leaves)
+    out, _ = chunk_titans(spec, q, k, v, alpha, eta, theta, TitansState.initial(init, B), chunk_size=chunk,
+                          lengths=lengths, checkpoint_every=every)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    got = torch.autograd.grad((out * weight).sum(), leaves)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("chunk", [4, 5])
+def test_titans_gradients_flow_through_a_resumed_state(chunk):
+    """A prefix of ragged length, then the rest from its state: gradients of both calls' outputs reach
+    every input as in one reference pass (the resumed chunk reads the stored chunk-start weights)."""
+    spec = SPECS["mlp"]
+    init, q, k, v, alpha, eta, theta = titans_inputs(spec)
+    leaves = [q, k, v, alpha, eta, theta, *init.values()]
+    weight = torch.randn(B, T, H, DK, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ref = reference_titans(spec, q, k, v, alpha, eta, theta, init, chunk_size=chunk)
+    expected = torch.autograd.grad((ref * weight).sum(), leaves)
+    first = torch.tensor([7, 3, 9])
+    width = int(first.max())
+    idx = (first[:, None] + torch.arange(T - int(first.min()))[None]).clamp(max=T - 1)
+
+    def rest(x):
+        return x.gather(1, idx.view(B, -1, *([1] * (x.dim() - 2))).expand(B, idx.shape[1], *x.shape[2:]))
+
+    xs = (q, k, v, alpha, eta, theta)
+    o1, state = chunk_titans(spec, *(x[:, :width] for x in xs), TitansState.initial(init, B), chunk_size=chunk,
+                             lengths=first)
+    o2, _ = chunk_titans(spec, *(rest(x) for x in xs), state, chunk_size=chunk, lengths=T - first)
+    loss = sum((o1[b, :first[b]] * weight[b, :first[b]]).sum() + (o2[b, :T - first[b]] * weight[b, first[b]:]).sum()
+               for b in range(B))
+    got = torch.autograd.grad(loss, leaves)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+# --- Memory Caching: the same, segment by segment -----------------------------------------------------------
+
+def grads(loss, leaves):
+    """Gradients with zeros for leaves the loss does not use (``u`` under ``residual``)."""
+    got = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(got, leaves)]
+
+
+MC_CASES = [
+    (None, "checkpoint", "grm"),
+    (5, "checkpoint", "grm"),
+    (8, "independent", "soup"),
+    (8, "checkpoint", "ssc"),
+    (5, "checkpoint", "residual"),
+]
+
+
+@pytest.mark.parametrize("seg, mode, agg", MC_CASES)
+def test_mc_titans_gradients_equal_the_reference(seg, mode, agg):
+    spec = SPECS["mlp"]
+    init, q, k, v, alpha, eta, theta = titans_inputs(spec)
+    u = torch.randn(B, T, H, DK, generator=torch.Generator().manual_seed(4), dtype=torch.float64).requires_grad_()
+    opts = MCOptions(segment_size=seg, cache_mode=mode, aggregation=agg, ssc_topk=1, chunk_size=3)
+    leaves = [q, k, v, u, alpha, eta, theta, *init.values()]
+    xs = (q, k, v, u, alpha, eta, theta)
+    weight = torch.randn(B, T, H, DK, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    lengths = torch.tensor([T, 12, 7])
+    ref = reference_mc_titans(spec, opts, *xs, init, lengths=lengths)
+    expected = grads((ref * weight).sum(), leaves)
+    out, _ = chunk_mc_titans(spec, opts, *xs, init, MCState.initial(init, B, DK), lengths=lengths)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    got = grads((out * weight).sum(), leaves)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+    # in two calls, the second resuming inside a segment and an inner chunk
+    first = torch.tensor([7, 4, 2])
+    idx = (first[:, None] + torch.arange(T - int(first.min()))[None]).clamp(max=T - 1)
+    rest = [x.gather(1, idx.view(B, -1, *([1] * (x.dim() - 2))).expand(B, idx.shape[1], *x.shape[2:])) for x in xs]
+    ref = reference_mc_titans(spec, opts, *xs, init)
+    expected = grads((ref * weight).sum(), leaves)
+    o1, state = chunk_mc_titans(spec, opts, *(x[:, :int(first.max())] for x in xs), init,
+                                MCState.initial(init, B, DK), lengths=first)
+    o2, _ = chunk_mc_titans(spec, opts, *rest, init, state, lengths=T - first)
+    loss = sum((o1[b, :first[b]] * weight[b, :first[b]]).sum() + (o2[b, :T - first[b]] * weight[b, first[b]:]).sum()
+               for b in range(B))
+    got = grads(loss, leaves)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+# --- Atlas (Omega window, GD / momentum / Muon) and Atlas with Memory Caching -------------------------------
+
+ATLAS_CASES = [("mlp", "muon", 3, 4), ("gated-dot", "momentum", 4, 5), ("linear", "gd", 1, 4), ("mlp", "gd", 7, 3)]
+
+
+def atlas_case(memory, optimizer):
+    from test_kernels_atlas import MEMORIES, inputs
+
+    spec = TitansMemorySpec(d_v=4, expansion=2, **MEMORIES[memory])
+    init, xs = inputs(spec)
+    if optimizer == "gd":
+        xs = xs[:5] + (None,) + xs[6:]
+    init = {n: w.requires_grad_() for n, w in init.items()}
+    xs = tuple(None if x is None else x.requires_grad_() for x in xs)
+    return spec, init, xs, [x for x in xs if x is not None] + list(init.values())
+
+
+@pytest.mark.parametrize("memory, optimizer, window, chunk", ATLAS_CASES)
+def test_atlas_gradients_equal_the_reference(memory, optimizer, window, chunk):
+    from test_kernels_atlas import B as AB, H as AH, TAKES as ATAKES, next_tokens
+
+    spec, init, xs, leaves = atlas_case(memory, optimizer)
+    opts = dict(optimizer=optimizer, omega_window=window, chunk_size=chunk, ns_steps=3)
+    lengths = torch.stack(ATAKES).sum(0)
+    ref = reference_atlas(spec, *xs, init, lengths=lengths, **opts)
+    weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    expected = grads((ref * weight).sum(), leaves)
+    # in pieces: later calls resume mid-chunk with the window carried in the state
+    state, consumed, loss = AtlasState.initial(spec, init, AB, AH, window, optimizer), torch.zeros(AB, dtype=torch.long), 0
+    for take in ATAKES:
+        o, state = chunk_atlas(spec, *(next_tokens(x, consumed, take) for x in xs), state, lengths=take, **opts)
+        for b in range(AB):
+            n, s = int(take[b]), int(consumed[b])
+            torch.testing.assert_close(o[b, :n], ref[b, s:s + n], rtol=0, atol=1e-10)
+            loss = loss + (o[b, :n] * weight[b, s:s + n]).sum()
+        consumed = consumed + take
+    got = grads(loss, leaves)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("aggregation", ["grm", "residual"])
+def test_atlas_memory_caching_gradients_equal_the_reference(aggregation):
+    from test_kernels_atlas import B as AB, H as AH, TAKES as ATAKES, next_tokens
+
+    spec, init, xs, leaves = atlas_case("mlp", "momentum")
+    gated = aggregation in GATED_AGGREGATIONS
+    u = (torch.randn(AB, xs[0].shape[1], AH, spec.d_k, generator=torch.Generator().manual_seed(7),
+                     dtype=torch.float64) * 2).requires_grad_() if gated else None
+    leaves = leaves + ([u] if gated else [])
+    opts = dict(optimizer="momentum", omega_window=3, chunk_size=4, ns_steps=3)
+    mc = dict(segment_size=5, aggregation=aggregation, ssc_topk=1)
+    lengths = torch.stack(ATAKES).sum(0)
+    fresh = lambda n: AtlasState.initial(spec, init, n, AH, 3, "momentum")  # noqa: E731
+    cut = lambda x, b: None if x is None else x[b:b + 1, :int(lengths[b])]  # noqa: E731
+    weight = torch.randn(AB, xs[0].shape[1], AH, spec.d_v, generator=torch.Generator().manual_seed(8),
+                         dtype=torch.float64)
+    ref_loss = sum((reference_mc_atlas(spec, *(cut(x, b) for x in xs), fresh(1), u=cut(u, b), **mc, **opts)[0]
+                    * cut(weight, b)).sum() for b in range(AB))
+    expected = grads(ref_loss, leaves)
+    state = fresh(AB)
+    cached = CachedMemories.empty(state.weights, spec.d_k if gated else None)
+    consumed, loss = torch.zeros(AB, dtype=torch.long), 0
+    for take in ATAKES:
+        o, state, cached = chunk_mc_atlas(spec, *(next_tokens(x, consumed, take) for x in xs), state, cached,
+                                          lengths=take, clock=consumed, u=next_tokens(u, consumed, take), **mc,
+                                          **opts)
+        for b in range(AB):
+            n, s = int(take[b]), int(consumed[b])
+            loss = loss + (o[b, :n] * weight[b, s:s + n]).sum()
+        consumed = consumed + take
+    got = grads(loss, leaves)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)

@@ -1,0 +1,93 @@
+"""The deep memories' chunk loop on CUDA: the graphed steps equal the eager ones; skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mnemo.kernels.atlas import AtlasState, chunk_atlas
+from mnemo.kernels.memory_caching import MCOptions, MCState, chunk_mc_titans
+from mnemo.kernels.titans import TitansMemorySpec, TitansState, chunk_titans, reference_titans
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+B, T, H, D = 2, 200, 2, 32
+SPEC = TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=4)
+
+
+def make_inputs(dtype=torch.float32, seed=0, device="cuda"):
+    gen = torch.Generator().manual_seed(seed)
+    init = {n: (torch.randn(H, *s, generator=gen) * 0.1).to(device).requires_grad_() for n, s in SPEC.shapes.items()}
+    q, k, v, u = (torch.randn(B, T, H, D, generator=gen).to(device, dtype).requires_grad_() for _ in range(4))
+    alpha = (torch.rand(B, T, H, generator=gen) * 0.1 + 0.9).to(device).requires_grad_()
+    eta = (torch.rand(B, T, H, generator=gen) * 0.5).to(device).requires_grad_()
+    theta = (torch.rand(B, T, H, generator=gen) * 0.05).to(device).requires_grad_()
+    return init, q, k, v, u, alpha, eta, theta
+
+
+def titans(init, q, k, v, u, alpha, eta, theta):
+    lengths = torch.tensor([T, T - 37], device=q.device)
+    return chunk_titans(SPEC, q, k, v, alpha, eta, theta, TitansState.initial(init, B), chunk_size=16,
+                        lengths=lengths)[0]
+
+
+def mc_titans(init, q, k, v, u, alpha, eta, theta):
+    opts = MCOptions(segment_size=64, aggregation="grm", chunk_size=16)
+    return chunk_mc_titans(SPEC, opts, q, k, v, u, alpha, eta, theta, init, MCState.initial(init, B, D))[0]
+
+
+def atlas_muon(init, q, k, v, u, alpha, eta, theta):
+    state = AtlasState.initial(SPEC, init, B, H, 4, "muon")
+    return chunk_atlas(SPEC, q, k, v, alpha, theta, eta, alpha, state, optimizer="muon", omega_window=4,
+                       chunk_size=16, ns_steps=3)[0]
+
+
+def output_and_grads(run, inputs):
+    init, *xs = inputs
+    leaves = [x for x in xs] + list(init.values())
+    out = run(init, *xs)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
+    grads = torch.autograd.grad((out * weight).sum(), leaves, allow_unused=True)
+    return [out] + [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
+
+
+@pytest.mark.parametrize("run", [titans, mc_titans, atlas_muon])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_chunks_equal_eager_chunks(run, dtype, monkeypatch):
+    inputs = make_inputs(dtype)
+    graphed = output_and_grads(run, inputs)
+    monkeypatch.setenv("MNEMO_CHUNK_GRAPHS", "0")
+    eager = output_and_grads(run, inputs)
+    for a, b in zip(graphed, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_graphed_chunks_under_autocast_equal_eager_ones(monkeypatch):
+    inputs = make_inputs()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        graphed = output_and_grads(titans, inputs)
+    monkeypatch.setenv("MNEMO_CHUNK_GRAPHS", "0")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = output_and_grads(titans, inputs)
+    for a, b in zip(graphed, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_graphed_titans_equals_the_float64_reference():
+    inputs = make_inputs()
+    got = output_and_grads(titans, inputs)
+    cpu = [{n: w.detach().cpu().double().requires_grad_() for n, w in inputs[0].items()}]
+    cpu += [x.detach().cpu().double().requires_grad_() for x in inputs[1:]]
+    init, q, k, v, u, alpha, eta, theta = cpu
+    lengths = torch.tensor([T, T - 37])
+    ref = reference_titans(SPEC, q, k, v, alpha, eta, theta, init, chunk_size=16, lengths=lengths)
+    weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1)).double()
+    leaves = [q, k, v, u, alpha, eta, theta] + list(init.values())
+    expected = torch.autograd.grad((ref * weight).sum(), leaves, allow_unused=True)
+    expected = [ref] + [torch.zeros_like(x) if g is None else g for g, x in zip(expected, leaves)]
+    for a, b in zip(got, expected):
+        err = (a.cpu().double() - b).norm() / b.norm().clamp(min=1e-30)
+        assert err < 1e-4, float(err)
