@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["GraphedStep", "run_chunks"]
+__all__ = ["GraphedStep", "graphed_step", "release_graphs", "run_chunks"]
 
 Tensors = tuple[torch.Tensor, ...]
 Step = Callable[[Tensors, Tensors, Tensors], tuple[Tensors, Tensors]]
@@ -74,10 +74,10 @@ def _autocast_state() -> tuple:
     return tuple((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda"))
 
 
-def _autocast(state: tuple) -> contextlib.ExitStack:
+def _autocast(state: tuple, cache: bool = True) -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
     for dev, enabled, dtype in state:
-        stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+        stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=cache))
     return stack
 
 
@@ -100,14 +100,17 @@ class GraphedStep:
         self.x = tuple(t.detach().clone() for t in x)
         self.consts = tuple(t.detach().clone() for t in consts)
         self.pool = torch.cuda.graph_pool_handle()
+        # Autocast's cache of casts must stay off: a cast cached while warming up would be left out
+        # of the graph, and every replay would read the warm-up's values.
+        self.autocast = _autocast_state()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
+        with torch.cuda.stream(stream), torch.no_grad(), _autocast(self.autocast, cache=False):
             for _ in range(2):  # warm-up outside the capture: lazy initialisation, library workspaces
                 step(self.carry, self.x, self.consts)
         torch.cuda.current_stream().wait_stream(stream)
         self.fwd = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.fwd, pool=self.pool), torch.no_grad():
+        with torch.cuda.graph(self.fwd, pool=self.pool), torch.no_grad(), _autocast(self.autocast, cache=False):
             self.ys, self.carry_out = step(self.carry, self.x, self.consts)
         self.bwd = None
         if backward:
@@ -124,7 +127,7 @@ class GraphedStep:
         n_carry, n_x = len(self.carry), len(self.x)
 
         def run():
-            with torch.enable_grad():
+            with torch.enable_grad(), _autocast(self.autocast, cache=False):
                 ys, carry_out = step(leaves[:n_carry], leaves[n_carry:n_carry + n_x], leaves[n_carry + n_x:])
             pairs = [(o, g) for o, g in zip(ys + carry_out, self.d_ys + self.d_carry_out) if o.requires_grad]
             inputs = [t for t in leaves if t.requires_grad]
@@ -172,13 +175,20 @@ def _signature(tensors: Sequence[torch.Tensor]):
     return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
 
 
-def _graphs_wanted(tensors: Sequence[torch.Tensor], n: int) -> bool:
+def _graphs_wanted(tensors: Sequence[torch.Tensor], n: int, graphs: bool | None = None) -> bool:
+    if graphs is not None:
+        return graphs and n > 0 and all(t.is_cuda for t in tensors)
     return (
         n > 2
         and os.environ.get("MNEMO_CHUNK_GRAPHS", "1") != "0"
         and all(t.is_cuda for t in tensors)
         and not torch.cuda.is_current_stream_capturing()
     )
+
+
+def release_graphs() -> None:
+    """Drop every captured step and the GPU memory its graphs hold (the next loop captures again)."""
+    _GRAPHS.clear()
 
 
 def graphed_step(step: Step, carry: Tensors, x: Tensors, consts: Tensors, need_x: Sequence[bool] = (),
@@ -259,16 +269,17 @@ def _backward_one(step: Step, graphed: GraphedStep | None, carry: Tensors, x: Te
 
 class _ChunkLoop(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, step: Step, n_carry: int, n_xs: int, checkpoint_every: int | None, *tensors):
+    def forward(ctx, step: Step, n_carry: int, n_xs: int, checkpoint_every: int | None, graphs: bool | None,
+                *tensors):
         carry = tensors[:n_carry]
         xs = tensors[n_carry:n_carry + n_xs]
         consts = tensors[n_carry + n_xs:]
         n = xs[0].shape[0]
         r = _stretch(n, checkpoint_every)
-        need = ctx.needs_input_grad[4:]
+        need = ctx.needs_input_grad[5:]
         need_xs, need_consts = need[n_carry:n_carry + n_xs], need[n_carry + n_xs:]
         graphed = None
-        if _graphs_wanted(tensors, n):
+        if _graphs_wanted(tensors, n, graphs):
             graphed = graphed_step(step, carry, _chunk(xs, 0), consts, need_xs, need_consts, backward=True)
         ys, carry, checkpoints = _forward(step, graphed, carry, xs, consts, 0, n, every=r)
         ctx.step, ctx.graphed, ctx.r, ctx.n = step, graphed, r, n
@@ -290,7 +301,7 @@ class _ChunkLoop(torch.autograd.Function):
         flat = saved[n_xs + n_consts:]
         checkpoints = [flat[i:i + n_carry] for i in range(0, len(flat), n_carry)]
         d_ys, d_carry = grads[:n_ys], list(grads[n_ys:])
-        need = ctx.needs_input_grad[4:]
+        need = ctx.needs_input_grad[5:]
         need_xs, need_consts = need[n_carry:n_carry + n_xs], need[n_carry + n_xs:]
         d_xs = [torch.zeros_like(x) if want else None for x, want in zip(xs, need_xs)]
         d_consts: list[torch.Tensor | None] = [None] * n_consts
@@ -314,7 +325,7 @@ class _ChunkLoop(torch.autograd.Function):
                     if g is not None and need_consts[i]:
                         d_consts[i] = g if d_consts[i] is None else d_consts[i] + g
         d_carry = [g if want else None for g, want in zip(d_carry, need[:n_carry])]
-        return (None, None, None, None, *d_carry, *d_xs, *d_consts)
+        return (None, None, None, None, None, *d_carry, *d_xs, *d_consts)
 
 
 def run_chunks(
@@ -324,12 +335,16 @@ def run_chunks(
     consts: Sequence[torch.Tensor] = (),
     *,
     checkpoint_every: int | None = None,
+    graphs: bool | None = None,
 ) -> tuple[Tensors, Tensors]:
     """Run ``step`` over the chunks of ``xs`` (chunk index first); returns ``(ys, carry)``.
 
     ``ys`` stacks each chunk's outputs along a new first dimension. With gradients,
     the carry is kept every ``checkpoint_every`` chunks (default: about the square
-    root of their number) and the rest is recomputed in the backward.
+    root of their number) and the rest is recomputed in the backward. ``graphs``
+    forces CUDA graphs on or off (default: on for CUDA tensors and more than two
+    chunks, unless ``MNEMO_CHUNK_GRAPHS=0``); a caller whose inputs change shape
+    from call to call turns them off, as each new shape is a new capture.
     """
     carry, xs, consts = tuple(carry), tuple(xs), tuple(consts)
     if not xs or xs[0].shape[0] == 0:
@@ -339,8 +354,8 @@ def run_chunks(
         raise ValueError(f"every per-chunk input must have {n} chunks first, got {[x.shape[0] for x in xs]}")
     tensors = carry + xs + consts
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        out = _ChunkLoop.apply(step, len(carry), len(xs), checkpoint_every, *tensors)
+        out = _ChunkLoop.apply(step, len(carry), len(xs), checkpoint_every, graphs, *tensors)
         return tuple(out[:len(out) - len(carry)]), tuple(out[len(out) - len(carry):])
-    graphed = graphed_step(step, carry, _chunk(xs, 0), consts) if _graphs_wanted(tensors, n) else None
+    graphed = graphed_step(step, carry, _chunk(xs, 0), consts) if _graphs_wanted(tensors, n, graphs) else None
     ys, carry, _ = _forward(step, graphed, carry, xs, consts, 0, n)
     return _stack(ys), carry

@@ -338,13 +338,33 @@ class ChunkOperator:
         """Weights and momenta after the chunk's last token."""
         weights, momentum = {}, {}
         for n, (A, Bf) in self.factors.items():
-            weights[n] = self.a[..., -1, None, None] * self.W0[n] + \
-                torch.einsum("bhk,bhko,bhki->bhoi", self.c[..., -1, :], A, Bf)
+            # The rank-C sums go through the matmul's epilogue (baddbmm): the weight-sized tensors are
+            # read and written as few times as the gated sums allow, which is what bounds this update.
+            base = self.a[..., -1, None, None] * self.W0[n]
             if self.S0 is not None:
-                weights[n] = weights[n] + self.b[..., -1, None, None] * self.S0[n]
-            momentum[n] = self.sa[..., -1, None, None] * (self.S0[n] if self.S0 is not None else 0.0) + \
-                torch.einsum("bhk,bhko,bhki->bhoi", self.sc[..., -1, :], A, Bf)
+                base = torch.addcmul(base, self.b[..., -1, None, None], self.S0[n])
+            weights[n] = _add_rank_update(base, A * self.c[..., -1, :, None], Bf)
+            momentum[n] = _add_rank_update(
+                None if self.S0 is None else self.sa[..., -1, None, None] * self.S0[n], A * self.sc[..., -1, :, None], Bf)
         return weights, momentum
+
+
+def _add_rank_update(base: torch.Tensor | None, A: torch.Tensor, Bf: torch.Tensor) -> torch.Tensor:
+    """``base + A^T Bf`` for ``A (..., K, d_out)``, ``Bf (..., K, d_in)``, summed in ``base``'s precision.
+
+    Without autocast the sum is the matmul's epilogue (``baddbmm``): the weight-sized ``base`` is read
+    once. Under autocast the product is lowered on its own and added in float32, as a plain sum would
+    be, so that the memory itself never drops to the autocast dtype.
+    """
+    lead = A.shape[:-2]
+    A_t, B_ = A.reshape(-1, *A.shape[-2:]).transpose(-1, -2), Bf.reshape(-1, *Bf.shape[-2:])
+    if base is None:
+        out = torch.bmm(A_t, B_).to(A.dtype)
+    elif torch.is_autocast_enabled(A.device.type):
+        return base + torch.bmm(A_t, B_).view(*lead, A.shape[-1], Bf.shape[-1])
+    else:
+        out = torch.baddbmm(base.reshape(-1, *base.shape[-2:]), A_t, B_)
+    return out.view(*lead, *out.shape[-2:])
 
 
 def titans_chunk_operator(spec, W0, S0, grad_weights, k, v, alpha, eta, theta, live) -> ChunkOperator:
