@@ -336,6 +336,7 @@ def run_chunks(
     *,
     checkpoint_every: int | None = None,
     graphs: bool | None = None,
+    recompute: bool = True,
 ) -> tuple[Tensors, Tensors]:
     """Run ``step`` over the chunks of ``xs`` (chunk index first); returns ``(ys, carry)``.
 
@@ -345,6 +346,9 @@ def run_chunks(
     forces CUDA graphs on or off (default: on for CUDA tensors and more than two
     chunks, unless ``MNEMO_CHUNK_GRAPHS=0``); a caller whose inputs change shape
     from call to call turns them off, as each new shape is a new capture.
+    ``recompute=False`` runs the loop eagerly under autograd as it stands (every
+    chunk's graph kept): faster than recomputing where the loop is bound by the
+    host and cannot be captured, at the memory cost the recompute avoids.
     """
     carry, xs, consts = tuple(carry), tuple(xs), tuple(consts)
     if not xs or xs[0].shape[0] == 0:
@@ -353,7 +357,9 @@ def run_chunks(
     if any(x.shape[0] != n for x in xs):
         raise ValueError(f"every per-chunk input must have {n} chunks first, got {[x.shape[0] for x in xs]}")
     tensors = carry + xs + consts
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if not recompute:
+        graphs = False
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         out = _ChunkLoop.apply(step, len(carry), len(xs), checkpoint_every, graphs, *tensors)
         return tuple(out[:len(out) - len(carry)]), tuple(out[len(out) - len(carry):])
     graphed = graphed_step(step, carry, _chunk(xs, 0), consts) if _graphs_wanted(tensors, n, graphs) else None

@@ -66,6 +66,9 @@ def test_graphed_chunks_equal_eager_chunks(run, dtype, monkeypatch):
 
 
 def test_graphed_chunks_under_autocast_equal_eager_ones(monkeypatch):
+    """Within bf16 rounding: the matmuls run in bf16 here, and the captured ones round like the eager
+    ones only up to the last bit (max abs difference 3.8e-4 measured on an H100). A graph that replayed
+    a stale autocast cast (the cast cache left on while capturing) was off by far more."""
     inputs = make_inputs()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         graphed = output_and_grads(titans, inputs)
@@ -73,7 +76,8 @@ def test_graphed_chunks_under_autocast_equal_eager_ones(monkeypatch):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         eager = output_and_grads(titans, inputs)
     for a, b in zip(graphed, eager):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        err = ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+        assert err < 1e-2, err
 
 
 def test_graphed_titans_equals_the_float64_reference():
