@@ -38,6 +38,8 @@ from .titans import (
     chunks_last,
     grad_factors,
     memory_apply,
+    next_chunk_start,
+    resumed_grad_weights,
     static_apply,
 )
 
@@ -273,10 +275,7 @@ def _atlas_chunk_step(spec: TitansMemorySpec, optimizer: str, ns_steps: int, tra
     inside = consts[0]
     n_stored = m + 1 if with_stored else 0
     read_consts = consts[1:len(consts) - n_stored]
-    grad_w = W
-    if with_stored:
-        use_stored = consts[len(consts) - n_stored][:, None, None, None]
-        grad_w = {n: torch.where(use_stored, c, W[n]) for n, c in zip(names, consts[len(consts) - m:])}
+    grad_w = resumed_grad_weights(W, consts[len(consts) - n_stored], consts[len(consts) - m:]) if with_stored else W
     factors = grad_factors(spec, grad_w, k, v)
     band = inside[None, None] * gamma[:, :, None, :] * lv[:, None, :, None]
     one, zero = torch.ones_like(alpha), torch.zeros_like(alpha)
@@ -297,8 +296,7 @@ def _atlas_chunk_step(spec: TitansMemorySpec, optimizer: str, ns_steps: int, tra
     if optimizer != "gd":
         new_carry += tuple(S[n] for n in names)
     if track_start:
-        here = stops[:, None, None, None]
-        new_carry += tuple(torch.where(here, grad_w[n], c) for n, c in zip(names, carry[len(carry) - m:]))
+        new_carry += next_chunk_start(stops, grad_w, carry[len(carry) - m:])
     return (y,), new_carry
 
 

@@ -328,6 +328,9 @@ class _ChunkLoop(torch.autograd.Function):
         return (None, None, None, None, None, *d_carry, *d_xs, *d_consts)
 
 
+# torch.compile runs the loop as it is (a graph break): traced, every chunk would be unrolled into one
+# graph, which compiled for minutes, and the CUDA graphs cannot be traced at all.
+@torch.compiler.disable
 def run_chunks(
     step: Step,
     carry: Sequence[torch.Tensor],

@@ -48,6 +48,8 @@ from .titans import (
     align_rows,
     grad_factors,
     memory_apply,
+    next_chunk_start,
+    resumed_grad_weights,
     static_apply,
     step_titans,
     titans_chunk_operator,
@@ -413,10 +415,7 @@ def _mc_chunk_step(spec: TitansMemorySpec, options: MCOptions, track_start: bool
     q, k, v, u, alpha, eta, theta, lv, stops, use_stored = x
     cached_valid, cached_summary = consts[0], consts[1]
     cached = dict(zip(names, consts[2:2 + m]))
-    grad_w = W
-    if with_stored:
-        r = use_stored[:, None, None, None]
-        grad_w = {n: torch.where(r, c, W[n]) for n, c in zip(names, consts[2 + m:])}
+    grad_w = resumed_grad_weights(W, use_stored, consts[2 + m:]) if with_stored else W
     op = titans_chunk_operator(spec, W, M, grad_w, k, v, alpha, eta, theta, lv)
     run_sum = key_sum[:, :, None] + (k * lv[:, None, :, None]).cumsum(2)
     run_count = key_count[:, None] + lv.to(k.dtype).cumsum(1)
@@ -426,8 +425,7 @@ def _mc_chunk_step(spec: TitansMemorySpec, options: MCOptions, track_start: bool
     W, M = op.final()
     new_carry = tuple(W[n] for n in names) + tuple(M[n] for n in names)
     if track_start:
-        here = stops[:, None, None, None]
-        new_carry += tuple(torch.where(here, grad_w[n], c) for n, c in zip(names, carry[2 * m:3 * m]))
+        new_carry += next_chunk_start(stops, grad_w, carry[2 * m:3 * m])
     return (y,), new_carry + (run_sum[:, :, -1], run_count[:, -1])
 
 

@@ -26,7 +26,7 @@ Weights are dicts of tensors ``(..., H, d_out, d_in)``; tensors are laid out
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -391,6 +391,22 @@ def align_rows(x: torch.Tensor, shift: torch.Tensor, lengths: torch.Tensor, tota
     return out[:, :total], live[:, :total], slot
 
 
+def resumed_grad_weights(W: dict[str, torch.Tensor], use_stored: torch.Tensor,
+                         stored: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights a chunk takes its gradients at: the stored chunk-start weights (``spec.shapes``
+    order) for rows resuming inside it (``use_stored (B,)``), the carried ``W`` for the others."""
+    r = use_stored[:, None, None, None]
+    return {n: torch.where(r, c, w) for (n, w), c in zip(W.items(), stored)}
+
+
+def next_chunk_start(stops: torch.Tensor, grad_w: dict[str, torch.Tensor],
+                     chunk_start: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The chunk-start weights after a chunk: its gradient weights for rows whose last token is inside
+    it (``stops (B,)``), where a later call resumes; unchanged for the others."""
+    here = stops[:, None, None, None]
+    return tuple(torch.where(here, grad_w[n], c) for n, c in zip(grad_w, chunk_start))
+
+
 def _titans_step(spec: TitansMemorySpec, track_start: bool, carry, x, consts):
     """One inner chunk as a :func:`~.chunk_loop.run_chunks` step.
 
@@ -404,17 +420,13 @@ def _titans_step(spec: TitansMemorySpec, track_start: bool, carry, x, consts):
     m = len(names)
     W, S = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
     q, k, v, alpha, eta, theta, live, stops = x
-    grad_w = W
-    if consts:
-        use_stored = consts[0][:, None, None, None]
-        grad_w = {n: torch.where(use_stored, c, W[n]) for n, c in zip(names, consts[1:])}
+    grad_w = resumed_grad_weights(W, consts[0], consts[1:]) if consts else W
     op = titans_chunk_operator(spec, W, S, grad_w, k, v, alpha, eta, theta, live)
     y = memory_apply(spec, op, q)
     W, S = op.final()
     new_carry = tuple(W[n] for n in names) + tuple(S[n] for n in names)
     if track_start:
-        here = stops[:, None, None, None]
-        new_carry += tuple(torch.where(here, grad_w[n], c) for n, c in zip(names, carry[2 * m:]))
+        new_carry += next_chunk_start(stops, grad_w, carry[2 * m:])
     return (y,), new_carry
 
 
