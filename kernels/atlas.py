@@ -29,7 +29,7 @@ from functools import partial
 import torch
 
 from .backend import resolve_backend
-from .chunk_loop import run_chunks
+from .chunk_loop import run_chunks, tf32_wanted
 from .titans import (
     ChunkOperator,
     TitansMemorySpec,
@@ -396,12 +396,13 @@ def chunk_atlas(
     first = 0
     if bool(resumed.any()):
         step = partial(_atlas_chunk_step, spec, optimizer, ns_steps, track_start, len(extra), True, read)
-        ys, carry = run_chunks(step, carry, [x[:1] for x in xs], (inside, *read_consts, resumed, *stored))
+        ys, carry = run_chunks(step, carry, [x[:1] for x in xs], (inside, *read_consts, resumed, *stored),
+                               tf32=tf32_wanted(v))
         outputs.append(ys[0])
         first = 1
     if first < n_chunks:
         step = partial(_atlas_chunk_step, spec, optimizer, ns_steps, track_start, len(extra), False, read)
-        ys, carry = run_chunks(step, carry, [x[first:] for x in xs], (inside, *read_consts))
+        ys, carry = run_chunks(step, carry, [x[first:] for x in xs], (inside, *read_consts), tf32=tf32_wanted(v))
         outputs.append(ys[0])
     o = chunks_last(torch.cat(outputs) if len(outputs) > 1 else outputs[0]).transpose(1, 2)  # (B, span, H, d_v)
     W = dict(zip(names, carry[:m]))

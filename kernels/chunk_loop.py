@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["GraphedStep", "graphed_step", "release_graphs", "run_chunks"]
+__all__ = ["GraphedStep", "graphed_step", "release_graphs", "run_chunks", "tf32_wanted"]
 
 Tensors = tuple[torch.Tensor, ...]
 Step = Callable[[Tensors, Tensors, Tensors], tuple[Tensors, Tensors]]
@@ -79,6 +79,29 @@ def _autocast(state: tuple, cache: bool = True) -> contextlib.ExitStack:
     for dev, enabled, dtype in state:
         stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=cache))
     return stack
+
+
+def tf32_wanted(inputs: torch.Tensor) -> bool:
+    """The memories' policy for TF32 products: on CUDA, for problems given in bf16 or fp16.
+
+    Their inputs carry 8 or 11 bits of mantissa, TF32 keeps 11; the memory's state and every
+    sum stay float32 (as in the gated delta rule's kernels). float32 problems keep exact products.
+    """
+    return inputs.is_cuda and inputs.dtype in (torch.bfloat16, torch.float16)
+
+
+@contextlib.contextmanager
+def _tf32(enabled: bool):
+    """Let float32 matmuls on CUDA use TF32 tensor cores inside (restored after)."""
+    if not enabled:
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def _zeros_for_none(grads: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]) -> Tensors:
@@ -199,7 +222,8 @@ def graphed_step(step: Step, carry: Tensors, x: Tensors, consts: Tensors, need_x
         return None
     need_x = tuple(need_x) or (False,) * len(x)
     need_consts = tuple(need_consts) or (False,) * len(consts)
-    key = (base, _signature(carry), _signature(x), _signature(consts), need_x, need_consts, _autocast_state())
+    key = (base, _signature(carry), _signature(x), _signature(consts), need_x, need_consts, _autocast_state(),
+           torch.get_float32_matmul_precision())
     graphed = _GRAPHS.get(key)
     if graphed is False:
         return None
@@ -270,19 +294,20 @@ def _backward_one(step: Step, graphed: GraphedStep | None, carry: Tensors, x: Te
 class _ChunkLoop(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: Step, n_carry: int, n_xs: int, checkpoint_every: int | None, graphs: bool | None,
-                *tensors):
+                tf32: bool, *tensors):
         carry = tensors[:n_carry]
         xs = tensors[n_carry:n_carry + n_xs]
         consts = tensors[n_carry + n_xs:]
         n = xs[0].shape[0]
         r = _stretch(n, checkpoint_every)
-        need = ctx.needs_input_grad[5:]
+        need = ctx.needs_input_grad[6:]
         need_xs, need_consts = need[n_carry:n_carry + n_xs], need[n_carry + n_xs:]
         graphed = None
-        if _graphs_wanted(tensors, n, graphs):
-            graphed = graphed_step(step, carry, _chunk(xs, 0), consts, need_xs, need_consts, backward=True)
-        ys, carry, checkpoints = _forward(step, graphed, carry, xs, consts, 0, n, every=r)
-        ctx.step, ctx.graphed, ctx.r, ctx.n = step, graphed, r, n
+        with _tf32(tf32):
+            if _graphs_wanted(tensors, n, graphs):
+                graphed = graphed_step(step, carry, _chunk(xs, 0), consts, need_xs, need_consts, backward=True)
+            ys, carry, checkpoints = _forward(step, graphed, carry, xs, consts, 0, n, every=r)
+        ctx.step, ctx.graphed, ctx.r, ctx.n, ctx.tf32 = step, graphed, r, n, tf32
         ctx.autocast = _autocast_state()
         ctx.sizes = (n_carry, n_xs, len(consts), len(ys[0]))
         ctx.save_for_backward(*xs, *consts, *(t for c in checkpoints for t in c))
@@ -301,7 +326,7 @@ class _ChunkLoop(torch.autograd.Function):
         flat = saved[n_xs + n_consts:]
         checkpoints = [flat[i:i + n_carry] for i in range(0, len(flat), n_carry)]
         d_ys, d_carry = grads[:n_ys], list(grads[n_ys:])
-        need = ctx.needs_input_grad[5:]
+        need = ctx.needs_input_grad[6:]
         need_xs, need_consts = need[n_carry:n_carry + n_xs], need[n_carry + n_xs:]
         d_xs = [torch.zeros_like(x) if want else None for x, want in zip(xs, need_xs)]
         d_consts: list[torch.Tensor | None] = [None] * n_consts
@@ -309,12 +334,12 @@ class _ChunkLoop(torch.autograd.Function):
 
         for s in reversed(range(len(checkpoints))):
             lo, hi = s * r, min(n, (s + 1) * r)
-            with torch.no_grad(), _autocast(ctx.autocast):
+            with torch.no_grad(), _autocast(ctx.autocast), _tf32(ctx.tf32):
                 carries = _forward(step, graphed, checkpoints[s], xs, consts, lo, hi, every=1)[2]
             if graphed is not None:
                 graphed.load(consts=consts)
             for j in reversed(range(lo, hi)):
-                with _autocast(ctx.autocast):
+                with _autocast(ctx.autocast), _tf32(ctx.tf32):
                     got = _backward_one(step, graphed, carries[j - lo], _chunk(xs, j), consts_in, need_xs,
                                         [None if d is None else d[j] for d in d_ys], d_carry)
                 d_carry = got[:n_carry]
@@ -325,7 +350,7 @@ class _ChunkLoop(torch.autograd.Function):
                     if g is not None and need_consts[i]:
                         d_consts[i] = g if d_consts[i] is None else d_consts[i] + g
         d_carry = [g if want else None for g, want in zip(d_carry, need[:n_carry])]
-        return (None, None, None, None, None, *d_carry, *d_xs, *d_consts)
+        return (None, None, None, None, None, None, *d_carry, *d_xs, *d_consts)
 
 
 # torch.compile runs the loop as it is (a graph break): traced, every chunk would be unrolled into one
@@ -340,6 +365,7 @@ def run_chunks(
     checkpoint_every: int | None = None,
     graphs: bool | None = None,
     recompute: bool = True,
+    tf32: bool = False,
 ) -> tuple[Tensors, Tensors]:
     """Run ``step`` over the chunks of ``xs`` (chunk index first); returns ``(ys, carry)``.
 
@@ -352,6 +378,8 @@ def run_chunks(
     ``recompute=False`` runs the loop eagerly under autograd as it stands (every
     chunk's graph kept): faster than recomputing where the loop is bound by the
     host and cannot be captured, at the memory cost the recompute avoids.
+    ``tf32`` lets the steps' float32 matmuls on CUDA use TF32 tensor cores (the
+    caller's choice for bf16/fp16 problems, whose inputs carry fewer bits than TF32).
     """
     carry, xs, consts = tuple(carry), tuple(xs), tuple(consts)
     if not xs or xs[0].shape[0] == 0:
@@ -363,8 +391,9 @@ def run_chunks(
     if not recompute:
         graphs = False
     elif torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        out = _ChunkLoop.apply(step, len(carry), len(xs), checkpoint_every, graphs, *tensors)
+        out = _ChunkLoop.apply(step, len(carry), len(xs), checkpoint_every, graphs, tf32, *tensors)
         return tuple(out[:len(out) - len(carry)]), tuple(out[len(out) - len(carry):])
-    graphed = graphed_step(step, carry, _chunk(xs, 0), consts) if _graphs_wanted(tensors, n, graphs) else None
-    ys, carry, _ = _forward(step, graphed, carry, xs, consts, 0, n)
+    with _tf32(tf32):
+        graphed = graphed_step(step, carry, _chunk(xs, 0), consts) if _graphs_wanted(tensors, n, graphs) else None
+        ys, carry, _ = _forward(step, graphed, carry, xs, consts, 0, n)
     return _stack(ys), carry

@@ -41,7 +41,7 @@ from functools import partial
 import torch
 
 from .backend import resolve_backend
-from .chunk_loop import run_chunks
+from .chunk_loop import run_chunks, tf32_wanted
 from .titans import (
     TitansMemorySpec,
     TitansState,
@@ -392,6 +392,22 @@ def step_mc_titans(
 # --------------------------------------------------------------------------- chunked
 
 
+def _cache_in_buckets(valid: torch.Tensor, summary: torch.Tensor, weights: list[torch.Tensor]):
+    """The cache padded with empty slots to a power of two: ``(valid, summary, *weights)``.
+
+    The cache grows by a memory per segment, and its size is part of the chunk step's shapes: padded,
+    a sequence of ``n`` segments runs ``log2 n`` shapes of the step (CUDA graph captures) instead of ``n``.
+    Empty slots are invalid, so every aggregation reads them with weight zero.
+    """
+    N = valid.shape[1]
+    extra = (1 << (N - 1).bit_length()) - N if N else 0
+    if extra:
+        valid = with_extra_slots(valid, 1, extra)
+        summary = with_extra_slots(summary, 1, extra)
+        weights = [with_extra_slots(w, 1, extra) for w in weights]
+    return (valid, summary, *weights)
+
+
 def _segment_chunks(x: torch.Tensor, width: int) -> torch.Tensor:
     """``(B, H, n * width, ...)`` -> ``(n, B, H, width, ...)``: chunks first, for :func:`run_chunks`."""
     B, H, L = x.shape[:3]
@@ -489,8 +505,7 @@ def chunk_mc_titans(
             W = {n: torch.where(r, init[n].to(dtype).expand_as(w), w) for n, w in W.items()}
             M = {n: torch.where(r, torch.zeros_like(x), x) for n, x in M.items()}
         s1 = min(s0 + seg, total)
-        cached = state.cached
-        consts = (state.cached_valid, state.cached_summary(), *(cached[n] for n in names))
+        consts = _cache_in_buckets(state.cached_valid, state.cached_summary(), [state.cached[n] for n in names])
         # the chunks of a segment come in at most two widths: whole chunks, then its remainder
         for c0, c1 in ((s0, s0 + (s1 - s0) // C * C), (s0 + (s1 - s0) // C * C, s1)):
             if c1 == c0:
@@ -508,11 +523,7 @@ def chunk_mc_titans(
             carry = (*(W[n] for n in names), *(M[n] for n in names), *(chunk_start if track_start else ()),
                      key_sum, key_count)
             step = partial(_mc_chunk_step, spec, options, track_start, with_stored)
-            # The cache grows by a memory per segment, so every segment would be a new graph capture;
-            # uncaptured, the recompute doubles the host's work (1.7x the time at T=2048 on an H100):
-            # segments run under plain autograd.
-            ys, carry = run_chunks(step, carry, xs, consts + (stored if with_stored else ()),
-                                   recompute=not S_seg)
+            ys, carry = run_chunks(step, carry, xs, consts + (stored if with_stored else ()), tf32=tf32_wanted(v))
             outputs.append(ys[0])
             W, M = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
             if track_start:

@@ -34,7 +34,7 @@ import torch
 from torch.nn import functional as F
 
 from .backend import resolve_backend
-from .chunk_loop import run_chunks
+from .chunk_loop import run_chunks, tf32_wanted
 from .deep_attention import gelu_derivative
 from .norms import clip_scale
 
@@ -495,14 +495,15 @@ def chunk_titans(
     # Shifts are below C, so only the first chunk holds resumed rows' first tokens.
     resumed = state.position > 0
     step = partial(_titans_step, spec, track_start)
+    tf32 = tf32_wanted(v)
     outputs = []
     first = 0
     if bool(resumed.any()):
-        ys, carry = run_chunks(step, carry, [x[:1] for x in xs], (resumed, *stored))
+        ys, carry = run_chunks(step, carry, [x[:1] for x in xs], (resumed, *stored), tf32=tf32)
         outputs.append(ys[0])
         first = 1
     if first < n:
-        ys, carry = run_chunks(step, carry, [x[first:] for x in xs], checkpoint_every=checkpoint_every)
+        ys, carry = run_chunks(step, carry, [x[first:] for x in xs], checkpoint_every=checkpoint_every, tf32=tf32)
         outputs.append(ys[0])
     o = chunks_last(torch.cat(outputs) if len(outputs) > 1 else outputs[0]).transpose(1, 2)  # (B, total, H, d_v)
     m = len(names)
