@@ -29,7 +29,7 @@ from functools import partial
 import torch
 
 from .backend import resolve_backend
-from .chunk_loop import run_chunks, tf32_wanted
+from .chunk_loop import run_chunks, tf32_products, tf32_wanted
 from .titans import (
     ChunkOperator,
     TitansMemorySpec,
@@ -196,6 +196,13 @@ def step_atlas(
     live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, AtlasState]:
     """One token per row (``q, k, v`` ``(B, H, D)``, gates ``(B, H)``); rows not ``live`` are untouched."""
+    with tf32_products(tf32_wanted(v)):
+        return _step_atlas(spec, q, k, v, alpha, lr, momentum, gamma, state, optimizer=optimizer,
+                           omega_window=omega_window, chunk_size=chunk_size, ns_steps=ns_steps, live=live)
+
+
+def _step_atlas(spec, q, k, v, alpha, lr, momentum, gamma, state, *, optimizer, omega_window, chunk_size, ns_steps,
+                live):
     B = q.shape[0]
     dtype = torch.promote_types(v.dtype, torch.float32)
     live = torch.ones(B, dtype=torch.bool, device=q.device) if live is None else live.bool()

@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["GraphedStep", "graphed_step", "release_graphs", "run_chunks", "tf32_wanted"]
+__all__ = ["GraphedStep", "graphed_step", "release_graphs", "run_chunks", "tf32_products", "tf32_wanted"]
 
 Tensors = tuple[torch.Tensor, ...]
 Step = Callable[[Tensors, Tensors, Tensors], tuple[Tensors, Tensors]]
@@ -91,7 +91,7 @@ def tf32_wanted(inputs: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def _tf32(enabled: bool):
+def tf32_products(enabled: bool):
     """Let float32 matmuls on CUDA use TF32 tensor cores inside (restored after)."""
     if not enabled:
         yield
@@ -303,7 +303,7 @@ class _ChunkLoop(torch.autograd.Function):
         need = ctx.needs_input_grad[6:]
         need_xs, need_consts = need[n_carry:n_carry + n_xs], need[n_carry + n_xs:]
         graphed = None
-        with _tf32(tf32):
+        with tf32_products(tf32):
             if _graphs_wanted(tensors, n, graphs):
                 graphed = graphed_step(step, carry, _chunk(xs, 0), consts, need_xs, need_consts, backward=True)
             ys, carry, checkpoints = _forward(step, graphed, carry, xs, consts, 0, n, every=r)
@@ -334,12 +334,12 @@ class _ChunkLoop(torch.autograd.Function):
 
         for s in reversed(range(len(checkpoints))):
             lo, hi = s * r, min(n, (s + 1) * r)
-            with torch.no_grad(), _autocast(ctx.autocast), _tf32(ctx.tf32):
+            with torch.no_grad(), _autocast(ctx.autocast), tf32_products(ctx.tf32):
                 carries = _forward(step, graphed, checkpoints[s], xs, consts, lo, hi, every=1)[2]
             if graphed is not None:
                 graphed.load(consts=consts)
             for j in reversed(range(lo, hi)):
-                with _autocast(ctx.autocast), _tf32(ctx.tf32):
+                with _autocast(ctx.autocast), tf32_products(ctx.tf32):
                     got = _backward_one(step, graphed, carries[j - lo], _chunk(xs, j), consts_in, need_xs,
                                         [None if d is None else d[j] for d in d_ys], d_carry)
                 d_carry = got[:n_carry]
@@ -393,7 +393,7 @@ def run_chunks(
     elif torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         out = _ChunkLoop.apply(step, len(carry), len(xs), checkpoint_every, graphs, tf32, *tensors)
         return tuple(out[:len(out) - len(carry)]), tuple(out[len(out) - len(carry):])
-    with _tf32(tf32):
+    with tf32_products(tf32):
         graphed = graphed_step(step, carry, _chunk(xs, 0), consts) if _graphs_wanted(tensors, n, graphs) else None
         ys, carry, _ = _forward(step, graphed, carry, xs, consts, 0, n)
     return _stack(ys), carry

@@ -34,7 +34,7 @@ import torch
 from torch.nn import functional as F
 
 from .backend import resolve_backend
-from .chunk_loop import run_chunks, tf32_wanted
+from .chunk_loop import run_chunks, tf32_products, tf32_wanted
 from .deep_attention import gelu_derivative
 from .norms import clip_scale
 
@@ -224,6 +224,11 @@ def step_titans(
     use_qk_l2norm: bool = True,
 ) -> tuple[torch.Tensor, TitansState]:
     """One token per row: ``q, k, v`` ``(B, H, D)``, gates ``(B, H)``, ``live`` ``(B,)`` bool (default all)."""
+    with tf32_products(tf32_wanted(v)):
+        return _step_titans(spec, q, k, v, alpha, eta, theta, state, chunk_size, live, use_qk_l2norm)
+
+
+def _step_titans(spec, q, k, v, alpha, eta, theta, state, chunk_size, live, use_qk_l2norm):
     dtype = torch.promote_types(v.dtype, torch.float32)
     q, k = _prepare(q.to(dtype), k.to(dtype), use_qk_l2norm)
     v = v.to(dtype)

@@ -288,3 +288,17 @@ def test_atlas_memory_caching_gradients_equal_the_reference(aggregation):
     got = grads(loss, leaves)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+def test_tf32_policy_is_for_low_precision_cuda_problems_and_restores_the_setting():
+    from mnemo.kernels.chunk_loop import tf32_products, tf32_wanted
+
+    assert not tf32_wanted(torch.zeros(2, dtype=torch.bfloat16))  # CPU: exact products always
+    assert not tf32_wanted(torch.zeros(2))
+    before = torch.get_float32_matmul_precision()
+    with tf32_products(True):
+        assert torch.get_float32_matmul_precision() == "high"
+    assert torch.get_float32_matmul_precision() == before
+    with pytest.raises(RuntimeError), tf32_products(True):
+        raise RuntimeError("an error inside still restores it")
+    assert torch.get_float32_matmul_precision() == before

@@ -95,3 +95,25 @@ def test_graphed_titans_equals_the_float64_reference():
     for a, b in zip(got, expected):
         err = (a.cpu().double() - b).norm() / b.norm().clamp(min=1e-30)
         assert err < 1e-4, float(err)
+
+
+@pytest.mark.parametrize("build", ["titans", "atlas"])
+def test_graphed_models_train_alike_with_gradient_checkpointing(build):
+    """transformers' gradient checkpointing re-runs each block in the backward, where the chunk loop
+    captures and replays its graphs inside autograd's own backward: the gradients are unchanged."""
+    from conftest import tiny_atlas, tiny_mc_titans
+
+    model = (tiny_mc_titans(segment_size=None) if build == "titans" else tiny_atlas()).cuda().train()
+    ids = torch.randint(1, 97, (2, 40), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def grads():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads()
+    model.gradient_checkpointing_enable()
+    checkpointed = grads()
+    assert plain.keys() == checkpointed.keys()
+    for name, g in plain.items():
+        torch.testing.assert_close(checkpointed[name], g, rtol=1e-5, atol=1e-6, msg=name)
