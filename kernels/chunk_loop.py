@@ -31,6 +31,12 @@ the host launching them, not by the GPU. There the step is captured in two CUDA
 graphs per set of input shapes (:class:`GraphedStep`): its forward, and its
 recomputation with the backward; each chunk then costs a few copies and one replay.
 ``MNEMO_CHUNK_GRAPHS=0`` turns this off.
+
+Where the steps are not captured (CPU, or graphs off), recomputing costs the host
+two more passes over every small op, which made the CPU demo's deep memories 1.4-1.6x
+slower; there the loop runs under plain autograd by default, as it stood.
+``MNEMO_CHUNK_RECOMPUTE=1`` (or ``recompute=True``) asks for the recompute anyway,
+for its memory; ``=0`` for plain autograd everywhere.
 """
 
 from __future__ import annotations
@@ -364,7 +370,7 @@ def run_chunks(
     *,
     checkpoint_every: int | None = None,
     graphs: bool | None = None,
-    recompute: bool = True,
+    recompute: bool | None = None,
     tf32: bool = False,
 ) -> tuple[Tensors, Tensors]:
     """Run ``step`` over the chunks of ``xs`` (chunk index first); returns ``(ys, carry)``.
@@ -375,9 +381,9 @@ def run_chunks(
     forces CUDA graphs on or off (default: on for CUDA tensors and more than two
     chunks, unless ``MNEMO_CHUNK_GRAPHS=0``); a caller whose inputs change shape
     from call to call turns them off, as each new shape is a new capture.
-    ``recompute=False`` runs the loop eagerly under autograd as it stands (every
-    chunk's graph kept): faster than recomputing where the loop is bound by the
-    host and cannot be captured, at the memory cost the recompute avoids.
+    ``recompute`` chooses between that recompute and plain autograd over the loop
+    (every chunk's graph kept); by default (``None``) it recomputes exactly where the
+    steps are captured in graphs, unless ``MNEMO_CHUNK_RECOMPUTE`` says otherwise.
     ``tf32`` lets the steps' float32 matmuls on CUDA use TF32 tensor cores (the
     caller's choice for bf16/fp16 problems, whose inputs carry fewer bits than TF32).
     """
@@ -387,12 +393,16 @@ def run_chunks(
     n = xs[0].shape[0]
     if any(x.shape[0] != n for x in xs):
         raise ValueError(f"every per-chunk input must have {n} chunks first, got {[x.shape[0] for x in xs]}")
+    _stretch(n, checkpoint_every)  # a bad spacing is an error whichever way the loop runs
     tensors = carry + xs + consts
-    if not recompute:
-        graphs = False
-    elif torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        out = _ChunkLoop.apply(step, len(carry), len(xs), checkpoint_every, graphs, tf32, *tensors)
-        return tuple(out[:len(out) - len(carry)]), tuple(out[len(out) - len(carry):])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if recompute is None:
+            asked = os.environ.get("MNEMO_CHUNK_RECOMPUTE")
+            recompute = asked == "1" if asked in ("0", "1") else _graphs_wanted(tensors, n, graphs)
+        if recompute:
+            out = _ChunkLoop.apply(step, len(carry), len(xs), checkpoint_every, graphs, tf32, *tensors)
+            return tuple(out[:len(out) - len(carry)]), tuple(out[len(out) - len(carry):])
+        graphs = False  # autograd records the loop below: replays would overwrite what it saved
     with tf32_products(tf32):
         graphed = graphed_step(step, carry, _chunk(xs, 0), consts) if _graphs_wanted(tensors, n, graphs) else None
         ys, carry, _ = _forward(step, graphed, carry, xs, consts, 0, n)

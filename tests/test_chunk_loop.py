@@ -49,7 +49,8 @@ def test_gradients_equal_plain_autograd(every):
     loss = toy_loss(plain_ys, carry)
     expected = torch.autograd.grad(loss, (h0, kept, inp, w))
 
-    got_ys, got_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=every)
+    got_ys, got_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=every, recompute=True)
+    assert type(got_ys[0].grad_fn).__name__ == "_ChunkLoopBackward"
     for a, b in zip(got_ys + got_carry, plain_ys + carry):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     got = torch.autograd.grad(toy_loss(got_ys, got_carry), (h0, kept, inp, w))
@@ -68,7 +69,7 @@ def test_the_backward_recomputes_under_the_forwards_autocast():
             y, carry = toy_step(carry, (inp[j], mask[j]), (w,))
             ys.append(y)
         plain = toy_loss(tuple(torch.stack(t) for t in zip(*ys)), carry)
-        got_ys, got_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=3)
+        got_ys, got_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=3, recompute=True)
         loss = toy_loss(got_ys, got_carry)
     expected = torch.autograd.grad(plain, (h0, kept, inp, w))
     got = torch.autograd.grad(loss, (h0, kept, inp, w))
@@ -77,6 +78,15 @@ def test_the_backward_recomputes_under_the_forwards_autocast():
     # Plain autograd sums w's gradient over chunks in bf16 (autocast casts w once, and the gradients
     # meet on that bf16 copy); the loop sums each chunk's in float32: bf16 rounding apart.
     torch.testing.assert_close(got[3], expected[3], rtol=3e-2, atol=3e-2)
+
+
+def test_uncaptured_loops_run_under_plain_autograd_unless_asked(monkeypatch):
+    h0, kept, inp, mask, w = toy_inputs()
+    ys, _ = run_chunks(toy_step, (h0, kept), (inp, mask), (w,))  # CPU: no graphs, so no recompute
+    assert type(ys[0].grad_fn).__name__ != "_ChunkLoopBackward"
+    monkeypatch.setenv("MNEMO_CHUNK_RECOMPUTE", "1")
+    ys, _ = run_chunks(toy_step, (h0, kept), (inp, mask), (w,))
+    assert type(ys[0].grad_fn).__name__ == "_ChunkLoopBackward"
 
 
 def test_without_gradients_no_graph_is_kept():
@@ -95,6 +105,14 @@ def test_bad_inputs_are_named():
 
 
 # --- Titans: the chunked path's gradients equal the token-by-token reference's ------------------------------
+# Every kernel test below runs twice: through the recompute (the CUDA default) and under plain autograd
+# (the default where the steps are not captured).
+
+
+@pytest.fixture(params=["recompute", "plain"])
+def loop_mode(request, monkeypatch):
+    monkeypatch.setenv("MNEMO_CHUNK_RECOMPUTE", "1" if request.param == "recompute" else "0")
+    return request.param
 
 H, T, DK = 2, 19, 4
 SPECS = {
@@ -119,7 +137,7 @@ def titans_inputs(spec):
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 @pytest.mark.parametrize("chunk, every", [(4, None), (4, 1), (5, 2), (64, None)])
-def test_titans_gradients_equal_the_reference(name, chunk, every):
+def test_titans_gradients_equal_the_reference(name, chunk, every, loop_mode):
     spec = SPECS[name]
     init, q, k, v, alpha, eta, theta = titans_inputs(spec)
     lengths = torch.tensor([T, 11, 6])
@@ -136,7 +154,7 @@ def test_titans_gradients_equal_the_reference(name, chunk, every):
 
 
 @pytest.mark.parametrize("chunk", [4, 5])
-def test_titans_gradients_flow_through_a_resumed_state(chunk):
+def test_titans_gradients_flow_through_a_resumed_state(chunk, loop_mode):
     """A prefix of ragged length, then the rest from its state: gradients of both calls' outputs reach
     every input as in one reference pass (the resumed chunk reads the stored chunk-start weights)."""
     spec = SPECS["mlp"]
@@ -181,7 +199,7 @@ MC_CASES = [
 
 
 @pytest.mark.parametrize("seg, mode, agg", MC_CASES)
-def test_mc_titans_gradients_equal_the_reference(seg, mode, agg):
+def test_mc_titans_gradients_equal_the_reference(seg, mode, agg, loop_mode):
     spec = SPECS["mlp"]
     init, q, k, v, alpha, eta, theta = titans_inputs(spec)
     u = torch.randn(B, T, H, DK, generator=torch.Generator().manual_seed(4), dtype=torch.float64).requires_grad_()
@@ -232,7 +250,7 @@ def atlas_case(memory, optimizer):
 
 
 @pytest.mark.parametrize("memory, optimizer, window, chunk", ATLAS_CASES)
-def test_atlas_gradients_equal_the_reference(memory, optimizer, window, chunk):
+def test_atlas_gradients_equal_the_reference(memory, optimizer, window, chunk, loop_mode):
     from test_kernels_atlas import B as AB, H as AH, TAKES as ATAKES, next_tokens
 
     spec, init, xs, leaves = atlas_case(memory, optimizer)
@@ -256,7 +274,7 @@ def test_atlas_gradients_equal_the_reference(memory, optimizer, window, chunk):
 
 
 @pytest.mark.parametrize("aggregation", ["grm", "residual"])
-def test_atlas_memory_caching_gradients_equal_the_reference(aggregation):
+def test_atlas_memory_caching_gradients_equal_the_reference(aggregation, loop_mode):
     from test_kernels_atlas import B as AB, H as AH, TAKES as ATAKES, next_tokens
 
     spec, init, xs, leaves = atlas_case("mlp", "momentum")
