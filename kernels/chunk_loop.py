@@ -117,10 +117,11 @@ def _zeros_for_none(grads: Sequence[torch.Tensor | None], like: Sequence[torch.T
 class GraphedStep:
     """A step captured in CUDA graphs for one set of input shapes.
 
-    ``forward()`` runs the step on the static inputs ``carry, x, consts`` into ``ys, carry_out``;
-    ``backward()`` re-runs it under autograd from the same inputs and back-propagates the static
-    ``d_ys, d_carry_out`` into ``d_carry, d_x, d_consts`` (zeros where an input gets no gradient).
-    Callers copy inputs in and results out: every buffer is reused by the next replay.
+    ``fwd.replay()`` runs the step on the static inputs ``carry, x, consts`` into ``ys, carry_out``;
+    ``bwd.replay()`` (captured when asked for) re-runs it under autograd from the same inputs and
+    back-propagates the static ``d_ys, d_carry_out`` into ``d_carry, d_x, d_consts`` (zeros where an
+    input gets no gradient). Callers copy inputs in (:meth:`load`) and results out: every buffer is
+    reused by the next replay.
     """
 
     def __init__(self, step: Step, carry: Tensors, x: Tensors, consts: Tensors, need_x: Sequence[bool],
@@ -188,7 +189,9 @@ class GraphedStep:
 
 
 _GRAPHS: OrderedDict = OrderedDict()
-_MAX_GRAPHS = 8
+# Enough for every shape one training step meets (a Memory Caching layer at 32K tokens: 9 cache sizes),
+# since a shape evicted between steps is captured again on every step.
+_MAX_GRAPHS = 16
 
 
 def _step_key(step: Step):
@@ -354,7 +357,8 @@ class _ChunkLoop(torch.autograd.Function):
                         d_xs[i][j] = g
                 for i, g in enumerate(got[n_carry + n_xs:]):
                     if g is not None and need_consts[i]:
-                        d_consts[i] = g if d_consts[i] is None else d_consts[i] + g
+                        # in place: a cache of memories makes these as large as the carry, once per memory
+                        d_consts[i] = g.clone() if d_consts[i] is None else d_consts[i].add_(g)
         d_carry = [g if want else None for g, want in zip(d_carry, need[:n_carry])]
         return (None, None, None, None, None, None, *d_carry, *d_xs, *d_consts)
 
