@@ -59,7 +59,9 @@ def output_and_grads(run, inputs):
 def test_graphed_chunks_equal_eager_chunks(run, dtype, monkeypatch):
     inputs = make_inputs(dtype)
     graphed = output_and_grads(run, inputs)
+    # the same recompute, uncaptured (plain autograd would run its backward outside the TF32 products)
     monkeypatch.setenv("MNEMO_CHUNK_GRAPHS", "0")
+    monkeypatch.setenv("MNEMO_CHUNK_RECOMPUTE", "1")
     eager = output_and_grads(run, inputs)
     for a, b in zip(graphed, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -72,7 +74,9 @@ def test_graphed_chunks_under_autocast_equal_eager_ones(monkeypatch):
     inputs = make_inputs()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         graphed = output_and_grads(titans, inputs)
+    # the same recompute, uncaptured (plain autograd would run its backward outside the TF32 products)
     monkeypatch.setenv("MNEMO_CHUNK_GRAPHS", "0")
+    monkeypatch.setenv("MNEMO_CHUNK_RECOMPUTE", "1")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         eager = output_and_grads(titans, inputs)
     for a, b in zip(graphed, eager):
