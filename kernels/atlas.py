@@ -399,17 +399,19 @@ def chunk_atlas(
     read_consts = tuple(read_consts)
     # Shifts are below C, so only the first chunk holds resumed rows' first tokens.
     resumed = state.position > 0
+    # A read of cached memories brings a new closure and a cache one memory larger on every segment:
+    # each call would be a new graph capture, so such chunks run uncaptured.
+    loop = dict(tf32=tf32_wanted(v), graphs=False if read is not None else None)
     outputs = []
     first = 0
     if bool(resumed.any()):
         step = partial(_atlas_chunk_step, spec, optimizer, ns_steps, track_start, len(extra), True, read)
-        ys, carry = run_chunks(step, carry, [x[:1] for x in xs], (inside, *read_consts, resumed, *stored),
-                               tf32=tf32_wanted(v))
+        ys, carry = run_chunks(step, carry, [x[:1] for x in xs], (inside, *read_consts, resumed, *stored), **loop)
         outputs.append(ys[0])
         first = 1
     if first < n_chunks:
         step = partial(_atlas_chunk_step, spec, optimizer, ns_steps, track_start, len(extra), False, read)
-        ys, carry = run_chunks(step, carry, [x[first:] for x in xs], (inside, *read_consts), tf32=tf32_wanted(v))
+        ys, carry = run_chunks(step, carry, [x[first:] for x in xs], (inside, *read_consts), **loop)
         outputs.append(ys[0])
     o = chunks_last(torch.cat(outputs) if len(outputs) > 1 else outputs[0]).transpose(1, 2)  # (B, span, H, d_v)
     W = dict(zip(names, carry[:m]))
