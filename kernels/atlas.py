@@ -29,7 +29,7 @@ from functools import partial
 import torch
 
 from .backend import resolve_backend
-from .chunk_loop import run_chunks, tf32_products, tf32_wanted
+from .chunk_loop import tf32_products, tf32_wanted
 from .titans import (
     ChunkOperator,
     TitansMemorySpec,
@@ -40,6 +40,7 @@ from .titans import (
     memory_apply,
     next_chunk_start,
     resumed_grad_weights,
+    run_resumable_chunks,
     static_apply,
 )
 
@@ -397,23 +398,14 @@ def chunk_atlas(
     t_pos, i_pos = pos[pre:], pos
     inside = (i_pos[None, :] <= t_pos[:, None]) & (t_pos[:, None] <= i_pos[None, :] + c - 1)  # (C, C + c - 1)
     read_consts = tuple(read_consts)
-    # Shifts are below C, so only the first chunk holds resumed rows' first tokens.
-    resumed = state.position > 0
     # A read of cached memories brings a new closure and a cache one memory larger on every segment:
     # each call would be a new graph capture, so such chunks run uncaptured.
-    loop = dict(tf32=tf32_wanted(v), graphs=False if read is not None else None)
-    outputs = []
-    first = 0
-    if bool(resumed.any()):
-        step = partial(_atlas_chunk_step, spec, optimizer, ns_steps, track_start, len(extra), True, read)
-        ys, carry = run_chunks(step, carry, [x[:1] for x in xs], (inside, *read_consts, resumed, *stored), **loop)
-        outputs.append(ys[0])
-        first = 1
-    if first < n_chunks:
-        step = partial(_atlas_chunk_step, spec, optimizer, ns_steps, track_start, len(extra), False, read)
-        ys, carry = run_chunks(step, carry, [x[first:] for x in xs], (inside, *read_consts), **loop)
-        outputs.append(ys[0])
-    o = chunks_last(torch.cat(outputs) if len(outputs) > 1 else outputs[0]).transpose(1, 2)  # (B, span, H, d_v)
+    o, carry = run_resumable_chunks(
+        lambda with_stored: partial(_atlas_chunk_step, spec, optimizer, ns_steps, track_start, len(extra),
+                                    with_stored, read),
+        carry, xs, (inside, *read_consts), state.position > 0, stored,
+        tf32=tf32_wanted(v), graphs=False if read is not None else None)
+    o = chunks_last(o).transpose(1, 2)  # (B, span, H, d_v)
     W = dict(zip(names, carry[:m]))
     S = None if optimizer == "gd" else dict(zip(names, carry[m:2 * m]))
     k_ = 2 * m if optimizer != "gd" else m

@@ -251,39 +251,46 @@ def graphed_step(step: Step, carry: Tensors, x: Tensors, consts: Tensors, need_x
 
 
 def _forward(step: Step, graphed: GraphedStep | None, carry: Tensors, xs: Tensors, consts: Tensors, lo: int,
-             hi: int, every: int | None = None) -> tuple[list[Tensors], Tensors, list[Tensors]]:
-    """Chunks ``lo .. hi - 1`` from ``carry``: each chunk's outputs, the final carry and the carry
-    entering every chunk ``j`` with ``(j - lo) % every == 0`` (none without ``every``)."""
+             hi: int, every: int | None = None, keep_ys: bool = True) -> tuple[Tensors, Tensors, list[Tensors]]:
+    """Chunks ``lo .. hi - 1`` from ``carry``: their outputs stacked (empty without ``keep_ys``), the
+    final carry and the carry entering every chunk ``j`` with ``(j - lo) % every == 0`` (none without
+    ``every``)."""
     kept, ys = [], []
     if graphed is None:
         for j in range(lo, hi):
             if every and (j - lo) % every == 0:
                 kept.append(carry)
             y, carry = step(carry, _chunk(xs, j), consts)
-            ys.append(y)
-        return ys, carry, kept
+            if keep_ys:
+                ys.append(y)
+        return (_stack(ys) if keep_ys else ()), carry, kept
+    stacked = tuple(t.new_empty((hi - lo, *t.shape)) for t in graphed.ys) if keep_ys else ()
     graphed.load(carry, consts=consts)
     for j in range(lo, hi):
         if every and (j - lo) % every == 0:
             kept.append(tuple(t.clone() for t in graphed.carry))
         graphed.load(x=_chunk(xs, j))
         graphed.fwd.replay()
-        ys.append(tuple(t.clone() for t in graphed.ys))
+        for out, y in zip(stacked, graphed.ys):
+            out[j - lo].copy_(y)
         graphed.load(graphed.carry_out)
-    return ys, tuple(t.clone() for t in graphed.carry), kept
+    return stacked, tuple(t.clone() for t in graphed.carry), kept
 
 
 def _backward_one(step: Step, graphed: GraphedStep | None, carry: Tensors, x: Tensors, consts_in: Tensors,
                   need_x: Sequence[bool], d_ys: Sequence[torch.Tensor | None],
                   d_carry: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """One chunk's backward from the carry entering it: gradients of its carry, ``x`` and ``consts``
-    (``None`` where there is none)."""
+    (``None`` where there is none). Graphed, those of ``x`` and ``consts`` are the graph's own buffers,
+    valid until its next replay: the caller copies them out at once."""
     if graphed is not None:
         graphed.load(carry, x)
         for buf, g in zip(graphed.d_ys + graphed.d_carry_out, list(d_ys) + list(d_carry)):
             buf.zero_() if g is None else buf.copy_(g)
         graphed.bwd.replay()
-        return [t.clone() for t in graphed.d_carry + graphed.d_x + graphed.d_consts]
+        # The carry's gradient outlives the stretch, and the forward graph's replays in the next
+        # stretch's recompute may reuse its memory (one pool): it is cloned, the rest copied at once.
+        return [t.clone() for t in graphed.d_carry] + list(graphed.d_x + graphed.d_consts)
     carry_in = tuple(t.detach().requires_grad_(_differentiable(t)) for t in carry)
     x_in = tuple(t.detach().requires_grad_(want) for t, want in zip(x, need_x))
     with torch.enable_grad():
@@ -318,11 +325,11 @@ class _ChunkLoop(torch.autograd.Function):
             ys, carry, checkpoints = _forward(step, graphed, carry, xs, consts, 0, n, every=r)
         ctx.step, ctx.graphed, ctx.r, ctx.n, ctx.tf32 = step, graphed, r, n, tf32
         ctx.autocast = _autocast_state()
-        ctx.sizes = (n_carry, n_xs, len(consts), len(ys[0]))
+        ctx.sizes = (n_carry, n_xs, len(consts), len(ys))
         ctx.save_for_backward(*xs, *consts, *(t for c in checkpoints for t in c))
         # An output that is an input object would be taken for the input by autograd.
         carry = tuple(t.clone() if any(t is s for s in tensors) else t for t in carry)
-        outputs = _stack(ys) + carry
+        outputs = ys + carry
         ctx.mark_non_differentiable(*(t for t in outputs if not _differentiable(t)))
         return outputs
 
@@ -344,7 +351,10 @@ class _ChunkLoop(torch.autograd.Function):
         for s in reversed(range(len(checkpoints))):
             lo, hi = s * r, min(n, (s + 1) * r)
             with torch.no_grad(), _autocast(ctx.autocast), tf32_products(ctx.tf32):
-                carries = _forward(step, graphed, checkpoints[s], xs, consts, lo, hi, every=1)[2]
+                # the carries entering lo .. hi - 1: the stretch's last chunk need not run forward
+                _, last, carries = _forward(step, graphed, checkpoints[s], xs, consts, lo, hi - 1, every=1,
+                                            keep_ys=False)
+                carries.append(last)
             if graphed is not None:
                 graphed.load(consts=consts)
             for j in reversed(range(lo, hi)):
@@ -410,4 +420,4 @@ def run_chunks(
     with tf32_products(tf32):
         graphed = graphed_step(step, carry, _chunk(xs, 0), consts) if _graphs_wanted(tensors, n, graphs) else None
         ys, carry, _ = _forward(step, graphed, carry, xs, consts, 0, n)
-    return _stack(ys), carry
+    return ys, carry

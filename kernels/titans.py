@@ -436,6 +436,27 @@ def _titans_step(spec: TitansMemorySpec, track_start: bool, carry, x, consts):
     return (y,), new_carry
 
 
+def run_resumable_chunks(step_for: Callable[[bool], Callable], carry, xs, consts, resumed: torch.Tensor,
+                         stored: Sequence[torch.Tensor], **loop) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The chunks of one call (``xs`` chunk-first) through :func:`~.chunk_loop.run_chunks`; returns the
+    stacked outputs and the final carry.
+
+    Rows resume inside a chunk by less than ``C`` tokens, so only the first chunk can hold a resumed
+    row's first token. Where any row resumes, that chunk runs alone with ``step_for(True)`` and
+    ``consts + (resumed, *stored)`` (the stored chunk-start weights), the rest with ``step_for(False)``
+    and ``consts``: the rest's step never reads the stored weights.
+    """
+    outputs, first = [], 0
+    if bool(resumed.any()):
+        ys, carry = run_chunks(step_for(True), carry, [x[:1] for x in xs], (*consts, resumed, *stored), **loop)
+        outputs.append(ys[0])
+        first = 1
+    if first < xs[0].shape[0]:
+        ys, carry = run_chunks(step_for(False), carry, [x[first:] for x in xs], consts, **loop)
+        outputs.append(ys[0])
+    return (torch.cat(outputs) if len(outputs) > 1 else outputs[0]), carry
+
+
 def chunks_first(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """``(B, H, n * C, ...)`` -> ``(n, B, H, C, ...)``: the per-chunk layout of :func:`~.chunk_loop.run_chunks`."""
     B, H, L = x.shape[:3]
@@ -498,20 +519,10 @@ def chunk_titans(
     stored = tuple(state.chunk_start[n_].to(dtype) for n_ in names)
     if track_start:
         carry += stored
-    # Shifts are below C, so only the first chunk holds resumed rows' first tokens.
-    resumed = state.position > 0
     step = partial(_titans_step, spec, track_start)
-    tf32 = tf32_wanted(v)
-    outputs = []
-    first = 0
-    if bool(resumed.any()):
-        ys, carry = run_chunks(step, carry, [x[:1] for x in xs], (resumed, *stored), tf32=tf32)
-        outputs.append(ys[0])
-        first = 1
-    if first < n:
-        ys, carry = run_chunks(step, carry, [x[first:] for x in xs], checkpoint_every=checkpoint_every, tf32=tf32)
-        outputs.append(ys[0])
-    o = chunks_last(torch.cat(outputs) if len(outputs) > 1 else outputs[0]).transpose(1, 2)  # (B, total, H, d_v)
+    o, carry = run_resumable_chunks(lambda with_stored: step, carry, xs, (), state.position > 0, stored,
+                                    checkpoint_every=checkpoint_every, tf32=tf32_wanted(v))
+    o = chunks_last(o).transpose(1, 2)  # (B, total, H, d_v)
     m = len(names)
     W, S = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
     chunk_start = dict(zip(names, carry[2 * m:])) if track_start else dict(zip(names, stored))

@@ -80,6 +80,86 @@ def test_the_backward_recomputes_under_the_forwards_autocast():
     torch.testing.assert_close(got[3], expected[3], rtol=3e-2, atol=3e-2)
 
 
+class ReplayOnCPU:
+    """Stands in for :class:`GraphedStep` without CUDA: every replay reruns the step on the static input
+    buffers and overwrites the same output buffers, as a graph replay does. The loop's copies in and out
+    (what CI cannot otherwise run) are then checked against plain autograd."""
+
+    def __init__(self, step, carry, x, consts, need_x=(), need_consts=(), backward=False):
+        import types
+
+        self.step = step
+        self.carry, self.x, self.consts = ([t.detach().clone() for t in ts] for ts in (carry, x, consts))
+        self.carry, self.x, self.consts = tuple(self.carry), tuple(self.x), tuple(self.consts)
+        with torch.no_grad():
+            ys, carry_out = step(self.carry, self.x, self.consts)
+        self.ys, self.carry_out = tuple(t.clone() for t in ys), tuple(t.clone() for t in carry_out)
+        self.fwd = types.SimpleNamespace(replay=self._forward)
+        self.need_x = tuple(need_x) or (False,) * len(x)
+        self.need_consts = tuple(need_consts) or (False,) * len(consts)
+        self.d_ys = tuple(torch.zeros_like(t) for t in self.ys)
+        self.d_carry_out = tuple(torch.zeros_like(t) for t in self.carry_out)
+        self.d_carry, self.d_x, self.d_consts = (tuple(torch.zeros_like(t) for t in ts)
+                                                 for ts in (self.carry, self.x, self.consts))
+        self.bwd = types.SimpleNamespace(replay=self._backward) if backward else None
+
+    def load(self, carry=None, x=None, consts=None):
+        for dst, src in ((self.carry, carry), (self.x, x), (self.consts, consts)):
+            for d, t in zip(dst, src or ()):
+                if d is not t:
+                    d.copy_(t)
+
+    def _forward(self):
+        with torch.no_grad():
+            ys, carry_out = self.step(self.carry, self.x, self.consts)
+        for dst, src in zip(self.ys + self.carry_out, ys + carry_out):
+            dst.copy_(src)
+
+    def _backward(self):
+        leaves = (tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in self.carry)
+                  + tuple(t.detach().clone().requires_grad_(w) for t, w in zip(self.x, self.need_x))
+                  + tuple(t.detach().clone().requires_grad_(w) for t, w in zip(self.consts, self.need_consts)))
+        n_c, n_x = len(self.carry), len(self.x)
+        with torch.enable_grad():
+            ys, carry_out = self.step(leaves[:n_c], leaves[n_c:n_c + n_x], leaves[n_c + n_x:])
+        pairs = [(o, g) for o, g in zip(ys + carry_out, self.d_ys + self.d_carry_out) if o.requires_grad]
+        inputs = [t for t in leaves if t.requires_grad]
+        found = iter(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True))
+        for dst, t in zip(self.d_carry + self.d_x + self.d_consts, leaves):
+            g = next(found) if t.requires_grad else None
+            dst.zero_() if g is None else dst.copy_(g)
+
+
+@pytest.fixture
+def replay_on_cpu(monkeypatch):
+    from mnemo.kernels import chunk_loop
+
+    monkeypatch.setattr(chunk_loop, "_graphs_wanted", lambda tensors, n, graphs=None: graphs is not False)
+    monkeypatch.setattr(chunk_loop, "graphed_step", ReplayOnCPU)
+
+
+@pytest.mark.parametrize("every", [None, 1, 3])
+def test_replayed_steps_equal_plain_autograd(every, replay_on_cpu):
+    h0, kept, inp, mask, w = toy_inputs()
+    carry, ys = (h0, kept), []
+    for j in range(N):
+        y, carry = toy_step(carry, (inp[j], mask[j]), (w,))
+        ys.append(y)
+    plain_ys = tuple(torch.stack(t) for t in zip(*ys))
+    expected = torch.autograd.grad(toy_loss(plain_ys, carry), (h0, kept, inp, w))
+    got_ys, got_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=every)
+    assert type(got_ys[0].grad_fn).__name__ == "_ChunkLoopBackward"  # replayed steps recompute by default
+    for a, b in zip(got_ys + got_carry, plain_ys + carry):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    got = torch.autograd.grad(toy_loss(got_ys, got_carry), (h0, kept, inp, w))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        free_ys, free_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,))
+    for a, b in zip(free_ys + free_carry, plain_ys + carry):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_uncaptured_loops_run_under_plain_autograd_unless_asked(monkeypatch):
     h0, kept, inp, mask, w = toy_inputs()
     ys, _ = run_chunks(toy_step, (h0, kept), (inp, mask), (w,))  # CPU: no graphs, so no recompute
@@ -105,13 +185,17 @@ def test_bad_inputs_are_named():
 
 
 # --- Titans: the chunked path's gradients equal the token-by-token reference's ------------------------------
-# Every kernel test below runs twice: through the recompute (the CUDA default) and under plain autograd
-# (the default where the steps are not captured).
+# Every kernel test below runs three times: through the recompute (the CUDA default), under plain autograd
+# (the default where the steps are not captured), and through the graphed path's copies with the graphs
+# replayed on the CPU.
 
 
-@pytest.fixture(params=["recompute", "plain"])
+@pytest.fixture(params=["recompute", "plain", "replayed"])
 def loop_mode(request, monkeypatch):
-    monkeypatch.setenv("MNEMO_CHUNK_RECOMPUTE", "1" if request.param == "recompute" else "0")
+    if request.param == "replayed":  # the graphed path's bookkeeping, with CPU stand-ins for the graphs
+        request.getfixturevalue("replay_on_cpu")
+    else:
+        monkeypatch.setenv("MNEMO_CHUNK_RECOMPUTE", "1" if request.param == "recompute" else "0")
     return request.param
 
 H, T, DK = 2, 19, 4
