@@ -38,18 +38,21 @@ def toy_loss(ys, carry):
     return (a * torch.arange(1, N + 1)[:, None]).sum() + b.pow(2).sum() + (carry[0] * carry[1]).sum()
 
 
-@pytest.mark.parametrize("every", [None, 1, 2, 3, 7, 10])
-def test_gradients_equal_plain_autograd(every):
-    h0, kept, inp, mask, w = toy_inputs()
+def plain_loop(h0, kept, inp, mask, w):
+    """The toy loop under plain autograd: stacked outputs and the final carry."""
     carry, ys = (h0, kept), []
     for j in range(N):
         y, carry = toy_step(carry, (inp[j], mask[j]), (w,))
         ys.append(y)
-    plain_ys = tuple(torch.stack(t) for t in zip(*ys))
-    loss = toy_loss(plain_ys, carry)
-    expected = torch.autograd.grad(loss, (h0, kept, inp, w))
+    return tuple(torch.stack(t) for t in zip(*ys)), carry
 
-    got_ys, got_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=every, recompute=True)
+
+def assert_run_chunks_is_plain_autograd(**options):
+    """``run_chunks`` (with ``options``) gives the plain loop's outputs exactly and its gradients to 1e-12."""
+    h0, kept, inp, mask, w = toy_inputs()
+    plain_ys, carry = plain_loop(h0, kept, inp, mask, w)
+    expected = torch.autograd.grad(toy_loss(plain_ys, carry), (h0, kept, inp, w))
+    got_ys, got_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), **options)
     assert type(got_ys[0].grad_fn).__name__ == "_ChunkLoopBackward"
     for a, b in zip(got_ys + got_carry, plain_ys + carry):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -58,17 +61,18 @@ def test_gradients_equal_plain_autograd(every):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("every", [None, 1, 2, 3, 7, 10])
+def test_gradients_equal_plain_autograd(every):
+    assert_run_chunks_is_plain_autograd(checkpoint_every=every, recompute=True)
+
+
 def test_the_backward_recomputes_under_the_forwards_autocast():
     """Chunks run under autocast are recomputed under it too (matmuls in bf16 here), though the
     backward itself runs outside it; recomputing in float64 would give other carries."""
     h0, kept, inp, mask, w = (t.float().detach().requires_grad_(t.requires_grad) for t in toy_inputs())
     mask = mask.bool()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 matmuls are what autocast lowers
-        carry, ys = (h0, kept), []
-        for j in range(N):
-            y, carry = toy_step(carry, (inp[j], mask[j]), (w,))
-            ys.append(y)
-        plain = toy_loss(tuple(torch.stack(t) for t in zip(*ys)), carry)
+        plain = toy_loss(*plain_loop(h0, kept, inp, mask, w))
         got_ys, got_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=3, recompute=True)
         loss = toy_loss(got_ys, got_carry)
     expected = torch.autograd.grad(plain, (h0, kept, inp, w))
@@ -140,23 +144,12 @@ def replay_on_cpu(monkeypatch):
 
 @pytest.mark.parametrize("every", [None, 1, 3])
 def test_replayed_steps_equal_plain_autograd(every, replay_on_cpu):
+    assert_run_chunks_is_plain_autograd(checkpoint_every=every)  # replayed steps recompute by default
     h0, kept, inp, mask, w = toy_inputs()
-    carry, ys = (h0, kept), []
-    for j in range(N):
-        y, carry = toy_step(carry, (inp[j], mask[j]), (w,))
-        ys.append(y)
-    plain_ys = tuple(torch.stack(t) for t in zip(*ys))
-    expected = torch.autograd.grad(toy_loss(plain_ys, carry), (h0, kept, inp, w))
-    got_ys, got_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=every)
-    assert type(got_ys[0].grad_fn).__name__ == "_ChunkLoopBackward"  # replayed steps recompute by default
-    for a, b in zip(got_ys + got_carry, plain_ys + carry):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    got = torch.autograd.grad(toy_loss(got_ys, got_carry), (h0, kept, inp, w))
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     with torch.no_grad():
+        plain = plain_loop(h0, kept, inp, mask, w)
         free_ys, free_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,))
-    for a, b in zip(free_ys + free_carry, plain_ys + carry):
+    for a, b in zip(free_ys + free_carry, plain[0] + plain[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
