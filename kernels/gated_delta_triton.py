@@ -1,8 +1,8 @@
 """Triton path of the gated delta rule: the chunk-to-chunk state scan and the decode step.
 
 The chunked form (``gated_delta.intra_chunk_terms``) splits the recurrence into
-terms that are independent across chunks, batched on the whole packed batch at
-once in PyTorch, and a scan that carries the state from chunk to chunk::
+terms that are independent across chunks and a scan that carries the state from
+chunk to chunk::
 
     D_c     = U_c - W_c S_c
     O_c     = Qd_c S_c + P_c D_c
@@ -10,15 +10,20 @@ once in PyTorch, and a scan that carries the state from chunk to chunk::
 
 The scan is the only sequential part. :func:`scan_chunks` runs it in one launch
 for every (sequence, head, block of value columns): a column block of the state
-never mixes with another one, so the state of one program is a ``(d_k, BV)``
-tile held in registers for the whole sequence, and sequences of any lengths
-(the routed subsequences of MoM) share the launch through per-sequence chunk
-offsets. Its backward is a second scan in reverse, for ``dD_c`` and the state
-gradients; every other gradient is then one batched matmul.
+never mixes with another one, so the state of one program is a ``(BV, d_k)``
+tile (held transposed, so that each product takes it as its register operand)
+kept in registers for the whole sequence, and sequences of any lengths (the
+routed subsequences of MoM) share the launch through per-sequence chunk offsets.
+For training the scan only carries the state: it saves the state entering each
+chunk and ``D``, and the outputs come from a kernel parallel over chunks. Its
+backward is split the same way: ``P^T dO`` and ``dP`` in parallel over chunks,
+a reverse scan for ``dD`` and the state gradients, then the products of each
+chunk's state with its rows (``dW, dQd, dKd, dgamma``) in parallel again.
+Without gradients the forward scan writes the outputs itself and saves nothing.
 
-Without gradients (prefill, evaluation) the intra-chunk terms come from one
-kernel too (:func:`intra_chunk_terms_packed`), read straight from the packed
-tokens; with gradients they stay PyTorch, whose autograd gives their backward.
+The intra-chunk terms come from one kernel per (chunk, head)
+(:func:`intra_chunk_terms_packed`), read straight from the packed tokens; its
+backward recomputes the Gram matrices and uses the saved ``(I + A)^-1``.
 
 :func:`step` fuses one decoding step (L2 norm, decay, delta write, read) for all
 sequences and heads in one launch; given slot indices it steps those states of a
@@ -57,63 +62,29 @@ def supports(key_dim: int, value_dim: int, chunk_size: int) -> bool:
 
 if triton is not None:
 
-    @triton.jit
-    def _ck(ptr, kb: tl.constexpr, r, K, BK: tl.constexpr):
-        """Columns ``kb * BK ...`` of a row-major ``(C, K)`` chunk matrix: a ``(C, BK)`` tile."""
-        kk = kb * BK + tl.arange(0, BK)
-        return tl.load(ptr + r[:, None] * K + kk[None, :], mask=(r[:, None] >= 0) & (kk[None, :] < K), other=0.0)
+    # Tile helpers. ``r`` indexes a chunk's rows (``tl.arange(0, C)``); ``kk`` / ``vv`` a block of key /
+    # value columns with ``K`` / ``V`` the true sizes (masks cover padded head dimensions).
 
     @triton.jit
-    def _kc(ptr, kb: tl.constexpr, r, K, BK: tl.constexpr):
-        """The same tile read transposed from memory: ``(BK, C)``."""
-        kk = kb * BK + tl.arange(0, BK)
-        return tl.load(ptr + r[None, :] * K + kk[:, None], mask=(kk[:, None] < K) & (r[None, :] >= 0), other=0.0)
+    def _rows(ptr, r, cols, n_cols):
+        """A ``(C, B)`` tile of a row-major ``(C, n_cols)`` chunk matrix."""
+        return tl.load(ptr + r[:, None] * n_cols + cols[None, :], mask=cols[None, :] < n_cols, other=0.0)
 
     @triton.jit
-    def _kv_ptrs(ptr, kb: tl.constexpr, vv, K, V, BK: tl.constexpr):
-        """Pointers and mask of rows ``kb * BK ...``, columns ``vv`` of a ``(K, V)`` state."""
-        kk = kb * BK + tl.arange(0, BK)
+    def _rows_t(ptr, r, cols, n_cols):
+        """The same tile read transposed from memory: ``(B, C)``."""
+        return tl.load(ptr + r[None, :] * n_cols + cols[:, None], mask=cols[:, None] < n_cols, other=0.0)
+
+    @triton.jit
+    def _kv(ptr, kk, vv, K, V):
+        """Offsets (from ``ptr``, a pointer or an offset) and mask of the ``(BK, BV)`` block ``kk x vv`` of
+        a row-major ``(K, V)`` state."""
         return ptr + kk[:, None] * V + vv[None, :], (kk[:, None] < K) & (vv[None, :] < V)
 
     @triton.jit
-    def _load_kv(ptr, kb: tl.constexpr, vv, K, V, BK: tl.constexpr):
-        p, m = _kv_ptrs(ptr, kb, vv, K, V, BK)
-        return tl.load(p, mask=m, other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _store_kv(ptr, kb: tl.constexpr, vv, K, V, BK: tl.constexpr, x):
-        p, m = _kv_ptrs(ptr, kb, vv, K, V, BK)
-        tl.store(p, x.to(ptr.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _load_state(ptr, vv, K, V, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, PRESENT: tl.constexpr):
-        """The ``NK`` row tiles of a state's column block (zeros where absent or not ``PRESENT``)."""
-        t0 = tl.zeros([BK, BV], dtype=tl.float32)
-        t1 = tl.zeros([BK, BV], dtype=tl.float32)
-        t2 = tl.zeros([BK, BV], dtype=tl.float32)
-        t3 = tl.zeros([BK, BV], dtype=tl.float32)
-        if PRESENT:
-            t0 = _load_kv(ptr, 0, vv, K, V, BK)
-            if NK > 1:
-                t1 = _load_kv(ptr, 1, vv, K, V, BK)
-            if NK > 2:
-                t2 = _load_kv(ptr, 2, vv, K, V, BK)
-            if NK > 3:
-                t3 = _load_kv(ptr, 3, vv, K, V, BK)
-        return t0, t1, t2, t3
-
-    @triton.jit
-    def _store_state(ptr, vv, K, V, BK: tl.constexpr, NK: tl.constexpr, t0, t1, t2, t3):
-        _store_kv(ptr, 0, vv, K, V, BK, t0)
-        if NK > 1:
-            _store_kv(ptr, 1, vv, K, V, BK, t1)
-        if NK > 2:
-            _store_kv(ptr, 2, vv, K, V, BK, t2)
-        if NK > 3:
-            _store_kv(ptr, 3, vv, K, V, BK, t3)
-
-    # The state of one program is up to four (BK, BV) tiles s0..s3 (d_k <= 4 * BK):
-    # one (d_k, BV) tile would put whole (C, d_k) operands in shared memory.
+    def _kv_t(ptr, kk, vv, K, V):
+        """The same block addressed transposed, ``(BV, BK)``."""
+        return ptr + kk[None, :] * V + vv[:, None], (kk[None, :] < K) & (vv[:, None] < V)
 
     @triton.jit
     def _mm(a, b, PRECISION: tl.constexpr):
@@ -128,134 +99,177 @@ if triton is not None:
         return ((t0 + r) * H + i_h)[:, None] * V + vv[None, :], (r < length)[:, None] & (vv < V)[None, :]
 
     @triton.jit
+    def _token_tile_t(c, CH_START, CH_LEN, r, vv, H, i_h, V):
+        """The same tile addressed transposed, ``(BV, C)``."""
+        t0 = tl.load(CH_START + c).to(tl.int64)
+        length = tl.load(CH_LEN + c)
+        return ((t0 + r) * H + i_h)[None, :] * V + vv[:, None], (r < length)[None, :] & (vv < V)[:, None]
+
+    @triton.jit
+    def _sequence(OFFSETS, H):
+        """This program's head, column block and chunk range ``[c_start, c_end)``."""
+        i_nh = tl.program_id(0)
+        i_n = i_nh // H
+        return i_nh, i_nh % H, tl.program_id(1), tl.load(OFFSETS + i_n).to(tl.int64), \
+            tl.load(OFFSETS + i_n + 1).to(tl.int64)
+
+    @triton.jit
     def _scan_forward_kernel(
         U, W, P, QD, KD, GAMMA, S0, O, D, STATES, SF, OFFSETS, CH_START, CH_LEN,
         H, K, V,
-        C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr,
+        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         HAS_S0: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        i_nh = tl.program_id(0)
-        i_v = tl.program_id(1)
-        i_n = i_nh // H
-        i_h = i_nh % H
-        c_start = tl.load(OFFSETS + i_n).to(tl.int64)
-        c_end = tl.load(OFFSETS + i_n + 1).to(tl.int64)
+        """The chunk-to-chunk scan of one (sequence, head, block of value columns).
 
+        The program's state ``S[:, vv]`` is held transposed, ``(BV, d_k)``: both products of a chunk,
+        ``D^T = U^T - S^T W^T`` and ``S'^T = gamma S^T + D^T Kd``, then take a register operand (the
+        state, then ``D^T``) and a tile loaded from memory, and no product's result is transposed.
+        With ``SAVE`` it stores the states entering each chunk and ``D`` (the outputs then come from
+        the chunk-parallel :func:`_output_kernel`); without, it writes the outputs itself.
+        """
+        i_nh, i_h, i_v, c_start, c_end = _sequence(OFFSETS, H)
         r = tl.arange(0, C)
+        kk = tl.arange(0, BK)
         vv = i_v * BV + tl.arange(0, BV)
-        cv_off = r[:, None] * V + vv[None, :]
-        cv_mask = (r[:, None] >= 0) & (vv[None, :] < V)
-        cc_off = r[:, None] * C + r[None, :]
-
         state = i_nh.to(tl.int64) * K * V
-        s0, s1, s2, s3 = _load_state(S0 + state, vv, K, V, BK, BV, NK, HAS_S0)
+        st_off, st_mask = _kv_t(0, kk, vv, K, V)  # offsets within one state
+        cv_t = r[None, :] * V + vv[:, None]
+        cv_mask_t = (r[None, :] >= 0) & (vv[:, None] < V)
+        s_t = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_S0:
+            s_t = tl.load(S0 + state + st_off, mask=st_mask, other=0.0).to(tl.float32)
 
         for c in range(c_start, c_end):
             ch = c * H + i_h
-            w, qd, kd = W + ch * C * K, QD + ch * C * K, KD + ch * C * K
             if SAVE:
-                _store_state(STATES + ch * K * V, vv, K, V, BK, NK, s0, s1, s2, s3)
-            # D = U - W S and O = Qd S + P D
-            d = tl.load(U + ch * C * V + cv_off, mask=cv_mask, other=0.0).to(tl.float32)
-            d -= _mm(_ck(w, 0, r, K, BK), s0, PRECISION)
-            o = _mm(_ck(qd, 0, r, K, BK), s0, PRECISION)
-            if NK > 1:
-                d -= _mm(_ck(w, 1, r, K, BK), s1, PRECISION)
-                o += _mm(_ck(qd, 1, r, K, BK), s1, PRECISION)
-            if NK > 2:
-                d -= _mm(_ck(w, 2, r, K, BK), s2, PRECISION)
-                o += _mm(_ck(qd, 2, r, K, BK), s2, PRECISION)
-            if NK > 3:
-                d -= _mm(_ck(w, 3, r, K, BK), s3, PRECISION)
-                o += _mm(_ck(qd, 3, r, K, BK), s3, PRECISION)
+                tl.store(STATES + ch * K * V + st_off, s_t, mask=st_mask)
+            u_t = tl.load(U + ch * C * V + cv_t, mask=cv_mask_t, other=0.0)
+            d_t = u_t - _mm(s_t, _rows_t(W + ch * C * K, r, kk, K), PRECISION)
             if SAVE:
-                tl.store(D + ch * C * V + cv_off, d.to(D.dtype.element_ty), mask=cv_mask)
-            o += _mm(tl.load(P + ch * C * C + cc_off), d, PRECISION)
-            # straight into the packed token layout: no chunk-layout output to reorder
-            o_off, o_mask = _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V)
-            tl.store(O + o_off, o.to(O.dtype.element_ty), mask=o_mask)
-            # S <- gamma S + Kd^T D
-            gamma = tl.load(GAMMA + ch)
-            s0 = gamma * s0 + _mm(_kc(kd, 0, r, K, BK), d, PRECISION)
-            if NK > 1:
-                s1 = gamma * s1 + _mm(_kc(kd, 1, r, K, BK), d, PRECISION)
-            if NK > 2:
-                s2 = gamma * s2 + _mm(_kc(kd, 2, r, K, BK), d, PRECISION)
-            if NK > 3:
-                s3 = gamma * s3 + _mm(_kc(kd, 3, r, K, BK), d, PRECISION)
+                tl.store(D + ch * C * V + cv_t, d_t, mask=cv_mask_t)
+            else:
+                # O^T = S^T Qd^T + D^T P^T, straight into the packed token layout
+                o_t = _mm(s_t, _rows_t(QD + ch * C * K, r, kk, K), PRECISION)
+                o_t += _mm(d_t, _rows_t(P + ch * C * C, r, r, C), PRECISION)
+                o_off, o_mask = _token_tile_t(c, CH_START, CH_LEN, r, vv, H, i_h, V)
+                tl.store(O + o_off, o_t.to(O.dtype.element_ty), mask=o_mask)
+            s_t = tl.load(GAMMA + ch) * s_t + _mm(d_t, _rows(KD + ch * C * K, r, kk, K), PRECISION)
 
-        _store_state(SF + state, vv, K, V, BK, NK, s0, s1, s2, s3)
+        tl.store(SF + state + st_off, s_t, mask=st_mask)
+
+    @triton.jit
+    def _output_kernel(
+        QD, P, D, STATES, O, CH_START, CH_LEN, H, K, V,
+        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """``O = Qd S + P D`` of one (chunk, head, block of value columns), from the saved states."""
+        c = tl.program_id(0).to(tl.int64)
+        i_h = tl.program_id(1)
+        ch = c * H + i_h
+        r = tl.arange(0, C)
+        kk = tl.arange(0, BK)
+        vv = tl.program_id(2) * BV + tl.arange(0, BV)
+        s_ptr, s_mask = _kv(STATES + ch * K * V, kk, vv, K, V)
+        o = _mm(_rows(QD + ch * C * K, r, kk, K), tl.load(s_ptr, mask=s_mask, other=0.0), PRECISION)
+        o += _mm(_rows(P + ch * C * C, r, r, C), _rows(D + ch * C * V, r, vv, V), PRECISION)
+        o_off, o_mask = _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V)
+        tl.store(O + o_off, o.to(O.dtype.element_ty), mask=o_mask)
+
+    @triton.jit
+    def _output_grad_kernel(
+        P, D, DO, DD_OUT, DP, CH_START, CH_LEN, H, V,
+        C: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """The gradients of ``O = ... + P D`` in ``D`` and ``P``, one (chunk, head): ``P^T dO`` (the part
+        of ``dD`` known before the state-gradient scan) and ``dP = dO D^T``."""
+        c = tl.program_id(0).to(tl.int64)
+        i_h = tl.program_id(1)
+        ch = c * H + i_h
+        r = tl.arange(0, C)
+        p_t = _rows_t(P + ch * C * C, r, r, C)
+        dp = tl.zeros([C, C], dtype=tl.float32)
+        for vb in tl.static_range(NV):
+            vv = vb * BV + tl.arange(0, BV)
+            o_off, o_mask = _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V)
+            do = tl.load(DO + o_off, mask=o_mask, other=0.0).to(tl.float32)
+            tl.store(DD_OUT + ch * C * V + r[:, None] * V + vv[None, :], _mm(p_t, do, PRECISION),
+                     mask=(r[:, None] >= 0) & (vv[None, :] < V))
+            dp += _mm(do, _rows_t(D + ch * C * V, r, vv, V), PRECISION)
+        tl.store(DP + ch * C * C + r[:, None] * C + r[None, :], dp)
 
     @triton.jit
     def _scan_backward_kernel(
-        W, P, QD, KD, GAMMA, STATES, DO, DSF, DO_CH, DD, DS_NEXT, DGAMMA_PART, DS0, OFFSETS, CH_START, CH_LEN,
+        W, QD, KD, GAMMA, DO, DSF, DD, DS_NEXT, DS0, OFFSETS, CH_START, CH_LEN,
         H, K, V,
-        C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr,
-        HAS_DSF: tl.constexpr, PRECISION: tl.constexpr,
+        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DSF: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """The scan in reverse: ``dD`` and the state gradients, with this column block's share of
-        ``dgamma`` (``sum(S * dS')``, float32) and ``dO`` copied into the chunk layout for the
-        batched products that follow."""
-        i_nh = tl.program_id(0)
-        i_v = tl.program_id(1)
-        n_v = tl.num_programs(1)
-        i_n = i_nh // H
-        i_h = i_nh % H
-        c_start = tl.load(OFFSETS + i_n).to(tl.int64)
-        c_end = tl.load(OFFSETS + i_n + 1).to(tl.int64)
+        """The scan in reverse for the state gradients. ``DD`` holds ``P^T dO`` on entry and ``dD`` on
+        return; ``DS_NEXT`` gets the gradient of the state leaving each chunk::
 
+            dD = P^T dO + Kd dS',    dS = gamma dS' + Qd^T dO - W^T dD
+        """
+        i_nh, i_h, i_v, c_start, c_end = _sequence(OFFSETS, H)
         r = tl.arange(0, C)
+        kk = tl.arange(0, BK)
         vv = i_v * BV + tl.arange(0, BV)
-        cv_off = r[:, None] * V + vv[None, :]
-        cv_mask = (r[:, None] >= 0) & (vv[None, :] < V)
-        cc_t = r[None, :] * C + r[:, None]
-
         state = i_nh.to(tl.int64) * K * V
-        ds0, ds1, ds2, ds3 = _load_state(DSF + state, vv, K, V, BK, BV, NK, HAS_DSF)
+        s_off, s_mask = _kv(0, kk, vv, K, V)  # offsets within one state
+        cv = r[:, None] * V + vv[None, :]
+        cv_mask = (r[:, None] >= 0) & (vv[None, :] < V)
+        ds = tl.zeros([BK, BV], dtype=tl.float32)
+        if HAS_DSF:
+            ds = tl.load(DSF + state + s_off, mask=s_mask, other=0.0)
 
         for j in range(0, c_end - c_start):
             c = c_end - 1 - j
             ch = c * H + i_h
-            w, qd, kd = W + ch * C * K, QD + ch * C * K, KD + ch * C * K
-            # ds* is the gradient of the state leaving chunk c.
-            _store_state(DS_NEXT + ch * K * V, vv, K, V, BK, NK, ds0, ds1, ds2, ds3)
-            s0, s1, s2, s3 = _load_state(STATES + ch * K * V, vv, K, V, BK, BV, NK, True)
-            dgamma = tl.sum(s0 * ds0, axis=1)
-            if NK > 1:
-                dgamma += tl.sum(s1 * ds1, axis=1)
-            if NK > 2:
-                dgamma += tl.sum(s2 * ds2, axis=1)
-            if NK > 3:
-                dgamma += tl.sum(s3 * ds3, axis=1)
-            tl.store(DGAMMA_PART + ch * n_v + i_v, tl.sum(dgamma, axis=0))
+            tl.store(DS_NEXT + ch * K * V + s_off, ds, mask=s_mask)
+            dd = tl.load(DD + ch * C * V + cv, mask=cv_mask, other=0.0)
+            dd += _mm(_rows(KD + ch * C * K, r, kk, K), ds, PRECISION)
+            tl.store(DD + ch * C * V + cv, dd, mask=cv_mask)
             o_off, o_mask = _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V)
             do = tl.load(DO + o_off, mask=o_mask, other=0.0).to(tl.float32)
-            tl.store(DO_CH + ch * C * V + cv_off, do.to(DO_CH.dtype.element_ty), mask=cv_mask)
-            # dD = P^T dO + Kd dS'
-            dd = _mm(tl.load(P + ch * C * C + cc_t), do, PRECISION)
-            dd += _mm(_ck(kd, 0, r, K, BK), ds0, PRECISION)
-            if NK > 1:
-                dd += _mm(_ck(kd, 1, r, K, BK), ds1, PRECISION)
-            if NK > 2:
-                dd += _mm(_ck(kd, 2, r, K, BK), ds2, PRECISION)
-            if NK > 3:
-                dd += _mm(_ck(kd, 3, r, K, BK), ds3, PRECISION)
-            tl.store(DD + ch * C * V + cv_off, dd.to(DD.dtype.element_ty), mask=cv_mask)
-            # dS = gamma dS' + Qd^T dO - W^T dD
-            gamma = tl.load(GAMMA + ch)
-            ds0 = gamma * ds0 + _mm(_kc(qd, 0, r, K, BK), do, PRECISION) - _mm(
-                _kc(w, 0, r, K, BK), dd, PRECISION)
-            if NK > 1:
-                ds1 = gamma * ds1 + _mm(_kc(qd, 1, r, K, BK), do, PRECISION) - _mm(
-                    _kc(w, 1, r, K, BK), dd, PRECISION)
-            if NK > 2:
-                ds2 = gamma * ds2 + _mm(_kc(qd, 2, r, K, BK), do, PRECISION) - _mm(
-                    _kc(w, 2, r, K, BK), dd, PRECISION)
-            if NK > 3:
-                ds3 = gamma * ds3 + _mm(_kc(qd, 3, r, K, BK), do, PRECISION) - _mm(
-                    _kc(w, 3, r, K, BK), dd, PRECISION)
+            ds = tl.load(GAMMA + ch) * ds + _mm(_rows_t(QD + ch * C * K, r, kk, K), do, PRECISION) - _mm(
+                _rows_t(W + ch * C * K, r, kk, K), dd, PRECISION)
 
-        _store_state(DS0 + state, vv, K, V, BK, NK, ds0, ds1, ds2, ds3)
+        tl.store(DS0 + state + s_off, ds, mask=s_mask)
+
+    @triton.jit
+    def _state_grads_kernel(
+        DO, DD, D, STATES, DS_NEXT, DW, DQD, DKD, DGAMMA_PART, CH_START, CH_LEN, H, K, V,
+        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """The gradients that pair a chunk's state with its rows, one (chunk, head, block of key
+        columns), summed over the value columns: ``dW = -dD S^T``, ``dQd = dO S^T``, ``dKd = D dS'^T``
+        and this block's share of ``dgamma = sum(S * dS')``."""
+        c = tl.program_id(0).to(tl.int64)
+        i_h = tl.program_id(1)
+        i_k = tl.program_id(2)
+        ch = c * H + i_h
+        r = tl.arange(0, C)
+        kk = i_k * BK + tl.arange(0, BK)
+        dw = tl.zeros([C, BK], dtype=tl.float32)
+        dqd = tl.zeros([C, BK], dtype=tl.float32)
+        dkd = tl.zeros([C, BK], dtype=tl.float32)
+        dgamma = tl.zeros([BK], dtype=tl.float32)
+        for v0 in range(0, V, BV):
+            vv = v0 + tl.arange(0, BV)
+            st_off, st_mask = _kv_t(ch * K * V, kk, vv, K, V)
+            s_t = tl.load(STATES + st_off, mask=st_mask, other=0.0)
+            n_t = tl.load(DS_NEXT + st_off, mask=st_mask, other=0.0)
+            o_off, o_mask = _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V)
+            do = tl.load(DO + o_off, mask=o_mask, other=0.0).to(tl.float32)
+            dw -= _mm(_rows(DD + ch * C * V, r, vv, V), s_t, PRECISION)
+            dqd += _mm(do, s_t, PRECISION)
+            dkd += _mm(_rows(D + ch * C * V, r, vv, V), n_t, PRECISION)
+            dgamma += tl.sum(s_t * n_t, axis=0)
+        out = ch * C * K + r[:, None] * K + kk[None, :]
+        out_mask = (r[:, None] >= 0) & (kk[None, :] < K)
+        tl.store(DW + out, dw, mask=out_mask)
+        tl.store(DQD + out, dqd, mask=out_mask)
+        tl.store(DKD + out, dkd, mask=out_mask)
+        tl.store(DGAMMA_PART + ch * tl.num_programs(2) + i_k, tl.sum(dgamma, axis=0))
 
     @triton.jit
     def _chunk_gates(G, BETA, tok, H, i_h, valid, C: tl.constexpr, HAS_G: tl.constexpr):
@@ -555,7 +569,7 @@ def _block(dim: int) -> int:
 
 
 def _state_tiles(key_dim: int) -> tuple[int, int]:
-    """``(BK, NK)``: the state's row tile and how many of them cover ``d_k``."""
+    """``(BK, NK)``: the intra-chunk kernels' tile of key columns and how many of them cover ``d_k``."""
     BK = min(64, _block(key_dim))
     return BK, triton.cdiv(key_dim, BK)
 
@@ -566,9 +580,12 @@ def _precision(low_precision: bool) -> str:
     return "tf32" if low_precision else "ieee"
 
 
-_SCAN_BV = 32
-_SCAN_WARPS = 8
-# No software pipelining of the chunk loop: its tiles already fill much of the shared memory.
+# Launch configurations measured on an H100 at 4 heads x 256, chunk 64, bf16 problems (benchmarks/RESULTS.md):
+# the scans are latency-bound chains of products, so wide value blocks with 8 warps; the chunk-parallel
+# kernels are bandwidth-bound reads of the saved states.
+_SCAN_BV, _SCAN_WARPS = 64, 8
+_OUT_BV, _OUT_WARPS = 64, 4
+_GRAD_BK, _GRAD_BV, _GRAD_WARPS = 128, 32, 8
 
 
 def _scan_forward(U, W, P, Qd, Kd, gamma, S0, offsets, chunk_start, chunk_len, num_tokens: int, out_dtype,
@@ -580,14 +597,49 @@ def _scan_forward(U, W, P, Qd, Kd, gamma, S0, offsets, chunk_start, chunk_len, n
     SF = U.new_empty(N, H, K, V, dtype=torch.float32)
     D = torch.empty_like(U) if save else U.new_empty(0)
     states = U.new_empty(n_chunks, H, K, V) if save else U.new_empty(0)
-    grid = (N * H, triton.cdiv(V, _SCAN_BV))
-    BK, NK = _state_tiles(K)
-    _scan_forward_kernel[grid](
+    BK, BV, precision = _block(K), min(_SCAN_BV, _block(V)), _precision(low_precision)
+    _scan_forward_kernel[(N * H, triton.cdiv(V, BV))](
         U, W, P, Qd, Kd, gamma, S0 if S0 is not None else U, O, D, states, SF, offsets, chunk_start, chunk_len,
-        H, K, V, C=C, BK=BK, NK=NK, BV=_SCAN_BV, HAS_S0=S0 is not None, SAVE=save,
-        PRECISION=_precision(low_precision), num_warps=_SCAN_WARPS, num_stages=1,
+        H, K, V, C=C, BK=BK, BV=BV, HAS_S0=S0 is not None, SAVE=save, PRECISION=precision,
+        num_warps=_SCAN_WARPS, num_stages=1,
     )
+    if save:  # the outputs, from the saved states, in parallel over chunks
+        BV = min(_OUT_BV, _block(V))
+        _output_kernel[(n_chunks, H, triton.cdiv(V, BV))](
+            Qd, P, D, states, O, chunk_start, chunk_len, H, K, V, C=C, BK=BK, BV=BV, PRECISION=precision,
+            num_warps=_OUT_WARPS, num_stages=1,
+        )
     return O, SF, D, states
+
+
+def _scan_backward(W, P, Qd, Kd, gamma, D, states, offsets, chunk_start, chunk_len, dO, dSF, low_precision: bool):
+    n_chunks, H, C, V = D.shape
+    K = W.shape[-1]
+    N = offsets.numel() - 1
+    precision = _precision(low_precision)
+    dD, dP = torch.empty_like(D), torch.empty_like(P)
+    BV = min(_OUT_BV, _block(V))
+    _output_grad_kernel[(n_chunks, H)](
+        P, D, dO, dD, dP, chunk_start, chunk_len, H, V, C=C, BV=BV, NV=triton.cdiv(V, BV), PRECISION=precision,
+        num_warps=_OUT_WARPS, num_stages=1,
+    )
+    ds_next = torch.empty_like(states)
+    dS0 = D.new_empty(N, H, K, V, dtype=torch.float32)
+    BV = min(_SCAN_BV, _block(V))
+    _scan_backward_kernel[(N * H, triton.cdiv(V, BV))](
+        W, Qd, Kd, gamma, dO, dSF if dSF is not None else dS0, dD, ds_next, dS0, offsets, chunk_start, chunk_len,
+        H, K, V, C=C, BK=_block(K), BV=BV, HAS_DSF=dSF is not None, PRECISION=precision,
+        num_warps=_SCAN_WARPS, num_stages=1,
+    )
+    dW, dQd, dKd = (torch.empty_like(W) for _ in range(3))
+    BK, BV = min(_GRAD_BK, _block(K)), min(_GRAD_BV, _block(V))
+    n_k = triton.cdiv(K, BK)
+    dgamma = D.new_empty(n_chunks, H, n_k, dtype=torch.float32)
+    _state_grads_kernel[(n_chunks, H, n_k)](
+        dO, dD, D, states, ds_next, dW, dQd, dKd, dgamma, chunk_start, chunk_len, H, K, V,
+        C=C, BK=BK, BV=BV, PRECISION=precision, num_warps=_GRAD_WARPS, num_stages=2,
+    )
+    return dD, dW, dP, dQd, dKd, dgamma.sum(-1), dS0
 
 
 class _ScanChunks(torch.autograd.Function):
@@ -609,29 +661,13 @@ class _ScanChunks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dO, dSF):
         W, P, Qd, Kd, gamma, D, states, offsets, chunk_start, chunk_len = ctx.saved_tensors
-        n_chunks, H, C, V = D.shape
-        K = W.shape[-1]
-        N = offsets.numel() - 1
+        H, V = D.shape[1], D.shape[-1]
         dO = D.new_zeros(ctx.num_tokens, H, V) if dO is None else dO.contiguous()
-        dO_ch = torch.zeros_like(D)  # chunk rows past a sequence's end stay zero
-        dD = torch.empty_like(D)
-        ds_next = torch.empty_like(states)
-        n_v = triton.cdiv(V, _SCAN_BV)
-        dgamma = D.new_empty(n_chunks, H, n_v, dtype=torch.float32)
-        dS0 = D.new_empty(N, H, K, V, dtype=torch.float32)
-        BK, NK = _state_tiles(K)
-        _scan_backward_kernel[(N * H, n_v)](
-            W, P, Qd, Kd, gamma, states, dO, dSF.contiguous() if dSF is not None else dS0, dO_ch, dD, ds_next,
-            dgamma, dS0, offsets, chunk_start, chunk_len,
-            H, K, V, C=C, BK=BK, NK=NK, BV=_SCAN_BV, HAS_DSF=dSF is not None,
-            PRECISION=_precision(ctx.low_precision), num_warps=_SCAN_WARPS, num_stages=1,
+        dD, dW, dP, dQd, dKd, dgamma, dS0 = _scan_backward(
+            W, P, Qd, Kd, gamma, D, states, offsets, chunk_start, chunk_len, dO,
+            None if dSF is None else dSF.contiguous(), ctx.low_precision,
         )
-        states_t = states.transpose(-1, -2)
-        dW = -(dD @ states_t)
-        dQd = dO_ch @ states_t
-        dP = dO_ch @ D.transpose(-1, -2)
-        dKd = D @ ds_next.transpose(-1, -2)
-        return (dD, dW, dP, dQd, dKd, dgamma.sum(-1), dS0 if ctx.has_s0 else None,
+        return (dD, dW, dP, dQd, dKd, dgamma, dS0 if ctx.has_s0 else None,
                 None, None, None, None, None, None)
 
 
