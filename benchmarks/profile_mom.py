@@ -16,15 +16,22 @@ from mnemo.kernels import chunk_gated_delta
 from mnemo.modeling.mom_layer import MoMMemoryLayer
 
 
-def show(fn, title, rows=25):
+def show(fn, title, rows=45):
+    import time
+
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
         fn()
         torch.cuda.synchronize()
-    print(f"=== {title}")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    # kernel time below wall time is the GPU waiting for the host (launches, synchronisations)
+    print(f"=== {title}: {len(kernels)} kernels, {sum(e.device_time for e in kernels) / 1e3:.2f} ms of kernel time "
+          f"in {wall * 1e3:.2f} ms of wall time (profiled)")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
 
 
 def decode():

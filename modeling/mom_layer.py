@@ -31,6 +31,11 @@ def _memory_projections(num: int, hidden: int, out: int) -> nn.ModuleList:
     return nn.ModuleList(nn.Linear(hidden, out, bias=False) for _ in range(num))
 
 
+def _plain_linears(modules: list[nn.Module]) -> bool:
+    """Whether ``modules`` are bias-free ``nn.Linear`` (no adapters), so their weights can be concatenated."""
+    return all(type(p) is nn.Linear and p.bias is None for p in modules)
+
+
 class MoMMemoryLayer(nn.Module):
     """Router, per-memory projections and states, gated RMSNorm output."""
 
@@ -221,6 +226,28 @@ class MoMMemoryLayer(nn.Module):
         out = self.o_norm(mixed.view(B, 1, H, self.head_v_dim).to(hidden_states.dtype), gate)
         return self.o_proj(out.reshape(B, 1, self.value_dim)), aux_loss
 
+    def _memory_projections(self, packed: torch.Tensor, plan) -> tuple:
+        """``k, v, beta`` and decay logits (``None`` when ungated) of every packed entry, each from the
+        projections of the memory it was routed to.
+
+        Each memory's projections run as one product over their concatenated weights, on its slice
+        of ``packed`` taken by ``split``: one product's input gradient per memory, and one
+        concatenation for the backward of all slices (slicing by index gave every slice's gradient
+        a full-size zero tensor, and 20 full-size additions at 4 memories + shared). Projections that
+        carry adapters (PEFT) run one by one, so the adapters stay in the computation.
+        """
+        sizes = [end - start for start, end in plan.memory_slices]
+        widths = [p.out_features for p in self._memory(0) if p is not None]
+        outputs = []
+        for m, rows in enumerate(packed.split(sizes)):
+            projections = [p for p in self._memory(m) if p is not None]
+            if _plain_linears(projections):
+                outputs.append(F.linear(rows, torch.cat([p.weight for p in projections])))
+            else:
+                outputs.append(torch.cat([p(rows) for p in projections], dim=-1))
+        parts = torch.cat(outputs).split(widths, dim=-1)
+        return (*parts, None) if len(parts) == 3 else tuple(parts)
+
     def _routed_projections(self, x: torch.Tensor, rows: torch.Tensor, memory: torch.Tensor):
         """``k, v, beta, decay`` logits ``(B, slots, C)`` of every row's routed memories (decay ``None``
         when ungated), from every memory's projections of ``x (B, d)``.
@@ -233,7 +260,7 @@ class MoMMemoryLayer(nn.Module):
         modules = [[p for p in self._memory(m) if p is not None] for m in range(self.num_states)]
         flat = [p for per_memory in modules for p in per_memory]
         sizes = [p.out_features for p in modules[0]]
-        if all(type(p) is nn.Linear and p.bias is None for p in flat):
+        if _plain_linears(flat):
             fused = F.linear(x, torch.cat([p.weight for p in flat]))
             picked = fused.view(x.shape[0], self.num_states, sum(sizes))[rows, memory]  # (B, slots, sum)
         else:
@@ -306,18 +333,8 @@ class MoMMemoryLayer(nn.Module):
         valid = attention_mask.bool() if attention_mask is not None else None
         plan = route(self.gate(hidden_states), self.topk, valid, self.shared_memory)
 
-        packed = plan.gather(x)
         q = plan.gather(self.q_proj(x))  # W_q is shared: project once, then gather
-        k_parts, v_parts, b_parts, a_parts = [], [], [], []
-        for m, (start, end) in enumerate(plan.memory_slices):
-            k_lin, v_lin, b_lin, a_lin = self._memory(m)
-            rows = packed[start:end]
-            k_parts.append(k_lin(rows))
-            v_parts.append(v_lin(rows))
-            b_parts.append(b_lin(rows))
-            if a_lin is not None:
-                a_parts.append(a_lin(rows))
-        k, v, b = (torch.cat(p, dim=0) for p in (k_parts, v_parts, b_parts))
+        k, v, b, a = self._memory_projections(plan.gather(x), plan)
 
         state, win_q, win_k, win_v = self._cached_states(cache, B, hidden_states)
         windows = ConvWindows.build(plan.cu_seqlens, self.conv_size)
@@ -328,8 +345,7 @@ class MoMMemoryLayer(nn.Module):
         beta = b.float().sigmoid()
         g = None
         if self.gated:
-            a = torch.cat(a_parts, dim=0).float()
-            g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         q, k = q.view(-1, H, self.head_k_dim), k.view(-1, H, self.head_k_dim)
         v = v.view(-1, H, self.head_v_dim)
         if state is None:
