@@ -376,8 +376,7 @@ class MoMMemoryLayer(nn.Module):
                 conv_k=batch_order(win_k), conv_v=batch_order(win_v), **mc_states,
             )
 
-        weighted = o.float() * plan.weight[:, None, None]
-        mixed = plan.combine(weighted)
+        mixed = plan.combine(o, plan.weight)
         gate = self.g_proj(hidden_states).view(B, T, H, self.head_v_dim)
         out = self.o_norm(mixed.view(B, T, H, self.head_v_dim).to(hidden_states.dtype), gate)
         return self.o_proj(out.reshape(B, T, self.value_dim)), plan.aux_loss

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from ..kernels.token_slots import slot_sum
+
 
 @dataclass
 class RoutingPlan:
@@ -31,25 +33,17 @@ class RoutingPlan:
         """Rows ``token_index`` of ``x`` ``(B * T, ...)``: every token once per memory it visits."""
         return _GatherTokens.apply(x, self.token_index, self.slot_entries)
 
-    def combine(self, y: torch.Tensor) -> torch.Tensor:
-        """The inverse of :meth:`gather` up to the sum: ``(P, ...)`` -> ``(B * T, ...)``, each token
-        the sum of its entries (zero for padding)."""
-        return _CombineTokens.apply(y, self.token_index, self.slot_entries)
-
-
-def _sum_slots(y: torch.Tensor, slot_entries: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_s y[slot_entries[t, s]]`` with ``y``'s row ``P`` taken as zero; summed in float32
-    at least."""
-    padded = torch.cat([y, y.new_zeros((1,) + y.shape[1:])])
-    total = padded.index_select(0, slot_entries[:, 0]).to(torch.promote_types(y.dtype, torch.float32))
-    for s in range(1, slot_entries.shape[1]):
-        total = total + padded.index_select(0, slot_entries[:, s])
-    return total
+    def combine(self, y: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The inverse of :meth:`gather` up to the sum: ``(P, ...)`` -> ``(B * T, ...)`` float32, each token
+        the sum of its entries scaled by ``weight`` ``(P,)`` (default 1; zero for padding)."""
+        weight = y.new_ones(y.shape[0], dtype=torch.float32) if weight is None else weight
+        out = slot_sum(y.reshape(y.shape[0], -1), self.slot_entries, weight, self.token_index, torch.float32)
+        return out.view((self.slot_entries.shape[0],) + y.shape[1:])
 
 
 class _GatherTokens(torch.autograd.Function):
     """``index_select`` whose backward adds each token's copies through ``slot_entries``
-    (a gather per slot, summed in float32) instead of a scatter-add: no atomics, which
+    (a gather per token, summed in float32) instead of a scatter-add: no atomics, which
     are slow for bf16 and make the sum's order (and its rounding) nondeterministic."""
 
     @staticmethod
@@ -60,21 +54,8 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (slot_entries,) = ctx.saved_tensors
-        return _sum_slots(grad, slot_entries).to(grad.dtype), None, None
-
-
-class _CombineTokens(torch.autograd.Function):
-    """Each token's sum over its packed entries, by gathers; the backward is one gather."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, index: torch.Tensor, slot_entries: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(index)
-        return _sum_slots(y, slot_entries).to(y.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (index,) = ctx.saved_tensors
-        return grad.index_select(0, index), None, None
+        shape = (slot_entries.shape[0],) + grad.shape[1:]
+        return slot_sum(grad.reshape(grad.shape[0], -1), slot_entries).view(shape), None, None
 
 
 def top_memories(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
