@@ -377,7 +377,7 @@ if triton is not None:
     @triton.jit
     def _intra_backward_kernel(
         Q, K_, V_, G, BETA, CH_START, CH_LEN, TINV, DU, DW, DPM, DQD, DKD, DGAMMA,
-        DQ, DK, DV, DG, DBETA,
+        DQ, DK, DQ_OUT, DK_OUT, DV, DG, DBETA,
         H, K, V, scale, eps,
         C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
         HAS_G: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
@@ -442,7 +442,7 @@ if triton is not None:
             dT += tl.dot(du, v_t * beta[None, :], input_precision=PRECISION)
             dT_t += tl.dot(v_b * beta[:, None], du_t, input_precision=PRECISION)
             y = tl.dot(T_t, du, input_precision=PRECISION)  # T^T dU = d(beta v)
-            tl.store(DV + v_base[:, None] + cols[None, :], y * beta[:, None], mask=m)
+            tl.store(DV + v_base[:, None] + cols[None, :], (y * beta[:, None]).to(DV.dtype.element_ty), mask=m)
             dbeta += tl.sum(v_b * y, axis=1)
         w_in = beta * e_g * rk  # W's input is w_in * k (raw k)
         for kb in tl.static_range(NK):
@@ -510,7 +510,8 @@ if triton is not None:
             tl.store(DG + tok * H + i_h, dg, mask=valid)
         tl.store(DBETA + tok * H + i_h, dbeta, mask=valid)
 
-        # Through the normalisation: d q = r_q (dq^ - q (q . dq^) / (|q|^2 + eps)), same for k.
+        # Through the normalisation: d q = r_q (dq^ - q (q . dq^) / (|q|^2 + eps)), same for k, from the
+        # float32 scratch DQ, DK (other threads wrote it: hence the barrier) into the outputs' dtype.
         tl.debug_barrier()
         for kb in tl.static_range(NK):
             cols = kb * BK + tl.arange(0, BK)
@@ -525,9 +526,8 @@ if triton is not None:
                 dk_h = rk[:, None] * (dk_h - k_b * (k_dot / (k_sq + eps))[:, None])
             else:
                 dq_h = dq_h * scale
-            tl.debug_barrier()
-            tl.store(DQ + ptr, dq_h, mask=m)
-            tl.store(DK + ptr, dk_h, mask=m)
+            tl.store(DQ_OUT + ptr, dq_h.to(DQ_OUT.dtype.element_ty), mask=m)
+            tl.store(DK_OUT + ptr, dk_h.to(DK_OUT.dtype.element_ty), mask=m)
 
     @triton.jit
     def _step_kernel(
@@ -740,17 +740,18 @@ class _IntraChunk(torch.autograd.Function):
         grads = [torch.zeros(shape, dtype=torch.float32, device=q.device) if d is None else d.contiguous()
                  for d, shape in zip(grads, like)]
         f32 = dict(dtype=torch.float32, device=q.device)
-        dq, dk = torch.empty(q.shape, **f32), torch.empty(k.shape, **f32)
-        dv, dbeta = torch.empty(v.shape, **f32), torch.empty(beta.shape, **f32)
+        dq_h, dk_h = torch.empty(q.shape, **f32), torch.empty(k.shape, **f32)  # scratch, before the norm
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dbeta = torch.empty(beta.shape, **f32)
         dg = torch.empty(beta.shape, **f32) if g is not None else dbeta
         H, K, V = q.shape[1], q.shape[2], v.shape[2]
         _intra_backward_kernel[(chunk_start.numel(), H)](
             q, k, v, g if g is not None else beta, beta, chunk_start, chunk_len, T, *grads,
-            dq, dk, dv, dg, dbeta, H, K, V, scale, eps, **_intra_launch_args(q, k, v, chunk_size),
+            dq_h, dk_h, dq, dk, dv, dg, dbeta, H, K, V, scale, eps, **_intra_launch_args(q, k, v, chunk_size),
             HAS_G=g is not None, L2NORM=use_qk_l2norm, PRECISION=_precision(low_precision),
             num_warps=_INTRA_WARPS[1], num_stages=_INTRA_STAGES[1],
         )
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None if g is None else dg.to(g.dtype),
+        return (dq, dk, dv, None if g is None else dg.to(g.dtype),
                 dbeta.to(beta.dtype), None, None, None, None, None, None, None)
 
 
