@@ -34,14 +34,15 @@ __all__ = ["slot_sum"]
 def _sum_torch(y: torch.Tensor, slot_entries: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
     P = y.shape[0]
     dtype = torch.promote_types(y.dtype, torch.float32)
-    total = None
-    for s in range(slot_entries.shape[1]):
+    total = y.new_zeros(slot_entries.shape[0], y.shape[1], dtype=dtype)
+    if P == 0:  # no entries: every slot is empty
+        return total
+    for s in range(slot_entries.shape[1]):  # in slot order, as the kernel sums
         entry = slot_entries[:, s]
         present = entry < P
-        entry = entry.clamp(max=max(P - 1, 0))
+        entry = entry.clamp(max=P - 1)
         scale = present.to(dtype) if weight is None else torch.where(present, weight.to(dtype)[entry], 0.0)
-        term = y.index_select(0, entry).to(dtype) * scale[:, None] if P else y.new_zeros(entry.shape[0], y.shape[1])
-        total = term if total is None else total + term
+        total = total + y.index_select(0, entry).to(dtype) * scale[:, None]
     return total
 
 

@@ -34,10 +34,11 @@ class RoutingPlan:
         return _GatherTokens.apply(x, self.token_index, self.slot_entries)
 
     def combine(self, y: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """The inverse of :meth:`gather` up to the sum: ``(P, ...)`` -> ``(B * T, ...)`` float32, each token
-        the sum of its entries scaled by ``weight`` ``(P,)`` (default 1; zero for padding)."""
-        weight = y.new_ones(y.shape[0], dtype=torch.float32) if weight is None else weight
-        out = slot_sum(y.reshape(y.shape[0], -1), self.slot_entries, weight, self.token_index, torch.float32)
+        """The inverse of :meth:`gather` up to the sum: ``(P, ...)`` -> ``(B * T, ...)``, each token the
+        sum of its entries scaled by ``weight`` ``(P,)`` (default 1; zero for padding), in float32 at least."""
+        dtype = torch.promote_types(y.dtype, torch.float32)
+        weight = y.new_ones(y.shape[0], dtype=dtype) if weight is None else weight
+        out = slot_sum(y.flatten(1), self.slot_entries, weight, self.token_index, dtype)
         return out.view((self.slot_entries.shape[0],) + y.shape[1:])
 
 
@@ -55,7 +56,7 @@ class _GatherTokens(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (slot_entries,) = ctx.saved_tensors
         shape = (slot_entries.shape[0],) + grad.shape[1:]
-        return slot_sum(grad.reshape(grad.shape[0], -1), slot_entries).view(shape), None, None
+        return slot_sum(grad.flatten(1), slot_entries).view(shape), None, None
 
 
 def top_memories(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -37,7 +37,8 @@ def loop_reference(y, slots, weight):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_weighted_sum_and_gradients_equal_the_loop(backend):
-    pytest.importorskip("triton") if backend == "triton" else None
+    if backend == "triton":
+        pytest.importorskip("triton")
     slots, owner, P = routed_layout()
     gen = torch.Generator().manual_seed(1)
     y = torch.randn(P, 40, generator=gen, dtype=torch.float64)
@@ -62,7 +63,8 @@ def test_weighted_sum_and_gradients_equal_the_loop(backend):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_unweighted_sum_keeps_the_input_dtype_and_sums_in_float32(backend):
-    pytest.importorskip("triton") if backend == "triton" else None
+    if backend == "triton":
+        pytest.importorskip("triton")
     slots, _, P = routed_layout(seed=2)
     y = torch.randn(P, 24, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     with use_backend(backend):
@@ -80,5 +82,7 @@ def test_empty_layouts_and_a_weight_without_tokens():
     slots = torch.full((3, 2), 0, dtype=torch.long)  # no entries: P = 0, every slot empty
     y = torch.zeros(0, 8)
     assert slot_sum(y, slots).abs().sum() == 0
+    weighted = slot_sum(y.requires_grad_(), slots, torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.float32)
+    assert weighted.shape == (3, 8) and weighted.abs().sum() == 0
     with pytest.raises(ValueError, match="token_index"):
         slot_sum(torch.zeros(2, 4), torch.zeros(1, 2, dtype=torch.long), torch.ones(2))
