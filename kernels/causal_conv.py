@@ -47,11 +47,15 @@ class ConvWindows:
         self.num_sequences = cu_seqlens.numel() - 1
 
     @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, kernel_size: int) -> "ConvWindows":
-        n = cu_seqlens.numel() - 1
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        seq = torch.repeat_interleave(torch.arange(n, device=cu_seqlens.device), lengths)
-        return cls(cu_seqlens.to(torch.int32), seq.to(torch.int32), kernel_size)
+    def build(cls, cu_seqlens: torch.Tensor, kernel_size: int,
+              token_sequence: torch.Tensor | None = None) -> "ConvWindows":
+        """The layout of ``cu_seqlens``; ``token_sequence`` (each packed token's sequence), when the caller
+        has it, saves the host read that computing it takes."""
+        if token_sequence is None:
+            n = cu_seqlens.numel() - 1
+            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+            token_sequence = torch.repeat_interleave(torch.arange(n, device=cu_seqlens.device), lengths)
+        return cls(cu_seqlens.to(torch.int32), token_sequence.to(torch.int32), kernel_size)
 
     @functools.cached_property
     def _extended_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -301,8 +301,8 @@ def _chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int):
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     chunks = (lengths + chunk_size - 1) // chunk_size
     offsets = torch.nn.functional.pad(chunks.cumsum(0), (1, 0))
-    n_chunks = int(offsets[-1])
-    chunk_seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), chunks)
+    n_chunks = int(offsets[-1])  # the layout's one host read
+    chunk_seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), chunks, output_size=n_chunks)
     chunk_start = cu_seqlens[chunk_seq] + (torch.arange(n_chunks, device=device) - offsets[chunk_seq]) * chunk_size
     chunk_len = torch.minimum(cu_seqlens[chunk_seq + 1] - chunk_start, torch.full_like(chunk_start, chunk_size))
     return offsets, chunk_start, chunk_len.to(torch.int32), n_chunks

@@ -337,7 +337,7 @@ class MoMMemoryLayer(nn.Module):
         k, v, b, a = self._memory_projections(plan.gather(x), plan)
 
         state, win_q, win_k, win_v = self._cached_states(cache, B, hidden_states)
-        windows = ConvWindows.build(plan.cu_seqlens, self.conv_size)
+        windows = ConvWindows.build(plan.cu_seqlens, self.conv_size, token_sequence=plan.sequence)
         q, win_q = self.q_conv1d(q, windows, win_q)
         k, win_k = self.k_conv1d(k, windows, win_k)
         v, win_v = self.v_conv1d(v, windows, win_v)

@@ -86,7 +86,8 @@ def route(
     B, T, E = logits.shape
     device = logits.device
     probs, weight, memory = top_memories(logits, topk)
-    if valid is None:
+    every_token = valid is None
+    if every_token:
         valid = torch.ones(B, T, dtype=torch.bool, device=device)
 
     aux_loss = balance_loss(probs, memory, valid)
@@ -97,24 +98,29 @@ def route(
     num_memories = E + int(shared_memory)
     slots = memory.shape[-1]
     token = torch.arange(B * T, device=device).view(B, T, 1).expand(B, T, slots)
-    keep = valid[..., None].expand(B, T, slots)
-    memory, weight, token = memory[keep], weight[keep], token[keep]
+    # (token, slot) entry of each kept item; one host read (none without padding) selects all three
+    entries = B * T * slots
+    kept_entry = (torch.arange(entries, device=device) if every_token
+                  else valid[..., None].expand(B, T, slots).reshape(-1).nonzero().squeeze(1))
+    memory, weight, token = (t.reshape(-1).index_select(0, kept_entry) for t in (memory, weight, token))
     sequence = memory * B + token // T
     order = torch.argsort(sequence * T + token % T)
     sequence = sequence[order]
-    kept_entry = keep.flatten().nonzero().squeeze(1)  # (token, slot) entry of each kept item
-    slot_entries = torch.full((B * T * slots,), order.numel(), dtype=torch.long, device=device)
+    slot_entries = torch.full((entries,), order.numel(), dtype=torch.long, device=device)
     slot_entries[kept_entry[order]] = torch.arange(order.numel(), device=device)
-    counts = torch.bincount(sequence, minlength=num_memories * B)
-    cu_seqlens = F.pad(counts.cumsum(0), (1, 0))
-    bounds = cu_seqlens[::B].tolist()
+    # ``sequence`` is sorted: each sequence's first entry is a search away (bincount would read the host)
+    cu_seqlens = torch.searchsorted(sequence, torch.arange(num_memories * B + 1, device=device))
+    counts = cu_seqlens[1:] - cu_seqlens[:-1]
+    # the memories' packed bounds and the longest sequence in one host read
+    *bounds, longest = torch.cat([cu_seqlens[::B], counts.max().view(1) if counts.numel() else
+                                  counts.new_zeros(1)]).tolist()
     return RoutingPlan(
         token_index=token[order],
         weight=weight[order],
         cu_seqlens=cu_seqlens,
         sequence=sequence,
         memory_slices=list(zip(bounds[:-1], bounds[1:])),
-        max_length=int(counts.max()) if counts.numel() else 0,
+        max_length=longest,
         aux_loss=aux_loss,
         slot_entries=slot_entries.view(B * T, slots),
     )
