@@ -101,11 +101,14 @@ def kernel(fla):
         for name, fn in runs.items():
             with use_backend("triton" if name.startswith("mnemo") else "torch"):
                 fwd = bench(lambda: fn(), warmup=2, iters=10)
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
                 both = bench(lambda: fn()[0].float().sum().backward(), warmup=2, iters=10)
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**30
                 with torch.no_grad():
                     inference = bench(lambda: fn(), warmup=2, iters=10)
             record(what="kernel", impl=name, B=B, T=T, fwd_ms=round(fwd, 2), fwd_bwd_ms=round(both, 2),
-                   no_grad_fwd_ms=round(inference, 2))
+                   no_grad_fwd_ms=round(inference, 2), fwd_bwd_peak_gib_above_inputs=round(peak, 2))
 
 
 def decode(fla):

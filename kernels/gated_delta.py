@@ -191,7 +191,7 @@ def intra_chunk_terms(q, k, v, g, beta):
     the effective writes ``d = beta * (v - ...)`` solve the unit lower-triangular
     system ``(I + A) D = beta V - diag(beta e^G) K S_0`` with
     ``A_ij = beta_i e^{G_i - G_j} k_i.k_j`` for ``j < i``. Returns the pieces of
-    the chunk-to-chunk recurrence (:func:`scan_chunks_torch`)::
+    the chunk-to-chunk recurrence (the loop of :func:`_chunk_dense`)::
 
         D   = U - W S             (the chunk's writes, given its entering state S)
         O   = Q_decayed S + P D   (its outputs)
@@ -311,7 +311,7 @@ def _chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int):
 def _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size):
     """The chunked form over the flat chunk layout, every part in Triton: the intra-chunk terms
     read from the packed tokens, then the state scan."""
-    from .gated_delta_triton import intra_chunk_terms_packed, scan_chunks
+    from .gated_delta_triton import chunk_packed
 
     n = _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
     out_dtype = v.dtype
@@ -324,12 +324,11 @@ def _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2n
     if n_chunks == 0 or n == 0:
         return v.new_zeros(B, T, H, V), q.new_zeros(n, H, K, V, dtype=torch.float32) if S0 is None else S0
 
-    terms = intra_chunk_terms_packed(
-        *(None if x is None else x.reshape((B * T,) + x.shape[2:]) for x in (q, k, v, g, beta)),
-        chunk_start, chunk_len, chunk_size, K**-0.5 if scale is None else scale, use_qk_l2norm, L2_EPS,
-        low_precision,
+    o, S = chunk_packed(
+        *(None if x is None else x.reshape((B * T,) + x.shape[2:]) for x in (q, k, v, g, beta)), S0,
+        offsets, chunk_start, chunk_len, chunk_size, K**-0.5 if scale is None else scale, use_qk_l2norm, L2_EPS,
+        out_dtype, low_precision,
     )
-    o, S = scan_chunks(*terms, S0, offsets, chunk_start, chunk_len, B * T, out_dtype, low_precision)
     return o.view(B, T, H, V), S
 
 

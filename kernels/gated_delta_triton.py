@@ -1,4 +1,4 @@
-"""Triton path of the gated delta rule: the chunk-to-chunk state scan and the decode step.
+"""Triton path of the gated delta rule: the chunked form for training and prefill, and the decode step.
 
 The chunked form (``gated_delta.intra_chunk_terms``) splits the recurrence into
 terms that are independent across chunks and a scan that carries the state from
@@ -8,22 +8,26 @@ chunk to chunk::
     O_c     = Qd_c S_c + P_c D_c
     S_{c+1} = gamma_c S_c + Kd_c^T D_c
 
-The scan is the only sequential part. :func:`scan_chunks` runs it in one launch
-for every (sequence, head, block of value columns): a column block of the state
-never mixes with another one, so the state of one program is a ``(BV, d_k)``
-tile (held transposed, so that each product takes it as its register operand)
-kept in registers for the whole sequence, and sequences of any lengths (the
-routed subsequences of MoM) share the launch through per-sequence chunk offsets.
-For training the scan only carries the state: it saves the state entering each
-chunk and ``D``, and the outputs come from a kernel parallel over chunks. Its
+:func:`chunk_packed` runs it over packed tokens, forward and backward, as one
+autograd function. First one kernel per (chunk, head) computes ``U, W, P, gamma``
+straight from the packed tokens; ``Qd`` and ``Kd`` are the packed ``q, k`` times
+per-row factors (norm, scale, decay), so only the factors are stored and every
+kernel that needs ``Qd, Kd`` forms them from ``q, k``.
+
+The scan is the only sequential part. It runs in one launch for every
+(sequence, head, block of value columns): a column block of the state never
+mixes with another one, so the state of one program is a ``(BV, d_k)`` tile
+(held transposed, so that each product takes it as its register operand) kept
+in registers for the whole sequence, and sequences of any lengths (the routed
+subsequences of MoM) share the launch through per-sequence chunk offsets. For
+training the scan only carries the state: it saves the state entering each
+chunk and ``D``, and the outputs come from a kernel parallel over chunks. The
 backward is split the same way: ``P^T dO`` and ``dP`` in parallel over chunks,
 a reverse scan for ``dD`` and the state gradients, then the products of each
-chunk's state with its rows (``dW, dQd, dKd, dgamma``) in parallel again.
-Without gradients the forward scan writes the outputs itself and saves nothing.
-
-The intra-chunk terms come from one kernel per (chunk, head)
-(:func:`intra_chunk_terms_packed`), read straight from the packed tokens; its
-backward recomputes the Gram matrices and uses the saved ``(I + A)^-1``.
+chunk's state with its rows (``dW`` and the gradients of ``q, k`` through
+``Qd, Kd``, ``dgamma``) in parallel again, and last the intra-chunk backward,
+which recomputes the Gram matrices and uses the saved ``(I + A)^-1``. Without
+gradients the forward scan writes the outputs itself and saves nothing.
 
 :func:`step` fuses one decoding step (L2 norm, decay, delta write, read) for all
 sequences and heads in one launch; given slot indices it steps those states of a
@@ -45,7 +49,7 @@ try:
 except ImportError:  # machines without Triton use the PyTorch path
     triton = None
 
-__all__ = ["intra_chunk_terms_packed", "scan_chunks", "step", "supports"]
+__all__ = ["chunk_packed", "step", "supports"]
 
 MAX_HEAD_DIM = 256
 
@@ -61,6 +65,11 @@ def supports(key_dim: int, value_dim: int, chunk_size: int) -> bool:
 
 
 if triton is not None:
+
+    # Rows of the per-(chunk, head) factor table ``ROWS`` ``(n_chunks, H, 4, C)``, float32: ``Qd = q * QS``,
+    # ``Kd = k * KS`` (raw packed ``q, k``; L2 norm, scale and decay folded in), and the decays alone,
+    # ``EG = e^G`` and ``ER = e^{G_last - G}``, that turn ``dQd, dKd`` into gradients of ``q^, k^``.
+    _QS, _KS, _EG, _ER = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
     # Tile helpers. ``r`` indexes a chunk's rows (``tl.arange(0, C)``); ``kk`` / ``vv`` a block of key /
     # value columns with ``K`` / ``V`` the true sizes (masks cover padded head dimensions).
@@ -106,6 +115,24 @@ if triton is not None:
         return ((t0 + r) * H + i_h)[None, :] * V + vv[:, None], (r < length)[None, :] & (vv < V)[:, None]
 
     @triton.jit
+    def _row_factor(ROWS, ch, which, r, C: tl.constexpr):
+        """One of a (chunk, head)'s per-row factors saved by the intra-chunk kernel (``_QS ... _ER``)."""
+        return tl.load(ROWS + (ch * 4 + which) * C + r)
+
+    @triton.jit
+    def _decayed(X, ROWS, which, c, ch, CH_START, CH_LEN, r, kk, H, i_h, K, C: tl.constexpr):
+        """``Qd`` or ``Kd`` of chunk ``c``, ``(C, BK)`` float32: its packed ``q`` or ``k`` rows times their
+        factors, formed where they are used and never stored."""
+        off, mask = _token_tile(c, CH_START, CH_LEN, r, kk, H, i_h, K)
+        return tl.load(X + off, mask=mask, other=0.0).to(tl.float32) * _row_factor(ROWS, ch, which, r, C)[:, None]
+
+    @triton.jit
+    def _decayed_t(X, ROWS, which, c, ch, CH_START, CH_LEN, r, kk, H, i_h, K, C: tl.constexpr):
+        """The same, loaded transposed: ``(BK, C)``."""
+        off, mask = _token_tile_t(c, CH_START, CH_LEN, r, kk, H, i_h, K)
+        return tl.load(X + off, mask=mask, other=0.0).to(tl.float32) * _row_factor(ROWS, ch, which, r, C)[None, :]
+
+    @triton.jit
     def _sequence(OFFSETS, H):
         """This program's head, column block and chunk range ``[c_start, c_end)``."""
         i_nh = tl.program_id(0)
@@ -115,7 +142,7 @@ if triton is not None:
 
     @triton.jit
     def _scan_forward_kernel(
-        U, W, P, QD, KD, GAMMA, S0, O, D, STATES, SF, OFFSETS, CH_START, CH_LEN,
+        U, W, P, Q, K_, ROWS, GAMMA, S0, O, D, STATES, SF, OFFSETS, CH_START, CH_LEN,
         H, K, V,
         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         HAS_S0: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
@@ -150,17 +177,18 @@ if triton is not None:
                 tl.store(D + ch * C * V + cv_t, d_t, mask=cv_mask_t)
             else:
                 # O^T = S^T Qd^T + D^T P^T, straight into the packed token layout
-                o_t = _mm(s_t, _rows_t(QD + ch * C * K, r, kk, K), PRECISION)
+                o_t = _mm(s_t, _decayed_t(Q, ROWS, _QS, c, ch, CH_START, CH_LEN, r, kk, H, i_h, K, C), PRECISION)
                 o_t += _mm(d_t, _rows_t(P + ch * C * C, r, r, C), PRECISION)
                 o_off, o_mask = _token_tile_t(c, CH_START, CH_LEN, r, vv, H, i_h, V)
                 tl.store(O + o_off, o_t.to(O.dtype.element_ty), mask=o_mask)
-            s_t = tl.load(GAMMA + ch) * s_t + _mm(d_t, _rows(KD + ch * C * K, r, kk, K), PRECISION)
+            kd = _decayed(K_, ROWS, _KS, c, ch, CH_START, CH_LEN, r, kk, H, i_h, K, C)
+            s_t = tl.load(GAMMA + ch) * s_t + _mm(d_t, kd, PRECISION)
 
         tl.store(SF + state + st_off, s_t, mask=st_mask)
 
     @triton.jit
     def _output_kernel(
-        QD, P, D, STATES, O, CH_START, CH_LEN, H, K, V,
+        Q, ROWS, P, D, STATES, O, CH_START, CH_LEN, H, K, V,
         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """``O = Qd S + P D`` of one (chunk, head, block of value columns), from the saved states."""
@@ -171,7 +199,8 @@ if triton is not None:
         kk = tl.arange(0, BK)
         vv = tl.program_id(2) * BV + tl.arange(0, BV)
         s_ptr, s_mask = _kv(STATES + ch * K * V, kk, vv, K, V)
-        o = _mm(_rows(QD + ch * C * K, r, kk, K), tl.load(s_ptr, mask=s_mask, other=0.0).to(tl.float32), PRECISION)
+        qd = _decayed(Q, ROWS, _QS, c, ch, CH_START, CH_LEN, r, kk, H, i_h, K, C)
+        o = _mm(qd, tl.load(s_ptr, mask=s_mask, other=0.0).to(tl.float32), PRECISION)
         o += _mm(_rows(P + ch * C * C, r, r, C), _rows(D + ch * C * V, r, vv, V), PRECISION)
         o_off, o_mask = _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V)
         tl.store(O + o_off, o.to(O.dtype.element_ty), mask=o_mask)
@@ -200,7 +229,7 @@ if triton is not None:
 
     @triton.jit
     def _scan_backward_kernel(
-        W, QD, KD, GAMMA, DO, DSF, DD, DS_NEXT, DS0, OFFSETS, CH_START, CH_LEN,
+        W, Q, K_, ROWS, GAMMA, DO, DSF, DD, DS_NEXT, DS0, OFFSETS, CH_START, CH_LEN,
         H, K, V,
         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DSF: tl.constexpr, PRECISION: tl.constexpr,
     ):
@@ -226,23 +255,26 @@ if triton is not None:
             ch = c * H + i_h
             tl.store(DS_NEXT + ch * K * V + s_off, ds.to(DS_NEXT.dtype.element_ty), mask=s_mask)
             dd = tl.load(DD + ch * C * V + cv, mask=cv_mask, other=0.0)
-            dd += _mm(_rows(KD + ch * C * K, r, kk, K), ds, PRECISION)
+            dd += _mm(_decayed(K_, ROWS, _KS, c, ch, CH_START, CH_LEN, r, kk, H, i_h, K, C), ds, PRECISION)
             tl.store(DD + ch * C * V + cv, dd, mask=cv_mask)
             o_off, o_mask = _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V)
             do = tl.load(DO + o_off, mask=o_mask, other=0.0).to(tl.float32)
-            ds = tl.load(GAMMA + ch) * ds + _mm(_rows_t(QD + ch * C * K, r, kk, K), do, PRECISION) - _mm(
-                _rows_t(W + ch * C * K, r, kk, K), dd, PRECISION)
+            qd_t = _decayed_t(Q, ROWS, _QS, c, ch, CH_START, CH_LEN, r, kk, H, i_h, K, C)
+            ds = tl.load(GAMMA + ch) * ds + _mm(qd_t, do, PRECISION) - _mm(_rows_t(W + ch * C * K, r, kk, K), dd,
+                                                                            PRECISION)
 
         tl.store(DS0 + state + s_off, ds, mask=s_mask)
 
     @triton.jit
     def _state_grads_kernel(
-        DO, DD, D, STATES, DS_NEXT, DW, DQD, DKD, DGAMMA_PART, CH_START, CH_LEN, H, K, V,
+        DO, DD, D, STATES, DS_NEXT, ROWS, DW, DQ, DK, DGAMMA_PART, CH_START, CH_LEN, H, K, V,
         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """The gradients that pair a chunk's state with its rows, one (chunk, head, block of key
         columns), summed over the value columns: ``dW = -dD S^T``, ``dQd = dO S^T``, ``dKd = D dS'^T``
-        and this block's share of ``dgamma = sum(S * dS')``."""
+        and this block's share of ``dgamma = sum(S * dS')``. ``dQd`` and ``dKd`` leave as the
+        gradients of the normalised ``q^, k^`` that they imply (``Qd = q^ e^G``, ``Kd = k^ e^{G_last - G}``),
+        written into the packed float32 buffers ``DQ, DK`` that the intra-chunk backward completes."""
         c = tl.program_id(0).to(tl.int64)
         i_h = tl.program_id(1)
         i_k = tl.program_id(2)
@@ -267,8 +299,9 @@ if triton is not None:
         out = ch * C * K + r[:, None] * K + kk[None, :]
         out_mask = (r[:, None] >= 0) & (kk[None, :] < K)
         tl.store(DW + out, dw, mask=out_mask)
-        tl.store(DQD + out, dqd, mask=out_mask)
-        tl.store(DKD + out, dkd, mask=out_mask)
+        tok_off, tok_mask = _token_tile(c, CH_START, CH_LEN, r, kk, H, i_h, K)
+        tl.store(DQ + tok_off, dqd * _row_factor(ROWS, ch, _EG, r, C)[:, None], mask=tok_mask)
+        tl.store(DK + tok_off, dkd * _row_factor(ROWS, ch, _ER, r, C)[:, None], mask=tok_mask)
         tl.store(DGAMMA_PART + ch * tl.num_programs(2) + i_k, tl.sum(dgamma, axis=0))
 
     @triton.jit
@@ -315,12 +348,13 @@ if triton is not None:
 
     @triton.jit
     def _intra_forward_kernel(
-        Q, K_, V_, G, BETA, CH_START, CH_LEN, U, W, PM, QD, KD, GAMMA, TINV,
+        Q, K_, V_, G, BETA, CH_START, CH_LEN, U, W, PM, ROWS, GAMMA, TINV,
         H, K, V, scale, eps,
         C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
         HAS_G: tl.constexpr, L2NORM: tl.constexpr, SAVE_T: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """``intra_chunk_terms`` of one (chunk, head), read straight from the packed tokens."""
+        """``intra_chunk_terms`` of one (chunk, head), read straight from the packed tokens. ``Qd`` and
+        ``Kd`` are not stored: their row factors are (``ROWS``), for the kernels that read ``q, k``."""
         ch = tl.program_id(0).to(tl.int64)
         i_h = tl.program_id(1)
         t0 = tl.load(CH_START + ch).to(tl.int64)
@@ -359,24 +393,25 @@ if triton is not None:
             v_b = tl.load(V_ + (tok * H * V + i_h * V)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
             u = tl.dot(T, v_b * beta[:, None], input_precision=PRECISION)
             tl.store(U + chh * C * V + r[:, None] * V + cols[None, :], u.to(U.dtype.element_ty), mask=(r[:, None] >= 0) & (cols[None, :] < V))
-        w_scale = beta * tl.exp(G_cum) * rk
-        q_scale = rq * tl.exp(G_cum)
-        k_scale = rk * tl.exp(G_last - G_cum)
+        e_g = tl.exp(G_cum)
+        e_rest = tl.exp(G_last - G_cum)
+        rows = ROWS + chh * 4 * C + r
+        tl.store(rows + _QS * C, rq * e_g)
+        tl.store(rows + _KS * C, rk * e_rest)
+        tl.store(rows + _EG * C, e_g)
+        tl.store(rows + _ER * C, e_rest)
+        w_scale = beta * e_g * rk
         for kb in tl.static_range(NK):
             cols = kb * BK + tl.arange(0, BK)
             m = valid[:, None] & (cols[None, :] < K)
-            out = chh * C * K + r[:, None] * K + cols[None, :]
-            out_mask = (r[:, None] >= 0) & (cols[None, :] < K)
             k_b = tl.load(K_ + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            q_b = tl.load(Q + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            tl.store(W + out, tl.dot(T, k_b * w_scale[:, None], input_precision=PRECISION).to(W.dtype.element_ty),
-                     mask=out_mask)
-            tl.store(QD + out, (q_b * q_scale[:, None]).to(QD.dtype.element_ty), mask=out_mask)
-            tl.store(KD + out, (k_b * k_scale[:, None]).to(KD.dtype.element_ty), mask=out_mask)
+            tl.store(W + chh * C * K + r[:, None] * K + cols[None, :],
+                     tl.dot(T, k_b * w_scale[:, None], input_precision=PRECISION).to(W.dtype.element_ty),
+                     mask=(r[:, None] >= 0) & (cols[None, :] < K))
 
     @triton.jit
     def _intra_backward_kernel(
-        Q, K_, V_, G, BETA, CH_START, CH_LEN, TINV, DU, DW, DPM, DQD, DKD, DGAMMA,
+        Q, K_, V_, G, BETA, CH_START, CH_LEN, TINV, DU, DW, DPM, DGAMMA,
         DQ, DK, DQ_OUT, DK_OUT, DV, DG, DBETA,
         H, K, V, scale, eps,
         C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
@@ -390,6 +425,8 @@ if triton is not None:
             Kd = k^ e^{G_last - G},  gamma = e^{G_last}
 
         so ``dA = -T^T (dU (beta v)^T + dW (beta e^G k^)^T) T^T`` and the rest is the chain rule.
+        ``DQ, DK`` (packed, float32) enter holding the gradients of ``q^, k^`` through ``Qd, Kd`` (from
+        the state-gradient kernel) and leave holding the whole gradients of ``q^, k^``.
         Every transposed matrix is either loaded transposed or computed as its own product
         (``dA^T = -T dT^T T``): no ``tl.trans`` of a product feeds a ``tl.dot``.
         """
@@ -402,7 +439,6 @@ if triton is not None:
         tok = t0 + r
         g, beta, G_cum, G_last = _chunk_gates(G, BETA, tok, H, i_h, valid, C, HAS_G)
         e_g = tl.exp(G_cum)
-        e_rest = tl.exp(G_last - G_cum)
         qk_base = tok * H * K + i_h * K
         v_base = tok * H * V + i_h * V
         chh = ch * H + i_h
@@ -475,7 +511,9 @@ if triton is not None:
         dPP = dP * qk * rq[:, None] * rk[None, :] * E
         dG += tl.sum(dPP, axis=1) - tl.sum(dPP, axis=0)
 
-        # dq^ and dk^ per column block (kept unnormalised in DQ, DK, float32), and their row dots.
+        # dq^ and dk^ per column block (kept unnormalised in DQ, DK, float32), and their row dots. The
+        # parts through Qd = q^ e^G and Kd = k^ e^{G_last - G} are already there (dq0, dk0): their decay
+        # gradients are the row dots with q^, k^.
         q_dot = tl.zeros([C], dtype=tl.float32)
         k_dot = tl.zeros([C], dtype=tl.float32)
         dG_last = tl.load(DGAMMA + chh).to(tl.float32) * tl.exp(G_last)
@@ -488,19 +526,20 @@ if triton is not None:
             k_b = tl.load(K_ + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
             qh = q_b * rq[:, None]
             kh = k_b * rk[:, None]
-            dqd = tl.load(DQD + ck, mask=ck_mask, other=0.0).to(tl.float32)
-            dkd = tl.load(DKD + ck, mask=ck_mask, other=0.0).to(tl.float32)
+            dq0 = tl.load(DQ + qk_base[:, None] + cols[None, :], mask=m, other=0.0)
+            dk0 = tl.load(DK + qk_base[:, None] + cols[None, :], mask=m, other=0.0)
             dw = tl.load(DW + ck, mask=ck_mask, other=0.0).to(tl.float32)
-            dq_h = tl.dot(M, kh, input_precision=PRECISION) + dqd * e_g[:, None]
+            dq_h = tl.dot(M, kh, input_precision=PRECISION) + dq0
             dk_h = (tl.dot(T_t, dw, input_precision=PRECISION) * (beta * e_g)[:, None]
                     + tl.dot(sym, kh, input_precision=PRECISION) + tl.dot(M_t, qh, input_precision=PRECISION)
-                    + dkd * e_rest[:, None])
-            dG += tl.sum(dqd * qh, axis=1) * e_g
-            s = tl.sum(dkd * kh, axis=1) * e_rest
+                    + dk0)
+            dG += tl.sum(dq0 * qh, axis=1)
+            s = tl.sum(dk0 * kh, axis=1)
             dG -= s
             dG_last += tl.sum(s, axis=0)
             q_dot += tl.sum(q_b * dq_h, axis=1)
             k_dot += tl.sum(k_b * dk_h, axis=1)
+            tl.debug_barrier()  # every thread has read this block of DQ, DK before any overwrites it
             tl.store(DQ + qk_base[:, None] + cols[None, :], dq_h, mask=m)
             tl.store(DK + qk_base[:, None] + cols[None, :], dk_h, mask=m)
 
@@ -590,38 +629,72 @@ _INTRA_WARPS, _INTRA_STAGES = (4, 8), (1, 1)  # (forward, backward): one program
 
 
 def _saved_state_dtype(low_precision: bool) -> torch.dtype:
-    # The states saved for the chunk-parallel kernels only enter products with a chunk's rows, never the
-    # carried state: bf16 for bf16/fp16 problems halves their traffic and memory. On the interpreter's bf16
-    # tests this took the output's error against float64 from 4.2e-3 to 4.7e-3 and left the gradients'
-    # within 3e-4. The state gradients stay float32: rounded too, dgamma's error went 3e-4 -> 2.7e-3.
+    """The dtype of the per-chunk states saved for the chunk-parallel kernels, and of their gradients.
+
+    Both only enter products with a chunk's rows, never the carried state (the scans carry float32):
+    bf16 for bf16/fp16 problems halves their traffic and memory (flash-linear-attention's choice too).
+    On the interpreter's bf16 tests (which truncate where CUDA rounds) the saved states took the output's
+    error against float64 from 4.2e-3 to 4.7e-3; the state gradients took dg's from 3e-4 to 2.7e-3 and
+    dk's from 4.1e-3 to 5.5e-3, inside the 1e-2 bound and below the output's own error.
+    """
     return torch.bfloat16 if low_precision else torch.float32
 
 
-def _scan_forward(U, W, P, Qd, Kd, gamma, S0, offsets, chunk_start, chunk_len, num_tokens: int, out_dtype,
-                  save: bool, low_precision: bool):
+def _intra_launch_args(K: int, V: int, chunk_size: int) -> dict:
+    BK, NK = _state_tiles(K)
+    BV = min(64, _block(V))
+    return dict(C=chunk_size, BK=BK, NK=NK, BV=BV, NV=triton.cdiv(V, BV))
+
+
+def _intra_forward(q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, use_qk_l2norm, eps,
+                   low_precision, save_t: bool):
+    """``U, W, P``, the row factors and ``gamma`` of every chunk (float32), and ``(I + A)^-1`` if asked."""
+    H, K, V = q.shape[1], q.shape[2], v.shape[2]
+    n_chunks, C = chunk_start.numel(), chunk_size
+    f32 = dict(dtype=torch.float32, device=q.device)
+    # Float32 for every problem: bf16 chunk terms (flash-linear-attention's choice) saved 6% of the
+    # recurrence's fwd+bwd at 48K tokens on an H100 and took the gradients' error against the float64
+    # reference from 3e-3 to 1.4e-2 (d_k = 130).
+    U, W = torch.empty(n_chunks, H, C, V, **f32), torch.empty(n_chunks, H, C, K, **f32)
+    Pm, gamma = torch.empty(n_chunks, H, C, C, **f32), torch.empty(n_chunks, H, **f32)
+    rows = torch.empty(n_chunks, H, 4, C, **f32)
+    T = torch.empty_like(Pm) if save_t else Pm
+    _intra_forward_kernel[(n_chunks, H)](
+        q, k, v, g if g is not None else beta, beta, chunk_start, chunk_len, U, W, Pm, rows, gamma, T,
+        H, K, V, scale, eps, **_intra_launch_args(K, V, C), HAS_G=g is not None, L2NORM=use_qk_l2norm,
+        SAVE_T=save_t, PRECISION=_precision(low_precision), num_warps=_INTRA_WARPS[0], num_stages=_INTRA_STAGES[0],
+    )
+    return U, W, Pm, rows, gamma, T
+
+
+def _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, chunk_start, chunk_len, out_dtype, save: bool,
+                  low_precision: bool):
     n_chunks, H, C, V = U.shape
     K = W.shape[-1]
     N = offsets.numel() - 1
-    O = U.new_empty(num_tokens, H, V, dtype=out_dtype)
+    O = U.new_empty(q.shape[0], H, V, dtype=out_dtype)
     SF = U.new_empty(N, H, K, V, dtype=torch.float32)
     D = torch.empty_like(U) if save else U.new_empty(0)
     states = U.new_empty(n_chunks, H, K, V, dtype=_saved_state_dtype(low_precision)) if save else U.new_empty(0)
     BK, BV, precision = _block(K), min(_SCAN_BV, _block(V)), _precision(low_precision)
     _scan_forward_kernel[(N * H, triton.cdiv(V, BV))](
-        U, W, P, Qd, Kd, gamma, S0 if S0 is not None else U, O, D, states, SF, offsets, chunk_start, chunk_len,
+        U, W, P, q, k, rows, gamma, S0 if S0 is not None else U, O, D, states, SF, offsets, chunk_start, chunk_len,
         H, K, V, C=C, BK=BK, BV=BV, HAS_S0=S0 is not None, SAVE=save, PRECISION=precision,
         num_warps=_SCAN_WARPS, num_stages=1,
     )
     if save:  # the outputs, from the saved states, in parallel over chunks
         BV = min(_OUT_BV, _block(V))
         _output_kernel[(n_chunks, H, triton.cdiv(V, BV))](
-            Qd, P, D, states, O, chunk_start, chunk_len, H, K, V, C=C, BK=BK, BV=BV, PRECISION=precision,
+            q, rows, P, D, states, O, chunk_start, chunk_len, H, K, V, C=C, BK=BK, BV=BV, PRECISION=precision,
             num_warps=_OUT_WARPS, num_stages=1,
         )
     return O, SF, D, states
 
 
-def _scan_backward(W, P, Qd, Kd, gamma, D, states, offsets, chunk_start, chunk_len, dO, dSF, low_precision: bool):
+def _scan_backward(W, P, q, k, rows, gamma, D, states, offsets, chunk_start, chunk_len, dO, dSF,
+                   low_precision: bool):
+    """The scan's gradients: ``dD`` (= ``dU``), ``dW``, ``dP``, ``dgamma``, ``dS0``, and the packed float32
+    gradients of ``q^, k^`` through ``Qd, Kd`` (completed by the intra-chunk backward)."""
     n_chunks, H, C, V = D.shape
     K = W.shape[-1]
     N = offsets.numel() - 1
@@ -632,144 +705,90 @@ def _scan_backward(W, P, Qd, Kd, gamma, D, states, offsets, chunk_start, chunk_l
         P, D, dO, dD, dP, chunk_start, chunk_len, H, V, C=C, BV=BV, NV=triton.cdiv(V, BV), PRECISION=precision,
         num_warps=_OUT_WARPS, num_stages=1,
     )
-    ds_next = torch.empty_like(states, dtype=torch.float32)
+    ds_next = torch.empty_like(states)
     dS0 = D.new_empty(N, H, K, V, dtype=torch.float32)
     BV = min(_SCAN_BV, _block(V))
     _scan_backward_kernel[(N * H, triton.cdiv(V, BV))](
-        W, Qd, Kd, gamma, dO, dSF if dSF is not None else dS0, dD, ds_next, dS0, offsets, chunk_start, chunk_len,
-        H, K, V, C=C, BK=_block(K), BV=BV, HAS_DSF=dSF is not None, PRECISION=precision,
+        W, q, k, rows, gamma, dO, dSF if dSF is not None else dS0, dD, ds_next, dS0, offsets, chunk_start,
+        chunk_len, H, K, V, C=C, BK=_block(K), BV=BV, HAS_DSF=dSF is not None, PRECISION=precision,
         num_warps=_SCAN_WARPS, num_stages=1,
     )
-    dW, dQd, dKd = (torch.empty_like(W) for _ in range(3))
+    dW = torch.empty_like(W)
+    dq_h, dk_h = (torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in (q, k))
     BK, BV = min(_GRAD_BK, _block(K)), min(_GRAD_BV, _block(V))
     n_k = triton.cdiv(K, BK)
     dgamma = D.new_empty(n_chunks, H, n_k, dtype=torch.float32)
     _state_grads_kernel[(n_chunks, H, n_k)](
-        dO, dD, D, states, ds_next, dW, dQd, dKd, dgamma, chunk_start, chunk_len, H, K, V,
+        dO, dD, D, states, ds_next, rows, dW, dq_h, dk_h, dgamma, chunk_start, chunk_len, H, K, V,
         C=C, BK=BK, BV=BV, PRECISION=precision, num_warps=_GRAD_WARPS, num_stages=2,
     )
-    return dD, dW, dP, dQd, dKd, dgamma.sum(-1), dS0
+    return dD, dW, dP, dgamma.sum(-1), dS0, dq_h, dk_h
 
 
-class _ScanChunks(torch.autograd.Function):
+def _intra_backward(q, k, v, g, beta, chunk_start, chunk_len, T, dU, dW, dP, dgamma, dq_h, dk_h, chunk_size, scale,
+                    use_qk_l2norm, eps, low_precision):
+    """Gradients of the packed ``q, k, v, g, beta`` (``dq_h, dk_h``: the packed float32 gradients of ``q^, k^``
+    so far, completed in place)."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dbeta = torch.empty(beta.shape, dtype=torch.float32, device=q.device)
+    dg = torch.empty_like(dbeta) if g is not None else dbeta
+    H, K, V = q.shape[1], q.shape[2], v.shape[2]
+    _intra_backward_kernel[(chunk_start.numel(), H)](
+        q, k, v, g if g is not None else beta, beta, chunk_start, chunk_len, T, dU, dW, dP, dgamma,
+        dq_h, dk_h, dq, dk, dv, dg, dbeta, H, K, V, scale, eps, **_intra_launch_args(K, V, chunk_size),
+        HAS_G=g is not None, L2NORM=use_qk_l2norm, PRECISION=_precision(low_precision),
+        num_warps=_INTRA_WARPS[1], num_stages=_INTRA_STAGES[1],
+    )
+    return dq, dk, dv, None if g is None else dg.to(g.dtype), dbeta.to(beta.dtype)
+
+
+class _ChunkedGatedDelta(torch.autograd.Function):
+    """The chunked gated delta rule over a flat chunk layout: intra-chunk terms, then the scan."""
+
     @staticmethod
-    def forward(ctx, U, W, P, Qd, Kd, gamma, S0, offsets, chunk_start, chunk_len, num_tokens, out_dtype,
-                low_precision):
-        U, W, P, Qd, Kd, gamma = (x.contiguous() for x in (U, W, P, Qd, Kd, gamma))
-        S0 = None if S0 is None else S0.contiguous()
-        save = any(ctx.needs_input_grad[:7])
-        O, SF, D, states = _scan_forward(U, W, P, Qd, Kd, gamma, S0, offsets, chunk_start, chunk_len, num_tokens,
+    def forward(ctx, q, k, v, g, beta, S0, offsets, chunk_start, chunk_len, config):
+        chunk_size, scale, use_qk_l2norm, eps, out_dtype, low_precision = config
+        save = any(ctx.needs_input_grad[:6])
+        U, W, P, rows, gamma, T = _intra_forward(q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale,
+                                                 use_qk_l2norm, eps, low_precision, save_t=save)
+        O, SF, D, states = _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, chunk_start, chunk_len,
                                          out_dtype, save, low_precision)
         if save:
-            ctx.save_for_backward(W, P, Qd, Kd, gamma, D, states, offsets, chunk_start, chunk_len)
-        ctx.low_precision = low_precision
+            ctx.save_for_backward(q, k, v, g, beta, T, W, P, rows, gamma, D, states, offsets, chunk_start, chunk_len)
+        ctx.config = config
         ctx.has_s0 = S0 is not None
-        ctx.num_tokens = num_tokens
         return O, SF
 
     @staticmethod
     def backward(ctx, dO, dSF):
-        W, P, Qd, Kd, gamma, D, states, offsets, chunk_start, chunk_len = ctx.saved_tensors
-        H, V = D.shape[1], D.shape[-1]
-        dO = D.new_zeros(ctx.num_tokens, H, V) if dO is None else dO.contiguous()
-        dD, dW, dP, dQd, dKd, dgamma, dS0 = _scan_backward(
-            W, P, Qd, Kd, gamma, D, states, offsets, chunk_start, chunk_len, dO,
-            None if dSF is None else dSF.contiguous(), ctx.low_precision,
+        q, k, v, g, beta, T, W, P, rows, gamma, D, states, offsets, chunk_start, chunk_len = ctx.saved_tensors
+        chunk_size, scale, use_qk_l2norm, eps, _, low_precision = ctx.config
+        dO = D.new_zeros(q.shape[0], D.shape[1], D.shape[-1]) if dO is None else dO.contiguous()
+        dU, dW, dP, dgamma, dS0, dq_h, dk_h = _scan_backward(
+            W, P, q, k, rows, gamma, D, states, offsets, chunk_start, chunk_len, dO,
+            None if dSF is None else dSF.contiguous(), low_precision,
         )
-        return (dD, dW, dP, dQd, dKd, dgamma, dS0 if ctx.has_s0 else None,
-                None, None, None, None, None, None)
+        grads = _intra_backward(q, k, v, g, beta, chunk_start, chunk_len, T, dU, dW, dP, dgamma, dq_h, dk_h,
+                                chunk_size, scale, use_qk_l2norm, eps, low_precision)
+        return (*grads, dS0 if ctx.has_s0 else None, None, None, None, None)
 
 
-def scan_chunks(U, W, P, Qd, Kd, gamma, S0, offsets: torch.Tensor, chunk_start: torch.Tensor,
-                chunk_len: torch.Tensor, num_tokens: int, out_dtype: torch.dtype, low_precision: bool = False):
-    """Run the chunk-to-chunk scan over a flat list of chunks.
+def chunk_packed(q, k, v, g, beta, S0, offsets: torch.Tensor, chunk_start: torch.Tensor, chunk_len: torch.Tensor,
+                 chunk_size: int, scale: float, use_qk_l2norm: bool, eps: float, out_dtype: torch.dtype,
+                 low_precision: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked gated delta rule over packed tokens, with its backward.
 
-    ``U, Qd`` ... are ``(n_chunks, H, C, D)`` (``P`` ``(n_chunks, H, C, C)``, ``gamma``
-    ``(n_chunks, H)``, float32); sequence ``i`` owns chunks ``offsets[i]:offsets[i + 1]`` and chunk ``c``
-    holds packed tokens ``chunk_start[c] ...`` (``chunk_len[c]`` of them). ``S0`` is
-    ``(N, H, d_k, d_v)`` or ``None``. Returns the outputs in the packed layout
-    ``(num_tokens, H, d_v)`` (``out_dtype``) and the final states (float32).
-    """
-    return _ScanChunks.apply(U, W, P, Qd, Kd, gamma, S0, offsets, chunk_start, chunk_len, num_tokens, out_dtype,
-                             low_precision)
-
-
-def _intra_launch_args(q, k, v, chunk_size: int):
-    K, V = q.shape[-1], v.shape[-1]
-    BK, NK = _state_tiles(K)
-    BV = min(64, _block(V))
-    return dict(C=chunk_size, BK=BK, NK=NK, BV=BV, NV=triton.cdiv(V, BV))
-
-
-def _intra_forward(q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, use_qk_l2norm, eps,
-                   low_precision, save_t: bool):
-    H, K, V = q.shape[1], q.shape[2], v.shape[2]
-    n_chunks, C = chunk_start.numel(), chunk_size
-    f32 = dict(dtype=torch.float32, device=q.device)
-    # Float32 for every problem: bf16 chunk terms (flash-linear-attention's choice) saved 6% of the
-    # recurrence's fwd+bwd at 48K tokens on an H100 and took the gradients' error against the float64
-    # reference from 3e-3 to 1.4e-2 (d_k = 130).
-    U, W = torch.empty(n_chunks, H, C, V, **f32), torch.empty(n_chunks, H, C, K, **f32)
-    Pm, gamma = torch.empty(n_chunks, H, C, C, **f32), torch.empty(n_chunks, H, **f32)
-    Qd, Kd = torch.empty_like(W), torch.empty_like(W)
-    T = torch.empty_like(Pm) if save_t else Pm
-    _intra_forward_kernel[(n_chunks, H)](
-        q, k, v, g if g is not None else beta, beta, chunk_start, chunk_len, U, W, Pm, Qd, Kd, gamma, T,
-        H, K, V, scale, eps, **_intra_launch_args(q, k, v, C), HAS_G=g is not None, L2NORM=use_qk_l2norm,
-        SAVE_T=save_t, PRECISION=_precision(low_precision), num_warps=_INTRA_WARPS[0], num_stages=_INTRA_STAGES[0],
-    )
-    return (U, W, Pm, Qd, Kd, gamma), T
-
-
-class _IntraChunk(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, use_qk_l2norm, eps, low_precision):
-        terms, T = _intra_forward(q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, use_qk_l2norm,
-                                  eps, low_precision, save_t=True)
-        ctx.save_for_backward(q, k, v, g, beta, chunk_start, chunk_len, T)
-        ctx.config = (chunk_size, scale, use_qk_l2norm, eps, low_precision)
-        return terms
-
-    @staticmethod
-    def backward(ctx, dU, dW, dP, dQd, dKd, dgamma):
-        q, k, v, g, beta, chunk_start, chunk_len, T = ctx.saved_tensors
-        chunk_size, scale, use_qk_l2norm, eps, low_precision = ctx.config
-        grads = [dU, dW, dP, dQd, dKd, dgamma]
-        like = [(T.shape[:2] + (chunk_size, v.shape[-1])), (T.shape[:2] + (chunk_size, k.shape[-1])), T.shape,
-                (T.shape[:2] + (chunk_size, k.shape[-1])), (T.shape[:2] + (chunk_size, k.shape[-1])), T.shape[:2]]
-        grads = [torch.zeros(shape, dtype=torch.float32, device=q.device) if d is None else d.contiguous()
-                 for d, shape in zip(grads, like)]
-        f32 = dict(dtype=torch.float32, device=q.device)
-        dq_h, dk_h = torch.empty(q.shape, **f32), torch.empty(k.shape, **f32)  # scratch, before the norm
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dbeta = torch.empty(beta.shape, **f32)
-        dg = torch.empty(beta.shape, **f32) if g is not None else dbeta
-        H, K, V = q.shape[1], q.shape[2], v.shape[2]
-        _intra_backward_kernel[(chunk_start.numel(), H)](
-            q, k, v, g if g is not None else beta, beta, chunk_start, chunk_len, T, *grads,
-            dq_h, dk_h, dq, dk, dv, dg, dbeta, H, K, V, scale, eps, **_intra_launch_args(q, k, v, chunk_size),
-            HAS_G=g is not None, L2NORM=use_qk_l2norm, PRECISION=_precision(low_precision),
-            num_warps=_INTRA_WARPS[1], num_stages=_INTRA_STAGES[1],
-        )
-        return (dq, dk, dv, None if g is None else dg.to(g.dtype),
-                dbeta.to(beta.dtype), None, None, None, None, None, None, None)
-
-
-def intra_chunk_terms_packed(q, k, v, g, beta, chunk_start, chunk_len, chunk_size: int, scale: float,
-                             use_qk_l2norm: bool, eps: float, low_precision: bool):
-    """``gated_delta.intra_chunk_terms`` for every chunk of a packed batch, with its backward.
-
-    ``q, k`` ``(P, H, d_k)``, ``v`` ``(P, H, d_v)``, ``g`` (or ``None``) and ``beta`` ``(P, H)``
-    as given (L2 norm and ``scale`` are applied here); chunk ``c`` holds tokens
-    ``chunk_start[c] ...`` (``chunk_len[c]`` of them). Returns float32
-    ``(U, W, P, Q_decayed, K_decayed, gamma)`` in the flat chunk layout.
+    ``q, k`` ``(P, H, d_k)``, ``v`` ``(P, H, d_v)``, ``g`` (or ``None``) and ``beta`` ``(P, H)`` as
+    given (L2 norm and ``scale`` are applied here); ``S0`` ``(N, H, d_k, d_v)`` or ``None``. Sequence
+    ``i`` owns chunks ``offsets[i]:offsets[i + 1]`` and chunk ``c`` holds tokens ``chunk_start[c] ...``
+    (``chunk_len[c]`` of them). Returns the outputs ``(P, H, d_v)`` (``out_dtype``) and the final
+    states (float32).
     """
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     g = None if g is None else g.contiguous()
-    args = (q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, use_qk_l2norm, eps, low_precision)
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta)):
-        return _IntraChunk.apply(*args)
-    return _intra_forward(*args, save_t=False)[0]
+    S0 = None if S0 is None else S0.contiguous()
+    config = (chunk_size, scale, use_qk_l2norm, eps, out_dtype, low_precision)
+    return _ChunkedGatedDelta.apply(q, k, v, g, beta, S0, offsets, chunk_start, chunk_len, config)
 
 
 def step(q, k, v, g, beta, state, scale: float, use_qk_l2norm: bool, eps: float, slots=None):
