@@ -410,25 +410,27 @@ if triton is not None:
                      mask=(r[:, None] >= 0) & (cols[None, :] < K))
 
     @triton.jit
-    def _intra_backward_kernel(
-        Q, K_, V_, G, BETA, CH_START, CH_LEN, TINV, DU, DW, DPM, DGAMMA,
-        DQ, DK, DQ_OUT, DK_OUT, DV, DG, DBETA,
+    def _intra_backward_matrices_kernel(
+        Q, K_, V_, G, BETA, CH_START, CH_LEN, TINV, DU, DW, DPM, SYM, MPE, ROWB, DV, DBETA,
         H, K, V, scale, eps,
         C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
         HAS_G: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """Gradients of ``intra_chunk_terms`` for one (chunk, head) with respect to the packed
-        ``q, k, v, g, beta``. With hats for the normalised, scaled vectors, ``E_ij = e^{G_i - G_j}``
+        """The first half of the gradients of ``intra_chunk_terms``, one (chunk, head): everything that
+        lives in ``(C, C)`` matrices. With hats for the normalised, scaled vectors, ``E_ij = e^{G_i - G_j}``
         (i >= j), ``A = tril_-1(beta_i (k^ k^T)_ij E_ij)`` and ``T = (I + A)^-1`` (saved)::
 
             U = T (beta v),  W = T (beta e^G k^),  P = (q^ k^T) E,  Qd = q^ e^G,
             Kd = k^ e^{G_last - G},  gamma = e^{G_last}
 
-        so ``dA = -T^T (dU (beta v)^T + dW (beta e^G k^)^T) T^T`` and the rest is the chain rule.
-        ``DQ, DK`` (packed, float32) enter holding the gradients of ``q^, k^`` through ``Qd, Kd`` (from
-        the state-gradient kernel) and leave holding the whole gradients of ``q^, k^``.
-        Every transposed matrix is either loaded transposed or computed as its own product
-        (``dA^T = -T dT^T T``): no ``tl.trans`` of a product feeds a ``tl.dot``.
+        so ``dA = -T^T (dU (beta v)^T + dW (beta e^G k^)^T) T^T`` and the rest is the chain rule. Writes
+        ``dv`` and ``dbeta`` (complete), the matrices that the rows' gradients need, ``SYM`` (the
+        symmetric gradient of ``k^ k^T``) and ``MPE = dP * E``, and per row (``ROWB``) the part of the
+        gradient of ``G`` found here and ``|q|^2, |k|^2``. Every transposed matrix is either loaded
+        transposed or computed as its own product (``dA^T = -T dT^T T``): no ``tl.trans`` of a product
+        feeds a ``tl.dot``. (One kernel for both halves held too many ``(C, C)`` matrices at once and
+        spilled 470 registers on an H100; the column loops of both halves are plain loops, not unrolled,
+        so that one block's tiles are live at a time: unrolled, they spilled 108 and 206.)
         """
         ch = tl.program_id(0).to(tl.int64)
         i_h = tl.program_id(1)
@@ -447,12 +449,14 @@ if triton is not None:
 
         kk, qk, q_sq, k_sq = _chunk_grams(Q, K_, qk_base, valid, K, C, BK, NK, PRECISION)
         rq, rk = _norm_factors(q_sq, k_sq, scale, eps, C, L2NORM)
-        lower = r[:, None] >= r[None, :]
-        upper = r[:, None] <= r[None, :]
+        E = tl.exp(tl.where(r[:, None] >= r[None, :], G_cum[:, None] - G_cum[None, :], float("-inf")))
+        # P's part first, so that qk and dP are dead before the T products.
+        M = tl.load(DPM + cc).to(tl.float32) * E
+        tl.store(MPE + cc, M)
+        dPP = M * qk * rq[:, None] * rk[None, :]
+        dG = tl.sum(dPP, axis=1) - tl.sum(dPP, axis=0)
+
         strict = r[:, None] > r[None, :]
-        strict_t = r[:, None] < r[None, :]
-        E = tl.exp(tl.where(lower, G_cum[:, None] - G_cum[None, :], float("-inf")))
-        E_t = tl.exp(tl.where(upper, G_cum[None, :] - G_cum[:, None], float("-inf")))
         kk = kk * rk[:, None] * rk[None, :]
         A = tl.where(strict, kk * E * beta[:, None], 0.0)
         T = tl.load(TINV + cc)
@@ -462,8 +466,7 @@ if triton is not None:
         dT = tl.zeros([C, C], dtype=tl.float32)
         dT_t = tl.zeros([C, C], dtype=tl.float32)
         dbeta = tl.zeros([C], dtype=tl.float32)
-        dG = tl.zeros([C], dtype=tl.float32)
-        for vb in tl.static_range(NV):
+        for vb in range(NV):
             cols = vb * BV + tl.arange(0, BV)
             m = valid[:, None] & (cols[None, :] < V)
             m_t = (cols[:, None] < V) & valid[None, :]
@@ -481,7 +484,7 @@ if triton is not None:
             tl.store(DV + v_base[:, None] + cols[None, :], (y * beta[:, None]).to(DV.dtype.element_ty), mask=m)
             dbeta += tl.sum(v_b * y, axis=1)
         w_in = beta * e_g * rk  # W's input is w_in * k (raw k)
-        for kb in tl.static_range(NK):
+        for kb in range(NK):
             cols = kb * BK + tl.arange(0, BK)
             m = valid[:, None] & (cols[None, :] < K)
             m_t = (cols[:, None] < K) & valid[None, :]
@@ -499,17 +502,54 @@ if triton is not None:
             dG += beta * e_g * s
 
         dA = tl.where(strict, -tl.dot(tl.dot(T_t, dT, input_precision=PRECISION), T_t, input_precision=PRECISION), 0.0)
-        dA_t = tl.where(strict_t, -tl.dot(tl.dot(T, dT_t, input_precision=PRECISION), T, input_precision=PRECISION), 0.0)
+        dA_t = tl.where(r[:, None] < r[None, :],
+                        -tl.dot(tl.dot(T, dT_t, input_precision=PRECISION), T, input_precision=PRECISION), 0.0)
         dbeta += tl.sum(dA * kk * E, axis=1)
         dAA = dA * A
         dG += tl.sum(dAA, axis=1) - tl.sum(dAA, axis=0)
         # d(k^ k^T) symmetrised: dKk + dKk^T with dKk = dA beta_i E_ij
-        sym = dA * beta[:, None] * E + dA_t * beta[None, :] * E_t
-        dP = tl.load(DPM + cc).to(tl.float32)
-        M = dP * E
-        M_t = tl.load(DPM + cc_t).to(tl.float32) * E_t
-        dPP = dP * qk * rq[:, None] * rk[None, :] * E
-        dG += tl.sum(dPP, axis=1) - tl.sum(dPP, axis=0)
+        E_t = tl.exp(tl.where(r[:, None] <= r[None, :], G_cum[None, :] - G_cum[:, None], float("-inf")))
+        tl.store(SYM + cc, dA * beta[:, None] * E + dA_t * beta[None, :] * E_t)
+        tl.store(DBETA + tok * H + i_h, dbeta, mask=valid)
+        rows = ROWB + chh * 3 * C + r
+        tl.store(rows, dG)
+        tl.store(rows + C, q_sq)
+        tl.store(rows + 2 * C, k_sq)
+
+    @triton.jit
+    def _intra_backward_rows_kernel(
+        Q, K_, G, BETA, CH_START, CH_LEN, TINV, DW, DGAMMA, SYM, MPE, ROWB,
+        DQ, DK, DQ_OUT, DK_OUT, DG,
+        H, K, scale, eps,
+        C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
+        HAS_G: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """The second half, one (chunk, head): the gradients of ``q, k`` and ``g``, from the matrices of
+        :func:`_intra_backward_matrices_kernel`. ``DQ, DK`` (packed, float32) enter holding the gradients
+        of ``q^, k^`` through ``Qd, Kd`` (from the state-gradient kernel) and are completed in place
+        before the normalisation's backward writes ``dq, dk`` in the inputs' dtype."""
+        ch = tl.program_id(0).to(tl.int64)
+        i_h = tl.program_id(1)
+        t0 = tl.load(CH_START + ch).to(tl.int64)
+        length = tl.load(CH_LEN + ch)
+        r = tl.arange(0, C)
+        valid = r < length
+        tok = t0 + r
+        g, beta, G_cum, G_last = _chunk_gates(G, BETA, tok, H, i_h, valid, C, HAS_G)
+        e_g = tl.exp(G_cum)
+        qk_base = tok * H * K + i_h * K
+        chh = ch * H + i_h
+        cc = chh * C * C + r[:, None] * C + r[None, :]
+        cc_t = chh * C * C + r[None, :] * C + r[:, None]
+        rows = ROWB + chh * 3 * C + r
+        dG = tl.load(rows)
+        q_sq = tl.load(rows + C)
+        k_sq = tl.load(rows + 2 * C)
+        rq, rk = _norm_factors(q_sq, k_sq, scale, eps, C, L2NORM)
+        T_t = tl.load(TINV + cc_t)
+        sym = tl.load(SYM + cc)
+        M = tl.load(MPE + cc)
+        M_t = tl.load(MPE + cc_t)
 
         # dq^ and dk^ per column block (kept unnormalised in DQ, DK, float32), and their row dots. The
         # parts through Qd = q^ e^G and Kd = k^ e^{G_last - G} are already there (dq0, dk0): their decay
@@ -517,18 +557,17 @@ if triton is not None:
         q_dot = tl.zeros([C], dtype=tl.float32)
         k_dot = tl.zeros([C], dtype=tl.float32)
         dG_last = tl.load(DGAMMA + chh).to(tl.float32) * tl.exp(G_last)
-        for kb in tl.static_range(NK):
+        for kb in range(NK):
             cols = kb * BK + tl.arange(0, BK)
             m = valid[:, None] & (cols[None, :] < K)
-            ck = chh * C * K + r[:, None] * K + cols[None, :]
-            ck_mask = (r[:, None] >= 0) & (cols[None, :] < K)
             q_b = tl.load(Q + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
             k_b = tl.load(K_ + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
             qh = q_b * rq[:, None]
             kh = k_b * rk[:, None]
             dq0 = tl.load(DQ + qk_base[:, None] + cols[None, :], mask=m, other=0.0)
             dk0 = tl.load(DK + qk_base[:, None] + cols[None, :], mask=m, other=0.0)
-            dw = tl.load(DW + ck, mask=ck_mask, other=0.0).to(tl.float32)
+            dw = tl.load(DW + chh * C * K + r[:, None] * K + cols[None, :],
+                         mask=(r[:, None] >= 0) & (cols[None, :] < K), other=0.0).to(tl.float32)
             dq_h = tl.dot(M, kh, input_precision=PRECISION) + dq0
             dk_h = (tl.dot(T_t, dw, input_precision=PRECISION) * (beta * e_g)[:, None]
                     + tl.dot(sym, kh, input_precision=PRECISION) + tl.dot(M_t, qh, input_precision=PRECISION)
@@ -547,12 +586,11 @@ if triton is not None:
         dg = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG  # G = cumsum(g)
         if HAS_G:
             tl.store(DG + tok * H + i_h, dg, mask=valid)
-        tl.store(DBETA + tok * H + i_h, dbeta, mask=valid)
 
         # Through the normalisation: d q = r_q (dq^ - q (q . dq^) / (|q|^2 + eps)), same for k, from the
         # float32 scratch DQ, DK (other threads wrote it: hence the barrier) into the outputs' dtype.
         tl.debug_barrier()
-        for kb in tl.static_range(NK):
+        for kb in range(NK):
             cols = kb * BK + tl.arange(0, BK)
             m = valid[:, None] & (cols[None, :] < K)
             ptr = qk_base[:, None] + cols[None, :]
@@ -622,10 +660,11 @@ def _precision(low_precision: bool) -> str:
 # Launch configurations measured on an H100 at 4 heads x 256, chunk 64, bf16 problems (benchmarks/RESULTS.md):
 # the scans are latency-bound chains of products, so wide value blocks with 8 warps; the chunk-parallel
 # kernels are bandwidth-bound reads of the saved states.
-_SCAN_BV, _SCAN_WARPS = 64, 8
+_SCAN_BV, _SCAN_BWD_BV, _SCAN_WARPS = 64, 64, 8
 _OUT_BV, _OUT_WARPS = 64, 4
 _GRAD_BK, _GRAD_BV, _GRAD_WARPS = 128, 32, 8
-_INTRA_WARPS, _INTRA_STAGES = (4, 8), (1, 1)  # (forward, backward): one program per (chunk, head)
+# (forward, backward matrices, backward rows): one program per (chunk, head)
+_INTRA_WARPS, _INTRA_STAGES = (4, 8, 8), (1, 1, 1)
 
 
 def _saved_state_dtype(low_precision: bool) -> torch.dtype:
@@ -707,7 +746,7 @@ def _scan_backward(W, P, q, k, rows, gamma, D, states, offsets, chunk_start, chu
     )
     ds_next = torch.empty_like(states)
     dS0 = D.new_empty(N, H, K, V, dtype=torch.float32)
-    BV = min(_SCAN_BV, _block(V))
+    BV = min(_SCAN_BWD_BV, _block(V))
     _scan_backward_kernel[(N * H, triton.cdiv(V, BV))](
         W, q, k, rows, gamma, dO, dSF if dSF is not None else dS0, dD, ds_next, dS0, offsets, chunk_start,
         chunk_len, H, K, V, C=C, BK=_block(K), BV=BV, HAS_DSF=dSF is not None, PRECISION=precision,
@@ -730,14 +769,24 @@ def _intra_backward(q, k, v, g, beta, chunk_start, chunk_len, T, dU, dW, dP, dga
     """Gradients of the packed ``q, k, v, g, beta`` (``dq_h, dk_h``: the packed float32 gradients of ``q^, k^``
     so far, completed in place)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dbeta = torch.empty(beta.shape, dtype=torch.float32, device=q.device)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dbeta = torch.empty(beta.shape, **f32)
     dg = torch.empty_like(dbeta) if g is not None else dbeta
+    sym, mpe = torch.empty_like(T), torch.empty_like(T)
+    rows = torch.empty(T.shape[0], T.shape[1], 3, chunk_size, **f32)
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
-    _intra_backward_kernel[(chunk_start.numel(), H)](
-        q, k, v, g if g is not None else beta, beta, chunk_start, chunk_len, T, dU, dW, dP, dgamma,
-        dq_h, dk_h, dq, dk, dv, dg, dbeta, H, K, V, scale, eps, **_intra_launch_args(K, V, chunk_size),
-        HAS_G=g is not None, L2NORM=use_qk_l2norm, PRECISION=_precision(low_precision),
-        num_warps=_INTRA_WARPS[1], num_stages=_INTRA_STAGES[1],
+    grid = (chunk_start.numel(), H)
+    g_or_beta = g if g is not None else beta
+    args = _intra_launch_args(K, V, chunk_size)
+    flags = dict(HAS_G=g is not None, L2NORM=use_qk_l2norm, PRECISION=_precision(low_precision))
+    _intra_backward_matrices_kernel[grid](
+        q, k, v, g_or_beta, beta, chunk_start, chunk_len, T, dU, dW, dP, sym, mpe, rows, dv, dbeta,
+        H, K, V, scale, eps, **args, **flags, num_warps=_INTRA_WARPS[1], num_stages=_INTRA_STAGES[1],
+    )
+    _intra_backward_rows_kernel[grid](
+        q, k, g_or_beta, beta, chunk_start, chunk_len, T, dW, dgamma, sym, mpe, rows, dq_h, dk_h, dq, dk, dg,
+        H, K, scale, eps, C=chunk_size, BK=args["BK"], NK=args["NK"], **flags,
+        num_warps=_INTRA_WARPS[2], num_stages=_INTRA_STAGES[2],
     )
     return dq, dk, dv, None if g is None else dg.to(g.dtype), dbeta.to(beta.dtype)
 
