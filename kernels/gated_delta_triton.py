@@ -317,12 +317,15 @@ if triton is not None:
     @triton.jit
     def _chunk_grams(Q, K_, qk_base, valid, K, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
                      PRECISION: tl.constexpr):
-        """``k k^T``, ``q k^T`` and the squared row norms of one chunk's raw ``q, k``, over column blocks."""
+        """``k k^T``, ``q k^T`` and the squared row norms of one chunk's raw ``q, k``, over column blocks.
+
+        The intra-chunk kernels' column loops are plain loops, not unrolled: one block's tiles are live at
+        a time (unrolled, the forward spilled 34 registers on an H100 and ran 6% slower)."""
         kk = tl.zeros([C, C], dtype=tl.float32)
         qk = tl.zeros([C, C], dtype=tl.float32)
         q_sq = tl.zeros([C], dtype=tl.float32)
         k_sq = tl.zeros([C], dtype=tl.float32)
-        for kb in tl.static_range(NK):
+        for kb in range(NK):
             cols = kb * BK + tl.arange(0, BK)
             m = valid[:, None] & (cols[None, :] < K)
             m_t = (cols[:, None] < K) & valid[None, :]
@@ -387,7 +390,7 @@ if triton is not None:
         if SAVE_T:
             tl.store(TINV + chh * C * C + r[:, None] * C + r[None, :], T)
 
-        for vb in tl.static_range(NV):
+        for vb in range(NV):
             cols = vb * BV + tl.arange(0, BV)
             m = valid[:, None] & (cols[None, :] < V)
             v_b = tl.load(V_ + (tok * H * V + i_h * V)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
@@ -401,7 +404,7 @@ if triton is not None:
         tl.store(rows + _EG * C, e_g)
         tl.store(rows + _ER * C, e_rest)
         w_scale = beta * e_g * rk
-        for kb in tl.static_range(NK):
+        for kb in range(NK):
             cols = kb * BK + tl.arange(0, BK)
             m = valid[:, None] & (cols[None, :] < K)
             k_b = tl.load(K_ + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
@@ -660,7 +663,7 @@ def _precision(low_precision: bool) -> str:
 # Launch configurations measured on an H100 at 4 heads x 256, chunk 64, bf16 problems (benchmarks/RESULTS.md):
 # the scans are latency-bound chains of products, so wide value blocks with 8 warps; the chunk-parallel
 # kernels are bandwidth-bound reads of the saved states.
-_SCAN_BV, _SCAN_BWD_BV, _SCAN_WARPS = 64, 64, 8
+_SCAN_BV, _SCAN_WARPS = 64, 8
 _OUT_BV, _OUT_WARPS = 64, 4
 _GRAD_BK, _GRAD_BV, _GRAD_WARPS = 128, 32, 8
 # (forward, backward matrices, backward rows): one program per (chunk, head)
@@ -746,7 +749,7 @@ def _scan_backward(W, P, q, k, rows, gamma, D, states, offsets, chunk_start, chu
     )
     ds_next = torch.empty_like(states)
     dS0 = D.new_empty(N, H, K, V, dtype=torch.float32)
-    BV = min(_SCAN_BWD_BV, _block(V))
+    BV = min(_SCAN_BV, _block(V))
     _scan_backward_kernel[(N * H, triton.cdiv(V, BV))](
         W, q, k, rows, gamma, dO, dSF if dSF is not None else dS0, dD, ds_next, dS0, offsets, chunk_start,
         chunk_len, H, K, V, C=C, BK=_block(K), BV=BV, HAS_DSF=dSF is not None, PRECISION=precision,
