@@ -5,12 +5,11 @@ input at relative position ``p - (K - 1) + i``: a packed token when that is
 ``>= 0``, else row ``K - 1 + (p - (K - 1) + i)`` of the sequence's window. The
 forward kernel gathers the ``K`` taps of a ``(tokens, channels)`` tile that way,
 accumulates in float32 and applies SiLU; a second small kernel writes each
-sequence's next window. The backward is one kernel that stores nothing but its
-results: it recomputes the pre-activation's gradient where it needs it and gives
-``dx`` as the same taps mirrored (token ``t`` feeds tap ``i`` of token
-``t + K - 1 - i`` when that one is in the same sequence), and the weight's gradient
-as per-tile partial sums reduced in PyTorch (no atomics: deterministic); the
-window's gradient (a small kernel, only for a window that needs one) the same way.
+sequence's next window. The backward recomputes the pre-activation (cheaper than
+keeping it), then gives ``dx`` as the same taps mirrored (token ``t`` feeds tap ``i``
+of token ``t + K - 1 - i`` when that one is in the same sequence), the window's
+gradient the same way, and the weight's gradient as per-tile partial sums reduced
+in PyTorch (no atomics: deterministic).
 """
 
 from __future__ import annotations
@@ -94,42 +93,41 @@ if triton is not None:
         tl.store(NW + out, x.to(NW.dtype.element_ty), mask=live)
 
     @triton.jit
-    def _pre_grad(X, WEIGHT, WIN, DY, u, c, live, cm, n, start, C, KS: tl.constexpr, BT: tl.constexpr,
-                  BC: tl.constexpr, HAS_WIN: tl.constexpr, SILU: tl.constexpr):
-        """The pre-activation's gradient (float32) at the ``(BT, BC)`` tile of tokens ``u`` (all of sequence
-        ``n``, which starts at ``start``), the pre-activation recomputed."""
-        dpre = tl.load(DY + u[:, None].to(tl.int64) * C + c[None, :], mask=live, other=0.0).to(tl.float32)
-        if SILU:
-            pre = _preactivation(X, WEIGHT, WIN, u, c, live, cm, n, start, C, KS, BT, BC, HAS_WIN)
-            s = tl.sigmoid(pre)
-            dpre = dpre * s * (1.0 + pre * (1.0 - s))
-        return dpre
-
-    @triton.jit
-    def _conv_backward_kernel(
-        X, WEIGHT, WIN, SEQ, CU, DY, DNW, DX, DW_PARTIAL, P, C,
-        KS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_WIN: tl.constexpr, HAS_DNW: tl.constexpr,
-        SILU: tl.constexpr,
+    def _conv_backward_pre_kernel(
+        X, WEIGHT, WIN, SEQ, CU, DY, DPRE, DW_PARTIAL, P, C,
+        KS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_WIN: tl.constexpr, SILU: tl.constexpr,
     ):
-        """``dx`` of a tile and its share of the weight's gradient, with no pre-activation gradient stored:
-        ``dx[t] = sum_i w_i dpre[t + K - 1 - i]`` within ``t``'s sequence (plus its next-window
-        gradient), each shifted ``dpre`` recomputed from the inputs (``K`` small: the extra taps are cache
-        hits, where a stored float32 ``dpre`` cost a write and a read of the whole tensor)."""
+        """The pre-activation's gradient (float32) and this tile's share of the weight's gradient."""
         t, c, cm, live, n = _tile(SEQ, P, C, BT, BC)
         start = tl.load(CU + n, mask=t < P, other=0)
-        end = tl.load(CU + n + 1, mask=t < P, other=0)
-        dpre = _pre_grad(X, WEIGHT, WIN, DY, t, c, live, cm, n, start, C, KS, BT, BC, HAS_WIN, SILU)
+        off = t[:, None].to(tl.int64) * C + c[None, :]
+        dpre = tl.load(DY + off, mask=live, other=0.0).to(tl.float32)
+        if SILU:
+            pre = _preactivation(X, WEIGHT, WIN, t, c, live, cm, n, start, C, KS, BT, BC, HAS_WIN)
+            s = tl.sigmoid(pre)
+            dpre = dpre * s * (1.0 + pre * (1.0 - s))
+        tl.store(DPRE + off, dpre, mask=live)
         partial = DW_PARTIAL + (tl.program_id(0).to(tl.int64) * C + c) * KS
         for i in tl.static_range(KS):
             tl.store(partial + i, tl.sum(dpre * _tap(X, WIN, t, c, live, n, start, C, i, KS, HAS_WIN), axis=0),
                      mask=cm)
-        acc = dpre * tl.load(WEIGHT + c * KS + (KS - 1), mask=cm, other=0.0).to(tl.float32)[None, :]
-        for i in tl.static_range(KS - 1):
-            u = t + (KS - 1) - i
-            ok = live & (u < end)[:, None]
-            d = _pre_grad(X, WEIGHT, WIN, DY, tl.where(u < end, u, t), c, ok, cm, n, start, C, KS, BT, BC,
-                          HAS_WIN, SILU)
-            acc += d * tl.load(WEIGHT + c * KS + i, mask=cm, other=0.0).to(tl.float32)[None, :]
+
+    @triton.jit
+    def _conv_backward_x_kernel(
+        DPRE, WEIGHT, SEQ, CU, DNW, DX, P, C,
+        KS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_DNW: tl.constexpr,
+    ):
+        """``dx[t] = sum_i w_i dpre[t + K - 1 - i]`` within ``t``'s sequence, plus its next-window gradient."""
+        t, c, cm, live, n = _tile(SEQ, P, C, BT, BC)
+        end = tl.load(CU + n + 1, mask=t < P, other=0)
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for i in tl.static_range(KS):
+            dst = t + (KS - 1) - i
+            ok = dst < end
+            w = tl.load(WEIGHT + c * KS + i, mask=cm, other=0.0).to(tl.float32)
+            d = tl.load(DPRE + tl.where(ok, dst, 0)[:, None].to(tl.int64) * C + c[None, :],
+                        mask=live & ok[:, None], other=0.0)
+            acc += d * w[None, :]
         if HAS_DNW:
             j = t - end + (KS - 1)  # the next-window row this token became, if any
             inw = j >= 0
@@ -139,8 +137,8 @@ if triton is not None:
 
     @triton.jit
     def _conv_backward_window_kernel(
-        X, WEIGHT, WIN, DY, CU, DNW, DWIN, C,
-        KS: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, HAS_DNW: tl.constexpr, SILU: tl.constexpr,
+        DPRE, WEIGHT, CU, DNW, DWIN, C,
+        KS: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, HAS_DNW: tl.constexpr,
     ):
         """Window row ``j`` feeds tap ``i`` of relative token ``j - i`` and, when the sequence has
         ``L <= j`` tokens, row ``j - L`` of the next window."""
@@ -156,8 +154,8 @@ if triton is not None:
             p = j - i
             ok = jm & (p >= 0) & (p < length)
             w = tl.load(WEIGHT + c * KS + i, mask=cm, other=0.0).to(tl.float32)
-            d = _pre_grad(X, WEIGHT, WIN, DY, start + tl.where(ok, p, 0), c, ok[:, None] & cm[None, :], cm, n,
-                          start, C, KS, WP, BC, True, SILU)
+            d = tl.load(DPRE + (start + tl.where(ok, p, 0))[:, None].to(tl.int64) * C + c[None, :],
+                        mask=ok[:, None] & cm[None, :], other=0.0)
             acc += d * w[None, :]
         if HAS_DNW:
             jn = j - length
@@ -208,18 +206,23 @@ class _PackedCausalConv(torch.autograd.Function):
         dy = torch.zeros_like(x) if dy is None else dy.contiguous()
         dnw = dnw.contiguous() if has_dnw else x
         grid = _grid(P, C)
+        dpre = torch.empty(P, C, dtype=torch.float32, device=x.device)
         dw_partial = torch.empty(grid[0], C, KS, dtype=torch.float32, device=x.device)
+        _conv_backward_pre_kernel[grid](
+            x, weight, window if has_win else x, token_sequence, cu_seqlens, dy, dpre, dw_partial, P, C,
+            KS=KS, BT=_BT, BC=_BC, HAS_WIN=has_win, SILU=ctx.activation, num_warps=4,
+        )
         dx = torch.empty_like(x)
-        _conv_backward_kernel[grid](
-            x, weight, window if has_win else x, token_sequence, cu_seqlens, dy, dnw, dx, dw_partial, P, C,
-            KS=KS, BT=_BT, BC=_BC, HAS_WIN=has_win, HAS_DNW=has_dnw, SILU=ctx.activation, num_warps=4,
+        _conv_backward_x_kernel[grid](
+            dpre, weight, token_sequence, cu_seqlens, dnw, dx, P, C, KS=KS, BT=_BT, BC=_BC, HAS_DNW=has_dnw,
+            num_warps=4,
         )
         dwindow = None
         if has_win and ctx.needs_input_grad[2] and N > 0:
             dwindow = torch.empty_like(window)
             _conv_backward_window_kernel[(N, triton.cdiv(C, _BC))](
-                x, weight, window, dy, cu_seqlens, dnw, dwindow, C, KS=KS, WP=_window_pow2(KS), BC=_BC,
-                HAS_DNW=has_dnw, SILU=ctx.activation, num_warps=4,
+                dpre, weight, cu_seqlens, dnw, dwindow, C, KS=KS, WP=_window_pow2(KS), BC=_BC, HAS_DNW=has_dnw,
+                num_warps=4,
             )
         dweight = dw_partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx, dweight, dwindow, None, None, None
