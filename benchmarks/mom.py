@@ -4,8 +4,9 @@ Same work as shared/anchors/bench_anchors.py: bf16, hidden 1024, 4 heads x 256,
 4 memories top-2 + shared, 16,384 tokens per batch at T=2048 and T=8192, and
 4-layer models decoding after 1K / 16K / 64K-token prompts. Run on the GPU machine
 with mnemo installed (``python benchmarks/mom.py``; ``ONLY=train|kernel|decode``
-runs one part; ``ANCHORS=1`` adds fla's layers, ``ANCHOR_DECODE=1`` also its MoM model). The anchors need flash-linear-attention 0.6.0. Prints JSON lines and
-writes ``$OUT/mom.json``.
+runs one part; ``ANCHORS=1`` adds fla's layers, ``ANCHOR_DECODE=1`` also its MoM model). The anchors need
+flash-linear-attention 0.6.0 (wheels: shared/tools/anchor-wheels.sh). Prints JSON lines as it goes, then
+one markdown table per part, and writes ``$OUT/mom.json``.
 """
 
 from __future__ import annotations
@@ -151,12 +152,26 @@ def generate_tok_per_s(model, ids, graph: bool, new_tokens: int = 64) -> int:
     return round(ids.shape[0] * new_tokens / (time.perf_counter() - start))
 
 
+def print_tables(rows: list[dict]) -> None:
+    """One markdown table per part, rows in the order they ran; errors keep their message."""
+    for what in ("kernel", "train_fwd_bwd", "decode"):
+        part = [r for r in rows if r.get("what") == what]
+        if not part:
+            continue
+        columns = [c for c in dict.fromkeys(k for r in part for k in r) if c != "what"]
+        print(f"\n{what}\n\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+        for r in part:
+            print("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
+
+
 def main():
     fla = fla_modules()
     only = os.environ.get("ONLY")
     for part in (kernel, train, decode):
         if not only or only == part.__name__:
             part(fla)
+    print(json.dumps(results["env"]))
+    print_tables(results.get("rows", []))
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "mom.json"), "w") as f:
         json.dump(results, f, indent=1)
 
