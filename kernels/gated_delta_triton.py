@@ -133,17 +133,24 @@ if triton is not None:
         return tl.load(X + off, mask=mask, other=0.0).to(tl.float32) * _row_factor(ROWS, ch, which, r, C)[None, :]
 
     @triton.jit
-    def _sequence(OFFSETS, H):
-        """This program's head, column block and chunk range ``[c_start, c_end)``."""
-        i_nh = tl.program_id(0)
-        i_n = i_nh // H
-        return i_nh, i_nh % H, tl.program_id(1), tl.load(OFFSETS + i_n).to(tl.int64), \
+    def _sequence(OFFSETS, ORDER, H, NV):
+        """This program's (sequence, head) row ``i_nh``, head, column block and chunk range ``[c_start, c_end)``.
+
+        Programs take the sequences longest first (``ORDER``, by chunk count, descending), all heads and
+        column blocks of one sequence together: the GPU starts programs in launch order, so when there are
+        more programs than fit at once the longest chains start in the first wave instead of waiting for a
+        slot behind short ones (MoM's shared memory sees every token, its routed ones a fraction).
+        """
+        pid = tl.program_id(0)
+        i_n = tl.load(ORDER + pid // (H * NV))
+        i_h = (pid // NV) % H
+        return i_n * H + i_h, i_h, pid % NV, tl.load(OFFSETS + i_n).to(tl.int64), \
             tl.load(OFFSETS + i_n + 1).to(tl.int64)
 
     @triton.jit
     def _scan_forward_kernel(
-        U, W, P, Q, K_, ROWS, GAMMA, S0, O, D, STATES, SF, OFFSETS, CH_START, CH_LEN,
-        H, K, V,
+        U, W, P, Q, K_, ROWS, GAMMA, S0, O, D, STATES, SF, OFFSETS, ORDER, CH_START, CH_LEN,
+        H, K, V, NV,
         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         HAS_S0: tl.constexpr, SAVE: tl.constexpr, PRECISION: tl.constexpr,
     ):
@@ -155,7 +162,7 @@ if triton is not None:
         With ``SAVE`` it stores the states entering each chunk and ``D`` (the outputs then come from
         the chunk-parallel :func:`_output_kernel`); without, it writes the outputs itself.
         """
-        i_nh, i_h, i_v, c_start, c_end = _sequence(OFFSETS, H)
+        i_nh, i_h, i_v, c_start, c_end = _sequence(OFFSETS, ORDER, H, NV)
         r = tl.arange(0, C)
         kk = tl.arange(0, BK)
         vv = i_v * BV + tl.arange(0, BV)
@@ -229,8 +236,8 @@ if triton is not None:
 
     @triton.jit
     def _scan_backward_kernel(
-        W, Q, K_, ROWS, GAMMA, DO, DSF, DD, DS_NEXT, DS0, OFFSETS, CH_START, CH_LEN,
-        H, K, V,
+        W, Q, K_, ROWS, GAMMA, DO, DSF, DD, DS_NEXT, DS0, OFFSETS, ORDER, CH_START, CH_LEN,
+        H, K, V, NV,
         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DSF: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """The scan in reverse for the state gradients. ``DD`` holds ``P^T dO`` on entry and ``dD`` on
@@ -238,7 +245,7 @@ if triton is not None:
 
             dD = P^T dO + Kd dS',    dS = gamma dS' + Qd^T dO - W^T dD
         """
-        i_nh, i_h, i_v, c_start, c_end = _sequence(OFFSETS, H)
+        i_nh, i_h, i_v, c_start, c_end = _sequence(OFFSETS, ORDER, H, NV)
         r = tl.arange(0, C)
         kk = tl.arange(0, BK)
         vv = i_v * BV + tl.arange(0, BV)
@@ -709,7 +716,7 @@ def _intra_forward(q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, 
     return U, W, Pm, rows, gamma, T
 
 
-def _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, chunk_start, chunk_len, out_dtype, save: bool,
+def _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, order, chunk_start, chunk_len, out_dtype, save: bool,
                   low_precision: bool):
     n_chunks, H, C, V = U.shape
     K = W.shape[-1]
@@ -719,9 +726,10 @@ def _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, chunk_start, chunk_le
     D = torch.empty_like(U) if save else U.new_empty(0)
     states = U.new_empty(n_chunks, H, K, V, dtype=_saved_state_dtype(low_precision)) if save else U.new_empty(0)
     BK, BV, precision = _block(K), min(_SCAN_BV, _block(V)), _precision(low_precision)
-    _scan_forward_kernel[(N * H, triton.cdiv(V, BV))](
-        U, W, P, q, k, rows, gamma, S0 if S0 is not None else U, O, D, states, SF, offsets, chunk_start, chunk_len,
-        H, K, V, C=C, BK=BK, BV=BV, HAS_S0=S0 is not None, SAVE=save, PRECISION=precision,
+    NV = triton.cdiv(V, BV)
+    _scan_forward_kernel[(N * H * NV,)](
+        U, W, P, q, k, rows, gamma, S0 if S0 is not None else U, O, D, states, SF, offsets, order, chunk_start,
+        chunk_len, H, K, V, NV, C=C, BK=BK, BV=BV, HAS_S0=S0 is not None, SAVE=save, PRECISION=precision,
         num_warps=_SCAN_WARPS, num_stages=1,
     )
     if save:  # the outputs, from the saved states, in parallel over chunks
@@ -733,7 +741,7 @@ def _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, chunk_start, chunk_le
     return O, SF, D, states
 
 
-def _scan_backward(W, P, q, k, rows, gamma, D, states, offsets, chunk_start, chunk_len, dO, dSF,
+def _scan_backward(W, P, q, k, rows, gamma, D, states, offsets, order, chunk_start, chunk_len, dO, dSF,
                    low_precision: bool):
     """The scan's gradients: ``dD`` (= ``dU``), ``dW``, ``dP``, ``dgamma``, ``dS0``, and the packed float32
     gradients of ``q^, k^`` through ``Qd, Kd`` (completed by the intra-chunk backward)."""
@@ -750,9 +758,10 @@ def _scan_backward(W, P, q, k, rows, gamma, D, states, offsets, chunk_start, chu
     ds_next = torch.empty_like(states)
     dS0 = D.new_empty(N, H, K, V, dtype=torch.float32)
     BV = min(_SCAN_BV, _block(V))
-    _scan_backward_kernel[(N * H, triton.cdiv(V, BV))](
-        W, q, k, rows, gamma, dO, dSF if dSF is not None else dS0, dD, ds_next, dS0, offsets, chunk_start,
-        chunk_len, H, K, V, C=C, BK=_block(K), BV=BV, HAS_DSF=dSF is not None, PRECISION=precision,
+    NV = triton.cdiv(V, BV)
+    _scan_backward_kernel[(N * H * NV,)](
+        W, q, k, rows, gamma, dO, dSF if dSF is not None else dS0, dD, ds_next, dS0, offsets, order, chunk_start,
+        chunk_len, H, K, V, NV, C=C, BK=_block(K), BV=BV, HAS_DSF=dSF is not None, PRECISION=precision,
         num_warps=_SCAN_WARPS, num_stages=1,
     )
     dW = torch.empty_like(W)
@@ -803,21 +812,24 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         save = any(ctx.needs_input_grad[:6])
         U, W, P, rows, gamma, T = _intra_forward(q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale,
                                                  use_qk_l2norm, eps, low_precision, save_t=save)
-        O, SF, D, states = _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, chunk_start, chunk_len,
+        # the scans take the sequences longest first (see _sequence)
+        order = torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True)
+        O, SF, D, states = _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, order, chunk_start, chunk_len,
                                          out_dtype, save, low_precision)
         if save:
-            ctx.save_for_backward(q, k, v, g, beta, T, W, P, rows, gamma, D, states, offsets, chunk_start, chunk_len)
+            ctx.save_for_backward(q, k, v, g, beta, T, W, P, rows, gamma, D, states, offsets, order, chunk_start,
+                                  chunk_len)
         ctx.config = config
         ctx.has_s0 = S0 is not None
         return O, SF
 
     @staticmethod
     def backward(ctx, dO, dSF):
-        q, k, v, g, beta, T, W, P, rows, gamma, D, states, offsets, chunk_start, chunk_len = ctx.saved_tensors
+        q, k, v, g, beta, T, W, P, rows, gamma, D, states, offsets, order, chunk_start, chunk_len = ctx.saved_tensors
         chunk_size, scale, use_qk_l2norm, eps, _, low_precision = ctx.config
         dO = D.new_zeros(q.shape[0], D.shape[1], D.shape[-1]) if dO is None else dO.contiguous()
         dU, dW, dP, dgamma, dS0, dq_h, dk_h = _scan_backward(
-            W, P, q, k, rows, gamma, D, states, offsets, chunk_start, chunk_len, dO,
+            W, P, q, k, rows, gamma, D, states, offsets, order, chunk_start, chunk_len, dO,
             None if dSF is None else dSF.contiguous(), low_precision,
         )
         grads = _intra_backward(q, k, v, g, beta, chunk_start, chunk_len, T, dU, dW, dP, dgamma, dq_h, dk_h,
