@@ -312,6 +312,16 @@ if triton is not None:
         tl.store(DGAMMA_PART + ch * tl.num_programs(2) + i_k, tl.sum(dgamma, axis=0))
 
     @triton.jit
+    def _chunk_program(CH_START, CH_LEN, H, C: tl.constexpr):
+        """A per-(chunk, head) program's chunk ``ch``, head, row of the flat ``(chunks, H)`` layout, the
+        chunk's rows ``r``, which of them hold tokens, and their packed token indices."""
+        ch = tl.program_id(0).to(tl.int64)
+        i_h = tl.program_id(1)
+        r = tl.arange(0, C)
+        tok = tl.load(CH_START + ch).to(tl.int64) + r
+        return ch, i_h, ch * H + i_h, r, r < tl.load(CH_LEN + ch), tok
+
+    @triton.jit
     def _chunk_gates(G, BETA, tok, H, i_h, valid, C: tl.constexpr, HAS_G: tl.constexpr):
         """``g`` (zeros without a decay), ``beta``, the cumulative ``G`` and ``G_last`` of one chunk."""
         if HAS_G:
@@ -365,13 +375,7 @@ if triton is not None:
     ):
         """``intra_chunk_terms`` of one (chunk, head), read straight from the packed tokens. ``Qd`` and
         ``Kd`` are not stored: their row factors are (``ROWS``), for the kernels that read ``q, k``."""
-        ch = tl.program_id(0).to(tl.int64)
-        i_h = tl.program_id(1)
-        t0 = tl.load(CH_START + ch).to(tl.int64)
-        length = tl.load(CH_LEN + ch)
-        r = tl.arange(0, C)
-        valid = r < length
-        tok = t0 + r
+        ch, i_h, chh, r, valid, tok = _chunk_program(CH_START, CH_LEN, H, C)
         g, beta, G_cum, G_last = _chunk_gates(G, BETA, tok, H, i_h, valid, C, HAS_G)
         qk_base = tok * H * K + i_h * K
         kk, qk, q_sq, k_sq = _chunk_grams(Q, K_, qk_base, valid, K, C, BK, NK, PRECISION)
@@ -383,7 +387,6 @@ if triton is not None:
         kk = kk * rk[:, None] * rk[None, :]
         A = tl.where(r[:, None] > r[None, :], kk * decay * beta[:, None], 0.0)
         P = qk * rq[:, None] * rk[None, :] * decay
-        chh = ch * H + i_h
         tl.store(PM + chh * C * C + r[:, None] * C + r[None, :], P)
         tl.store(GAMMA + chh, tl.exp(G_last))
 
@@ -442,18 +445,11 @@ if triton is not None:
         spilled 470 registers on an H100; the column loops of both halves are plain loops, not unrolled,
         so that one block's tiles are live at a time: unrolled, they spilled 108 and 206.)
         """
-        ch = tl.program_id(0).to(tl.int64)
-        i_h = tl.program_id(1)
-        t0 = tl.load(CH_START + ch).to(tl.int64)
-        length = tl.load(CH_LEN + ch)
-        r = tl.arange(0, C)
-        valid = r < length
-        tok = t0 + r
+        ch, i_h, chh, r, valid, tok = _chunk_program(CH_START, CH_LEN, H, C)
         g, beta, G_cum, G_last = _chunk_gates(G, BETA, tok, H, i_h, valid, C, HAS_G)
         e_g = tl.exp(G_cum)
         qk_base = tok * H * K + i_h * K
         v_base = tok * H * V + i_h * V
-        chh = ch * H + i_h
         cc = chh * C * C + r[:, None] * C + r[None, :]
         cc_t = chh * C * C + r[None, :] * C + r[:, None]
 
@@ -538,17 +534,10 @@ if triton is not None:
         :func:`_intra_backward_matrices_kernel`. ``DQ, DK`` (packed, float32) enter holding the gradients
         of ``q^, k^`` through ``Qd, Kd`` (from the state-gradient kernel) and are completed in place
         before the normalisation's backward writes ``dq, dk`` in the inputs' dtype."""
-        ch = tl.program_id(0).to(tl.int64)
-        i_h = tl.program_id(1)
-        t0 = tl.load(CH_START + ch).to(tl.int64)
-        length = tl.load(CH_LEN + ch)
-        r = tl.arange(0, C)
-        valid = r < length
-        tok = t0 + r
+        ch, i_h, chh, r, valid, tok = _chunk_program(CH_START, CH_LEN, H, C)
         g, beta, G_cum, G_last = _chunk_gates(G, BETA, tok, H, i_h, valid, C, HAS_G)
         e_g = tl.exp(G_cum)
         qk_base = tok * H * K + i_h * K
-        chh = ch * H + i_h
         cc = chh * C * C + r[:, None] * C + r[None, :]
         cc_t = chh * C * C + r[None, :] * C + r[:, None]
         rows = ROWB + chh * 3 * C + r
