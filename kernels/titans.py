@@ -37,6 +37,8 @@ from .backend import resolve_backend
 from .chunk_loop import run_chunks, tf32_products, tf32_wanted
 from .deep_attention import gelu_derivative
 from .norms import clip_scale
+from .titans_chunk import chunk_memory
+from .titans_chunk import wanted as fused_chunks
 
 __all__ = [
     "TitansMemorySpec",
@@ -297,6 +299,25 @@ def _segment_products(log_d: torch.Tensor) -> torch.Tensor:
     return (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
 
 
+def chunk_coefficients(band, dM, gm, dS=None, gs=None):
+    """The scalar coefficients of :class:`ChunkOperator` (see there) from its gates (``(B, H, C)``,
+    ``band (B, H, C, K)``): ``a, b, sa (B, H, C)`` and ``c, sc (B, H, C, K)``, so that
+    ``M_t = a_t W0 + b_t S0 + sum_k c_tk A_k B_k^T`` and ``S_t = sa_t S0 + sum_k sc_tk A_k B_k^T``."""
+    tiny = 1e-30
+    X = _segment_products(dM.clamp(min=tiny).log()) * gm[..., None, :]  # (B, H, C, C)
+    a = dM.clamp(min=tiny).log().cumsum(-1).exp()
+    if dS is None:  # no momentum: S_t = G_t
+        Y_gs = torch.diag_embed(torch.ones_like(dM))
+        b = torch.zeros_like(dM)
+        sa = torch.zeros_like(dM)
+    else:
+        log_s = dS.clamp(min=tiny).log()
+        Y_gs = _segment_products(log_s) * gs[..., None, :]
+        sa = log_s.cumsum(-1).exp()
+        b = (X @ sa[..., None])[..., 0]
+    return a, b, (X @ Y_gs) @ band, sa, Y_gs @ band
+
+
 class ChunkOperator:
     """The online memory of every token of one inner chunk, as an ``apply`` for :func:`memory_apply`.
 
@@ -313,22 +334,7 @@ class ChunkOperator:
     """
 
     def __init__(self, W0, S0, factors, band, dM, gm, dS=None, gs=None):
-        # gates (B, H, C); band (B, H, C, K)
-        tiny = 1e-30
-        X = _segment_products(dM.clamp(min=tiny).log()) * gm[..., None, :]  # (B, H, C, C)
-        self.a = dM.clamp(min=tiny).log().cumsum(-1).exp()
-        if dS is None:  # no momentum: S_t = G_t
-            Y_gs = torch.diag_embed(torch.ones_like(dM))
-            self.b = torch.zeros_like(dM)
-            self.sa = torch.zeros_like(dM)
-        else:
-            log_s = dS.clamp(min=tiny).log()
-            Y_gs = _segment_products(log_s) * gs[..., None, :]
-            es = log_s.cumsum(-1).exp()
-            self.b = (X @ es[..., None])[..., 0]
-            self.sa = es
-        self.c = (X @ Y_gs) @ band  # (B, H, C, K)
-        self.sc = Y_gs @ band
+        self.a, self.b, self.c, self.sa, self.sc = chunk_coefficients(band, dM, gm, dS, gs)
         self.W0, self.S0, self.factors = W0, S0, factors
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -373,14 +379,18 @@ def _add_rank_update(base: torch.Tensor | None, A: torch.Tensor, Bf: torch.Tenso
     return out.view(*lead, *out.shape[-2:])
 
 
-def titans_chunk_operator(spec, W0, S0, grad_weights, k, v, alpha, eta, theta, live) -> ChunkOperator:
-    """One inner chunk (``(B, H, C, .)`` inputs, gates ``(B, H, C)``, ``live (B, C)``): its operator."""
-    factors = grad_factors(spec, grad_weights, k, v)
+def titans_gates(alpha, eta, theta, live) -> dict[str, torch.Tensor]:
+    """Titans' chunk gates in :func:`chunk_coefficients`' terms (gates ``(B, H, C)``, ``live (B, C)``):
+    a slot that is not live neither decays nor writes."""
     lv = live[:, None, :]
     one, zero = torch.ones_like(alpha), torch.zeros_like(alpha)
-    band = torch.diag_embed(torch.where(lv, one, zero))
-    return ChunkOperator(W0, S0, factors, band, dM=torch.where(lv, alpha, one), gm=torch.where(lv, one, zero),
-                         dS=torch.where(lv, eta, one), gs=torch.where(lv, -theta, zero))
+    return dict(band=torch.diag_embed(torch.where(lv, one, zero)), dM=torch.where(lv, alpha, one),
+                gm=torch.where(lv, one, zero), dS=torch.where(lv, eta, one), gs=torch.where(lv, -theta, zero))
+
+
+def titans_chunk_operator(spec, W0, S0, grad_weights, k, v, alpha, eta, theta, live) -> ChunkOperator:
+    """One inner chunk (``(B, H, C, .)`` inputs, gates ``(B, H, C)``, ``live (B, C)``): its operator."""
+    return ChunkOperator(W0, S0, grad_factors(spec, grad_weights, k, v), **titans_gates(alpha, eta, theta, live))
 
 
 def align_rows(x: torch.Tensor, shift: torch.Tensor, lengths: torch.Tensor, total: int):
@@ -413,24 +423,32 @@ def next_chunk_start(stops: torch.Tensor, grad_w: dict[str, torch.Tensor],
     return tuple(torch.where(here, grad_w[n], c) for n, c in zip(grad_w, chunk_start))
 
 
-def _titans_step(spec: TitansMemorySpec, track_start: bool, carry, x, consts):
+def _titans_step(spec: TitansMemorySpec, track_start: bool, fused: bool, carry, x, consts):
     """One inner chunk as a :func:`~.chunk_loop.run_chunks` step.
 
     ``carry`` is the weights, momenta and (``track_start``) chunk-start weights in
     ``spec.shapes`` order; ``x`` the chunk's ``q, k, v, alpha, eta, theta`` ``(B, H, C, .)``,
     ``live (B, C)`` and ``stops (B,)`` (rows whose last token falls inside the chunk);
     ``consts`` is empty or ``(use_stored (B,), *stored_chunk_start)`` for the chunk where
-    resumed rows take their gradients at the stored chunk-start weights.
+    resumed rows take their gradients at the stored chunk-start weights. ``fused``: the chunks
+    whose gradients are taken at the carried weights run through
+    :func:`~.titans_chunk.chunk_memory` (its hand-written backward), the others through
+    :class:`ChunkOperator` under autograd.
     """
     names = list(spec.shapes)
     m = len(names)
     W, S = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
     q, k, v, alpha, eta, theta, live, stops = x
-    grad_w = resumed_grad_weights(W, consts[0], consts[1:]) if consts else W
-    op = titans_chunk_operator(spec, W, S, grad_w, k, v, alpha, eta, theta, live)
-    y = memory_apply(spec, op, q)
-    W, S = op.final()
-    new_carry = tuple(W[n] for n in names) + tuple(S[n] for n in names)
+    if fused and not consts:
+        a, b, c, sa, sc = chunk_coefficients(**titans_gates(alpha, eta, theta, live))
+        y, W_new, S_new = chunk_memory(spec, W, S, q, k, v, a, b, c, sa[..., -1], sc[..., -1, :])
+        grad_w = W
+    else:
+        grad_w = resumed_grad_weights(W, consts[0], consts[1:]) if consts else W
+        op = titans_chunk_operator(spec, W, S, grad_w, k, v, alpha, eta, theta, live)
+        y = memory_apply(spec, op, q)
+        W_new, S_new = op.final()
+    new_carry = tuple(W_new[n] for n in names) + tuple(S_new[n] for n in names)
     if track_start:
         new_carry += next_chunk_start(stops, grad_w, carry[2 * m:])
     return (y,), new_carry
@@ -519,7 +537,7 @@ def chunk_titans(
     stored = tuple(state.chunk_start[n_].to(dtype) for n_ in names)
     if track_start:
         carry += stored
-    step = partial(_titans_step, spec, track_start)
+    step = partial(_titans_step, spec, track_start, fused_chunks(spec))
     o, carry = run_resumable_chunks(lambda with_stored: step, carry, xs, (), state.position > 0, stored,
                                     checkpoint_every=checkpoint_every, tf32=tf32_wanted(v))
     o = chunks_last(o).transpose(1, 2)  # (B, total, H, d_v)

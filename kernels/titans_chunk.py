@@ -1,0 +1,342 @@
+"""One inner chunk of a deep memory as one autograd function with a hand-written backward.
+
+:class:`~.titans.ChunkOperator` gives every token of a chunk its online weights
+``M_t = a_t W + b_t S + sum_k c_tk A_k B_k^T`` and :func:`~.titans.memory_apply`
+reads them; autograd over that code is exact but pays for it in weight-sized
+passes. Every use of a weight (three matmuls for ``W1``, two for ``W2``, the
+chunk's final update) gets its own weight-sized gradient, summed afterwards, and
+every gate that scales a weight gets its gradient by a weight-sized product and a
+sum. On the benchmark shape (4 heads x 256, MLP x4, 16K tokens) those passes, not
+the matmuls, were most of the layer's time.
+
+Here the backward is written out once:
+
+- a weight's gradient is one matmul over the stacked ``(left, right)`` factors of
+  all its uses, added to the chunk's final-update term in the matmul's epilogue;
+- a gate that scales a weight gets its gradient as an inner product of two
+  weight-sized tensors (a matmul of flattened views: no weight-sized temporary);
+- everything else is ``(chunk, width)``-sized.
+
+Scope: memories of depth 1 (``M(z) = W z``) and depth 2 (``z + W1 gelu(W2 z)``, or
+``W0 z + ...`` with a linear skip), objectives ``l2`` and ``dot``, no gradient
+clip, gradients taken at the weights the chunk starts from. :func:`supported`
+says whether a spec is covered; callers run :class:`~.titans.ChunkOperator`
+under autograd otherwise (gated memories, clipped gradients, resumed rows),
+which stays the readable definition these functions are tested against.
+
+Shapes: weights ``(B, H, d_out, d_in)``; ``q (B, H, C, d_k)``; ``k, v (B, H, K, .)``
+(the ``K`` tokens whose gradients the chunk writes: ``K = C`` for Titans, the
+Omega window for Atlas); coefficients ``a, b (B, H, C)``, ``c (B, H, C, K)``,
+``sa_last (B, H)``, ``sc_last (B, H, K)``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn import functional as F
+
+from .deep_attention import gelu_derivative
+
+if TYPE_CHECKING:
+    from .titans import TitansMemorySpec
+
+__all__ = ["chunk_memory", "supported", "wanted"]
+
+
+def supported(spec: TitansMemorySpec) -> bool:
+    """Whether :func:`chunk_memory` computes this memory (see the module's scope)."""
+    return not spec.gated and spec.grad_clip is None
+
+
+def wanted(spec: TitansMemorySpec) -> bool:
+    """Whether the chunk loops run this memory through :func:`chunk_memory`: wherever it is
+    :func:`supported`, unless ``MNEMO_CHUNK_BACKWARD=autograd`` asks for autograd over
+    :class:`~.titans.ChunkOperator` (the same values; kept to compare the two)."""
+    return supported(spec) and os.environ.get("MNEMO_CHUNK_BACKWARD", "fused") != "autograd"
+
+
+def chunk_memory(spec: TitansMemorySpec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] | None,
+                 q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None,
+                 c: torch.Tensor, sa_last: torch.Tensor | None, sc_last: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """The chunk's reads ``y (B, H, C, d_v)`` and its final weights and momenta (``S``: ``None`` without
+    momentum, then ``b, sa_last, sc_last`` are ignored).
+
+    Final values: ``W' = a_C W + b_C S + sum_k c_Ck A_k B_k^T``, ``S' = sa_last S + sum_k sc_last_k A_k B_k^T``.
+    """
+    if not supported(spec):
+        raise ValueError(f"chunk_memory does not cover this memory ({spec}); use ChunkOperator")
+    names = list(spec.shapes)
+    momentum = S is not None
+    gates = (a, b, c, sa_last, sc_last) if momentum else (a, c)
+    # The memory computes in its own precision (float32 state; TF32 products where the caller allows):
+    # autocast stays out of it, in the backward too.
+    with torch.autocast(q.device.type, enabled=False):
+        out = _ChunkMemory.apply(spec, momentum, len(names), *(W[n] for n in names),
+                                 *((S[n] for n in names) if momentum else ()), q, k, v, *gates)
+    m = len(names)
+    y, W_new = out[0], dict(zip(names, out[1:1 + m]))
+    S_new = dict(zip(names, out[1 + m:1 + 2 * m])) if momentum else None
+    return y, W_new, S_new
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def _gelu_second_derivative(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(-0.5 * x * x) * (0.3989422804014327 * (2.0 - x * x))
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-1, -2)
+
+
+def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (x * y).sum(-1)
+
+
+def _inner(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``<x, y>`` over the last two dimensions, as a matmul of flattened views (no product tensor)."""
+    lead = x.shape[:-2]
+    return (x.reshape(*lead, 1, -1) @ y.reshape(*lead, -1, 1))[..., 0, 0]
+
+
+def _stacked_product(pairs: list[tuple[torch.Tensor, torch.Tensor]], base: torch.Tensor | None) -> torch.Tensor:
+    """``base + sum_i L_i^T R_i`` as one matmul over the stacked rows of every pair, ``base`` in its epilogue."""
+    left = torch.cat([l for l, _ in pairs], -2) if len(pairs) > 1 else pairs[0][0]
+    right = torch.cat([r for _, r in pairs], -2) if len(pairs) > 1 else pairs[0][1]
+    lead = left.shape[:-2]
+    L, R = _t(left).reshape(-1, left.shape[-1], left.shape[-2]), right.reshape(-1, *right.shape[-2:])
+    if base is None:
+        return torch.bmm(L, R).view(*lead, L.shape[-2], R.shape[-1])
+    return torch.baddbmm(base.reshape(-1, *base.shape[-2:]), L, R).view(base.shape)
+
+
+def _read(x, W, S, A, Bf, a, b, c):
+    """``out_t = a_t x_t W^T + b_t x_t S^T + sum_k c_tk <x_t, B_k> A_k``: one weight's online read.
+
+    Returns ``out`` and the products its backward needs."""
+    xW, xB = x @ _t(W), x @ _t(Bf)  # (C, d_out), (C, K)
+    out = a[..., None] * xW + (c * xB) @ A
+    xS = None
+    if S is not None:
+        xS = x @ _t(S)
+        out = out + b[..., None] * xS
+    return out, (xW, xS, xB)
+
+
+def _read_backward(g, name, d_out, x, W, S, A, Bf, a, b, c, saved):
+    """Adds the read's gate gradients and weight uses into ``g``; returns ``(d x, d A, d B)``."""
+    xW, xS, xB = saved
+    g.a = g.a + _rowdot(d_out, xW)
+    ad = a[..., None] * d_out
+    dM = d_out @ _t(A)  # (C, K)
+    g.c = g.c + dM * xB
+    dMc = dM * c
+    dx = ad @ W + dMc @ Bf
+    g.uses["W", name].append((ad, x))
+    if S is not None:
+        g.b = g.b + _rowdot(d_out, xS)
+        bd = b[..., None] * d_out
+        dx = dx + bd @ S
+        g.uses["S", name].append((bd, x))
+    return dx, _t(c * xB) @ d_out, _t(dMc) @ x
+
+
+class _Grads:
+    """Gradient accumulators of one backward: the gates and each weight's uses ``(left, right)``."""
+
+    def __init__(self, a, c, names):
+        self.a = torch.zeros_like(a)
+        self.b = torch.zeros_like(a)
+        self.c = torch.zeros_like(c)
+        self.uses = {(group, n): [] for group in ("W", "S") for n in names}
+
+
+def _factors(spec, W, q, k, v):
+    """The gradient factors ``{name: (A, B)}`` at ``W`` and what their backward needs."""
+    err_of = (lambda pred: 2 * (pred - v)) if spec.objective == "l2" else (lambda pred: -v)
+    if spec.depth == 1:
+        pred = k @ _t(W["w"]) if spec.objective == "l2" else None
+        return {"w": (err_of(pred), k)}, {}
+    pre = k @ _t(W["w2"])
+    act = F.gelu(pre)
+    pred = None
+    if spec.objective == "l2":
+        pred = (k @ _t(W["w0"]) if spec.linear_skip else k) + act @ _t(W["w1"])
+    err = err_of(pred)
+    back = err @ W["w1"]
+    slope = gelu_derivative(pre)
+    factors = {"w1": (err, act), "w2": (back * slope, k)}
+    if spec.linear_skip:
+        factors["w0"] = (err, k)
+    return factors, {"pre": pre, "back": back, "slope": slope}
+
+
+def _unpack(spec, momentum, m, tensors):
+    names = list(spec.shapes)
+    W = dict(zip(names, tensors[:m]))
+    S = dict(zip(names, tensors[m:2 * m])) if momentum else None
+    rest = tensors[2 * m:] if momentum else tensors[m:]
+    q, k, v = rest[:3]
+    if momentum:
+        a, b, c, sa_last, sc_last = rest[3:]
+    else:
+        (a, c), b, sa_last, sc_last = rest[3:], None, None, None
+    return names, W, S, q, k, v, a, b, c, sa_last, sc_last
+
+
+def _inputs_of_reads(spec, q, hidden):
+    """Which input each weight's read takes: ``q``, or the hidden layer for ``w1``."""
+    return {n: (hidden if n == "w1" else q) for n in spec.shapes}
+
+
+class _ChunkMemory(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spec, momentum, m, *tensors):
+        names, W, S, q, k, v, a, b, c, sa_last, sc_last = _unpack(spec, momentum, m, tensors)
+        factors, inner = _factors(spec, W, q, k, v)
+        Sn = (lambda n: S[n]) if momentum else (lambda n: None)
+        saved = {}
+        if spec.depth == 1:
+            y, saved["w"] = _read(q, W["w"], Sn("w"), *factors["w"], a, b, c)
+        else:
+            hidden_pre, saved["w2"] = _read(q, W["w2"], Sn("w2"), *factors["w2"], a, b, c)
+            hidden = F.gelu(hidden_pre)
+            y, saved["w1"] = _read(hidden, W["w1"], Sn("w1"), *factors["w1"], a, b, c)
+            if spec.linear_skip:
+                skip, saved["w0"] = _read(q, W["w0"], Sn("w0"), *factors["w0"], a, b, c)
+                y = y + skip
+            else:
+                y = y + q
+            inner.update(hidden_pre=hidden_pre, hidden=hidden)
+
+        a_last, c_last = a[..., -1], c[..., -1, :]
+        W_new, S_new = [], []
+        for n in names:
+            A, Bf = factors[n]
+            base = a_last[..., None, None] * W[n]
+            if momentum:
+                base = torch.addcmul(base, b[..., -1, None, None], S[n])
+            W_new.append(_stacked_product([(A * c_last[..., None], Bf)], base))
+            if momentum:
+                S_new.append(_stacked_product([(A * sc_last[..., None], Bf)], sa_last[..., None, None] * S[n]))
+
+        # Intermediates only ride on ctx (no input or output: those are saved tensors).
+        ctx.spec, ctx.momentum, ctx.m = spec, momentum, m
+        ctx.factors = {n: (A, None if Bf is k else Bf) for n, (A, Bf) in factors.items()}
+        ctx.inner, ctx.saved = inner, saved
+        ctx.save_for_backward(*tensors)
+        return (y, *W_new, *S_new)
+
+    @staticmethod
+    def backward(ctx, d_y, *d_new):
+        with torch.autocast(d_y.device.type, enabled=False):
+            return _ChunkMemory._backward(ctx, d_y, *d_new)
+
+    @staticmethod
+    def _backward(ctx, d_y, *d_new):
+        spec, momentum, m = ctx.spec, ctx.momentum, ctx.m
+        names, W, S, q, k, v, a, b, c, sa_last, sc_last = _unpack(spec, momentum, m, ctx.saved_tensors)
+        factors = {n: (A, k if Bf is None else Bf) for n, (A, Bf) in ctx.factors.items()}
+        inner, saved = ctx.inner, ctx.saved
+        Sn = (lambda n: S[n]) if momentum else (lambda n: None)
+        dW_new = dict(zip(names, d_new[:m]))
+        dS_new = dict(zip(names, d_new[m:2 * m])) if momentum else None
+        g = _Grads(a, c, names)
+        dA: dict[str, torch.Tensor] = {}
+        dB: dict[str, torch.Tensor] = {}
+
+        def add(store, n, x):
+            store[n] = x if n not in store else store[n] + x
+
+        # The final update W' = a_C W + b_C S + sum_k c_Ck A_k B_k^T, S' = sa S + sum_k sc_k A_k B_k^T.
+        a_last, c_last = a[..., -1], c[..., -1, :]
+        d_a_last, d_c_last = torch.zeros_like(a_last), torch.zeros_like(c_last)
+        d_b_last, d_sa, d_sc = torch.zeros_like(a_last), torch.zeros_like(a_last), torch.zeros_like(c_last)
+        for n in names:
+            A, Bf = factors[n]
+            d_a_last = d_a_last + _inner(dW_new[n], W[n])
+            BdW = Bf @ _t(dW_new[n])  # (K, d_out)
+            d_c_last = d_c_last + _rowdot(A, BdW)
+            add(dA, n, c_last[..., None] * BdW)
+            add(dB, n, (A * c_last[..., None]) @ dW_new[n])
+            if momentum:
+                d_b_last = d_b_last + _inner(dW_new[n], S[n])
+                d_sa = d_sa + _inner(dS_new[n], S[n])
+                BdS = Bf @ _t(dS_new[n])
+                d_sc = d_sc + _rowdot(A, BdS)
+                add(dA, n, sc_last[..., None] * BdS)
+                add(dB, n, (A * sc_last[..., None]) @ dS_new[n])
+
+        # The reads, last layer first.
+        x_of = _inputs_of_reads(spec, q, inner.get("hidden"))
+
+        def back(n, d_out):
+            dx, dA_r, dB_r = _read_backward(g, n, d_out, x_of[n], W[n], Sn(n), *factors[n], a, b, c, saved[n])
+            add(dA, n, dA_r)
+            add(dB, n, dB_r)
+            return dx
+
+        if spec.depth == 1:
+            dq = back("w", d_y)
+        else:
+            d_hidden = back("w1", d_y)
+            dq = back("w0", d_y) if spec.linear_skip else d_y
+            dq = dq + back("w2", d_hidden * gelu_derivative(inner["hidden_pre"]))
+
+        # The gradient factors, taken at W (the chunk-start weights).
+        if spec.depth == 1:
+            d_err, dk = dA["w"], dB["w"]
+            if spec.objective == "l2":
+                d_pred = 2 * d_err
+                dk = dk + d_pred @ W["w"]
+                g.uses["W", "w"].append((d_pred, k))
+        else:
+            err, act = factors["w1"]
+            pre, back_, slope = inner["pre"], inner["back"], inner["slope"]
+            d_back = dA["w2"] * slope
+            d_pre = dA["w2"] * back_ * _gelu_second_derivative(pre)
+            d_err = dA["w1"] + d_back @ _t(W["w1"])
+            g.uses["W", "w1"].append((err, d_back))
+            d_act = dB["w1"]
+            dk = dB["w2"]
+            if spec.linear_skip:
+                d_err = d_err + dA["w0"]
+                dk = dk + dB["w0"]
+            if spec.objective == "l2":
+                d_pred = 2 * d_err
+                d_act = d_act + d_pred @ W["w1"]
+                g.uses["W", "w1"].append((d_pred, act))
+                if spec.linear_skip:
+                    dk = dk + d_pred @ W["w0"]
+                    g.uses["W", "w0"].append((d_pred, k))
+                else:
+                    dk = dk + d_pred
+            d_pre = d_pre + d_act * slope
+            dk = dk + d_pre @ W["w2"]
+            g.uses["W", "w2"].append((d_pre, k))
+        dv = -2 * d_err if spec.objective == "l2" else -d_err
+
+        # The weights: the final update's term plus every use, one matmul each.
+        dW, dS = [], []
+        for n in names:
+            base = a_last[..., None, None] * dW_new[n]
+            dW.append(_stacked_product(g.uses["W", n], base) if g.uses["W", n] else base)
+            if momentum:
+                base = torch.addcmul(sa_last[..., None, None] * dS_new[n], b[..., -1, None, None], dW_new[n])
+                dS.append(_stacked_product(g.uses["S", n], base) if g.uses["S", n] else base)
+
+        da, dc = g.a, g.c
+        da[..., -1] += d_a_last
+        dc[..., -1, :] += d_c_last
+        if momentum:
+            db = g.b
+            db[..., -1] += d_b_last
+            d_gates = (da, db, dc, d_sa, d_sc)
+        else:
+            d_gates = (da, dc)
+        return (None, None, None, *dW, *dS, dq, dk, dv, *d_gates)
