@@ -34,6 +34,7 @@ from .titans import (
     ChunkOperator,
     TitansMemorySpec,
     align_rows,
+    chunk_coefficients,
     chunks_first,
     chunks_last,
     grad_factors,
@@ -43,6 +44,8 @@ from .titans import (
     run_resumable_chunks,
     static_apply,
 )
+from .titans_chunk import chunk_memory
+from .titans_chunk import wanted as fused_chunks
 
 __all__ = [
     "NS_COEFFICIENTS",
@@ -265,7 +268,7 @@ class MuonChunk:
 
 
 def _atlas_chunk_step(spec: TitansMemorySpec, optimizer: str, ns_steps: int, track_start: bool, n_extra: int,
-                      with_stored: bool, read, carry, x, consts):
+                      fused: bool, with_stored: bool, read, carry, x, consts):
     """One inner chunk of :func:`chunk_atlas` as a :func:`~.chunk_loop.run_chunks` step.
 
     ``carry``: weights, (not ``gd``) momenta and (``track_start``) chunk-start weights, in
@@ -273,6 +276,8 @@ def _atlas_chunk_step(spec: TitansMemorySpec, optimizer: str, ns_steps: int, tra
     (``C + c - 1`` tokens), ``alpha, lr, momentum`` ``(B, H, C)``, ``live (B, C)``, ``stops (B,)``
     and ``n_extra`` read inputs. ``consts``: the window band ``(C, C + c - 1)``, the read's
     constants, then (``with_stored``) ``use_stored (B,)`` and the stored chunk-start weights.
+    ``fused`` (``gd`` and ``momentum`` without a read of their own): chunks whose gradients are
+    taken at the carried weights run through :func:`~.titans_chunk.chunk_memory`.
     """
     names = list(spec.shapes)
     m = len(names)
@@ -284,12 +289,21 @@ def _atlas_chunk_step(spec: TitansMemorySpec, optimizer: str, ns_steps: int, tra
     n_stored = m + 1 if with_stored else 0
     read_consts = consts[1:len(consts) - n_stored]
     grad_w = resumed_grad_weights(W, consts[len(consts) - n_stored], consts[len(consts) - m:]) if with_stored else W
-    factors = grad_factors(spec, grad_w, k, v)
     band = inside[None, None] * gamma[:, :, None, :] * lv[:, None, :, None]
     one, zero = torch.ones_like(alpha), torch.zeros_like(alpha)
     lvh = lv[:, None, :]
     dM = torch.where(lvh, alpha, one)
     gm = torch.where(lvh, -lr, zero)
+    if fused and not with_stored:
+        gd = optimizer == "gd"
+        a, b, c, sa, sc = chunk_coefficients(band, dM, gm, *(() if gd else (torch.where(lvh, mom, one),
+                                                                               torch.where(lvh, one, zero))))
+        y, W, S = chunk_memory(spec, W, S, q, k, v, a, b, c, sa[..., -1], sc[..., -1, :])
+        new_carry = tuple(W[n] for n in names) + (() if gd else tuple(S[n] for n in names))
+        if track_start:
+            new_carry += next_chunk_start(stops, grad_w, carry[len(carry) - m:])
+        return (y,), new_carry
+    factors = grad_factors(spec, grad_w, k, v)
     if optimizer == "gd":
         op = ChunkOperator(W, None, factors, band, dM, gm)
     else:
@@ -336,9 +350,10 @@ def chunk_atlas(
     the online one through it. ``read`` must take every tensor it reads as an
     argument (the chunks' backward recomputes it and differentiates only its arguments).
     """
-    resolve_backend(q, has_triton_impl=False)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    fused = fused_chunks(spec) and optimizer != "muon" and read is None
+    resolve_backend(q, has_triton_impl=fused)
     B, T, H, _ = q.shape
     C, c = chunk_size, omega_window
     dtype = torch.promote_types(v.dtype, torch.float32)
@@ -401,7 +416,7 @@ def chunk_atlas(
     # A read of cached memories brings a new closure and a cache one memory larger on every segment:
     # each call would be a new graph capture, so such chunks run uncaptured.
     o, carry = run_resumable_chunks(
-        lambda with_stored: partial(_atlas_chunk_step, spec, optimizer, ns_steps, track_start, len(extra),
+        lambda with_stored: partial(_atlas_chunk_step, spec, optimizer, ns_steps, track_start, len(extra), fused,
                                     with_stored, read),
         carry, xs, (inside, *read_consts), state.position > 0, stored,
         tf32=tf32_wanted(v), graphs=False if read is not None else None)

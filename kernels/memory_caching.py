@@ -46,6 +46,7 @@ from .titans import (
     TitansMemorySpec,
     TitansState,
     align_rows,
+    chunk_coefficients,
     grad_factors,
     memory_apply,
     next_chunk_start,
@@ -53,7 +54,10 @@ from .titans import (
     static_apply,
     step_titans,
     titans_chunk_operator,
+    titans_gates,
 )
+from .titans_chunk import chunk_memory
+from .titans_chunk import wanted as fused_chunks
 from .norms import l2_normalize
 from .segment_keys import close_segments, key_mean, with_extra_slots
 
@@ -142,8 +146,9 @@ def mc_read(
 ) -> torch.Tensor:
     """Read the online and cached memories for queries ``q`` ``(B, H, T, d_k)``.
 
-    ``online`` is an ``apply`` (weights of each token); ``cached`` weights are
-    ``(B, N, H, d_out, d_in)`` with summaries ``(B, N, H, d_k)`` and ``cached_valid (B, N)``.
+    ``online`` is an ``apply`` (weights of each token) or, for every aggregation but ``soup``
+    (which mixes weights, not reads), the online memory's reads of ``q`` already made; ``cached``
+    weights are ``(B, N, H, d_out, d_in)`` with summaries ``(B, N, H, d_k)`` and ``cached_valid (B, N)``.
     """
     valid = cached_valid[:, None, None, :]  # (B, 1, 1, N)
     if aggregation in ("grm", "soup", "ssc"):
@@ -159,12 +164,15 @@ def mc_read(
         g_cached = valid.to(q.dtype) * scale
         g_online = scale
     if aggregation == "soup":
+        if isinstance(online, torch.Tensor):
+            raise ValueError("the soup aggregation mixes the online weights themselves: pass them as an apply")
+
         def mixed(name, x):
             from_cached = torch.einsum("bhti,bnhoi,bhtn->bhto", x, cached[name].to(x.dtype), g_cached)
             return g_online * online(name, x) + from_cached
 
         return memory_apply(spec, mixed, q)
-    y = g_online * memory_apply(spec, online, q)
+    y = g_online * (online if isinstance(online, torch.Tensor) else memory_apply(spec, online, q))
     if cached_valid.shape[1]:
         per_memory = memory_apply(spec, static_apply(cached), q[:, None])  # (B, N, H, T, d_v)
         y = y + torch.einsum("bnhtd,bhtn->bhtd", per_memory, g_cached)
@@ -414,7 +422,7 @@ def _segment_chunks(x: torch.Tensor, width: int) -> torch.Tensor:
     return x.reshape(B, H, L // width, width, *x.shape[3:]).movedim(2, 0)
 
 
-def _mc_chunk_step(spec: TitansMemorySpec, options: MCOptions, track_start: bool, with_stored: bool,
+def _mc_chunk_step(spec: TitansMemorySpec, options: MCOptions, track_start: bool, with_stored: bool, fused: bool,
                    carry, x, consts):
     """One inner chunk of :func:`chunk_mc_titans` as a :func:`~.chunk_loop.run_chunks` step.
 
@@ -423,6 +431,8 @@ def _mc_chunk_step(spec: TitansMemorySpec, options: MCOptions, track_start: bool
     ``(B, H, C, .)``, ``live (B, C)``, ``stops (B,)`` (rows whose last token is inside) and
     ``use_stored (B,)`` (resumed rows whose first token is inside). ``consts``: the cache
     (``valid``, summaries, weights), then (``with_stored``) the stored chunk-start weights.
+    ``fused``: the online memory runs through :func:`~.titans_chunk.chunk_memory` where it can (chunks
+    whose gradients are taken at the carried weights).
     """
     names = list(spec.shapes)
     m = len(names)
@@ -432,14 +442,18 @@ def _mc_chunk_step(spec: TitansMemorySpec, options: MCOptions, track_start: bool
     cached_valid, cached_summary = consts[0], consts[1]
     cached = dict(zip(names, consts[2:2 + m]))
     grad_w = resumed_grad_weights(W, use_stored, consts[2 + m:]) if with_stored else W
-    op = titans_chunk_operator(spec, W, M, grad_w, k, v, alpha, eta, theta, lv)
+    if fused and not with_stored:
+        a, b, c, sa, sc = chunk_coefficients(**titans_gates(alpha, eta, theta, lv))
+        online, W_new, M_new = chunk_memory(spec, W, M, q, k, v, a, b, c, sa[..., -1], sc[..., -1, :])
+    else:
+        online = titans_chunk_operator(spec, W, M, grad_w, k, v, alpha, eta, theta, lv)
+        W_new, M_new = online.final()
     run_sum = key_sum[:, :, None] + (k * lv[:, None, :, None]).cumsum(2)
     run_count = key_count[:, None] + lv.to(k.dtype).cumsum(1)
     summary = run_sum / run_count.clamp(min=1)[:, None, :, None]
-    y = mc_read(spec, options.aggregation, options.ssc_topk, q, u, op, summary, cached, cached_summary,
+    y = mc_read(spec, options.aggregation, options.ssc_topk, q, u, online, summary, cached, cached_summary,
                 cached_valid)
-    W, M = op.final()
-    new_carry = tuple(W[n] for n in names) + tuple(M[n] for n in names)
+    new_carry = tuple(W_new[n] for n in names) + tuple(M_new[n] for n in names)
     if track_start:
         new_carry += next_chunk_start(stops, grad_w, carry[2 * m:3 * m])
     return (y,), new_carry + (run_sum[:, :, -1], run_count[:, -1])
@@ -455,7 +469,7 @@ def chunk_mc_titans(
     lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, MCState]:
     """``T`` new tokens per row (compacted, ``lengths`` valid), continuing ``state``."""
-    resolve_backend(q, has_triton_impl=False)
+    resolve_backend(q, has_triton_impl=fused_chunks(spec) and options.aggregation != "soup")
     B, T, H, _ = q.shape
     lengths = torch.full((B,), T, dtype=torch.long, device=q.device) if lengths is None else lengths
     if options.logarithmic or T == 1:
@@ -522,7 +536,8 @@ def chunk_mc_titans(
             xs.append(use_stored)
             carry = (*(W[n] for n in names), *(M[n] for n in names), *(chunk_start if track_start else ()),
                      key_sum, key_count)
-            step = partial(_mc_chunk_step, spec, options, track_start, with_stored)
+            step = partial(_mc_chunk_step, spec, options, track_start, with_stored,
+                           fused_chunks(spec) and options.aggregation != "soup")
             ys, carry = run_chunks(step, carry, xs, consts + (stored if with_stored else ()), tf32=tf32_wanted(v))
             outputs.append(ys[0])
             W, M = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))

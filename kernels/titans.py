@@ -510,7 +510,7 @@ def chunk_titans(
     The chunks run through :func:`~.chunk_loop.run_chunks` (``checkpoint_every``:
     its checkpoint spacing for the backward).
     """
-    resolve_backend(q, has_triton_impl=False)
+    resolve_backend(q, has_triton_impl=fused_chunks(spec))
     B, T, H, _ = q.shape
     C = chunk_size
     dtype = torch.promote_types(v.dtype, torch.float32)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn import functional as F
 
+from .backend import resolve_backend
 from .deep_attention import gelu_derivative
 
 if TYPE_CHECKING:
@@ -99,9 +100,8 @@ def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _inner(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``<x, y>`` over the last two dimensions, as a matmul of flattened views (no product tensor)."""
-    lead = x.shape[:-2]
-    return (x.reshape(*lead, 1, -1) @ y.reshape(*lead, -1, 1))[..., 0, 0]
+    """``<x, y>`` over the last two dimensions."""
+    return (x * y).sum((-1, -2))
 
 
 def _stacked_product(pairs: list[tuple[torch.Tensor, torch.Tensor]], base: torch.Tensor | None) -> torch.Tensor:
@@ -113,6 +113,36 @@ def _stacked_product(pairs: list[tuple[torch.Tensor, torch.Tensor]], base: torch
     if base is None:
         return torch.bmm(L, R).view(*lead, L.shape[-2], R.shape[-1])
     return torch.baddbmm(base.reshape(-1, *base.shape[-2:]), L, R).view(base.shape)
+
+
+def _final_update_torch(W, S, a, b, sa, U_w, U_s, Bf):
+    """``W' = a W + b S + U_w^T B``, ``S' = sa S + U_s^T B`` (see :func:`~.titans_chunk_triton.final_update`)."""
+    base = a[..., None, None] * W
+    if S is None:
+        return _stacked_product([(U_w, Bf)], base), None
+    base = torch.addcmul(base, b[..., None, None], S)
+    return _stacked_product([(U_w, Bf)], base), _stacked_product([(U_s, Bf)], sa[..., None, None] * S)
+
+
+def _final_update_backward_torch(W, S, dW_new, dS_new, a, b, sa, uses_w, uses_s):
+    """See :func:`~.titans_chunk_triton.final_update_backward`."""
+    base = a[..., None, None] * dW_new
+    dW = _stacked_product(uses_w, base) if uses_w else base
+    if S is None:
+        return dW, None, _inner(dW_new, W), None, None
+    base = torch.addcmul(sa[..., None, None] * dS_new, b[..., None, None], dW_new)
+    dS = _stacked_product(uses_s, base) if uses_s else base
+    return dW, dS, _inner(dW_new, W), _inner(dW_new, S), _inner(dS_new, S)
+
+
+def _final_update_fns(like: torch.Tensor):
+    """The final update and its backward: Triton kernels for float32 memories on CUDA (see
+    :mod:`.titans_chunk_triton`)."""
+    if resolve_backend(like, has_triton_impl=like.dtype == torch.float32) == "triton":
+        from .titans_chunk_triton import final_update, final_update_backward
+
+        return final_update, final_update_backward
+    return _final_update_torch, _final_update_backward_torch
 
 
 def _read(x, W, S, A, Bf, a, b, c):
@@ -215,15 +245,16 @@ class _ChunkMemory(torch.autograd.Function):
             inner.update(hidden_pre=hidden_pre, hidden=hidden)
 
         a_last, c_last = a[..., -1], c[..., -1, :]
+        b_last = b[..., -1] if momentum else None
+        update, _ = _final_update_fns(q)
         W_new, S_new = [], []
         for n in names:
             A, Bf = factors[n]
-            base = a_last[..., None, None] * W[n]
+            W_n, S_n = update(W[n], Sn(n), a_last, b_last, sa_last, A * c_last[..., None],
+                              A * sc_last[..., None] if momentum else None, Bf)
+            W_new.append(W_n)
             if momentum:
-                base = torch.addcmul(base, b[..., -1, None, None], S[n])
-            W_new.append(_stacked_product([(A * c_last[..., None], Bf)], base))
-            if momentum:
-                S_new.append(_stacked_product([(A * sc_last[..., None], Bf)], sa_last[..., None, None] * S[n]))
+                S_new.append(S_n)
 
         # Intermediates only ride on ctx (no input or output: those are saved tensors).
         ctx.spec, ctx.momentum, ctx.m = spec, momentum, m
@@ -255,18 +286,14 @@ class _ChunkMemory(torch.autograd.Function):
 
         # The final update W' = a_C W + b_C S + sum_k c_Ck A_k B_k^T, S' = sa S + sum_k sc_k A_k B_k^T.
         a_last, c_last = a[..., -1], c[..., -1, :]
-        d_a_last, d_c_last = torch.zeros_like(a_last), torch.zeros_like(c_last)
-        d_b_last, d_sa, d_sc = torch.zeros_like(a_last), torch.zeros_like(a_last), torch.zeros_like(c_last)
+        d_c_last, d_sc = torch.zeros_like(c_last), torch.zeros_like(c_last)
         for n in names:
             A, Bf = factors[n]
-            d_a_last = d_a_last + _inner(dW_new[n], W[n])
             BdW = Bf @ _t(dW_new[n])  # (K, d_out)
             d_c_last = d_c_last + _rowdot(A, BdW)
             add(dA, n, c_last[..., None] * BdW)
             add(dB, n, (A * c_last[..., None]) @ dW_new[n])
             if momentum:
-                d_b_last = d_b_last + _inner(dW_new[n], S[n])
-                d_sa = d_sa + _inner(dS_new[n], S[n])
                 BdS = Bf @ _t(dS_new[n])
                 d_sc = d_sc + _rowdot(A, BdS)
                 add(dA, n, sc_last[..., None] * BdS)
@@ -321,14 +348,21 @@ class _ChunkMemory(torch.autograd.Function):
             g.uses["W", "w2"].append((d_pre, k))
         dv = -2 * d_err if spec.objective == "l2" else -d_err
 
-        # The weights: the final update's term plus every use, one matmul each.
+        # The weights: the final update's term plus every use, in one product each; the gates that
+        # scale whole weights get their inner products in the same pass.
+        _, update_backward = _final_update_fns(q)
+        b_last = b[..., -1] if momentum else None
+        d_a_last, d_b_last, d_sa = torch.zeros_like(a_last), torch.zeros_like(a_last), torch.zeros_like(a_last)
         dW, dS = [], []
         for n in names:
-            base = a_last[..., None, None] * dW_new[n]
-            dW.append(_stacked_product(g.uses["W", n], base) if g.uses["W", n] else base)
+            dW_n, dS_n, da_n, db_n, dsa_n = update_backward(
+                W[n], Sn(n), dW_new[n], dS_new[n] if momentum else None, a_last, b_last, sa_last,
+                g.uses["W", n], g.uses["S", n])
+            dW.append(dW_n)
+            d_a_last = d_a_last + da_n
             if momentum:
-                base = torch.addcmul(sa_last[..., None, None] * dS_new[n], b[..., -1, None, None], dW_new[n])
-                dS.append(_stacked_product(g.uses["S", n], base) if g.uses["S", n] else base)
+                dS.append(dS_n)
+                d_b_last, d_sa = d_b_last + db_n, d_sa + dsa_n
 
         da, dc = g.a, g.c
         da[..., -1] += d_a_last

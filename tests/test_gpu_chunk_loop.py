@@ -121,3 +121,63 @@ def test_graphed_models_train_alike_with_gradient_checkpointing(build):
     assert plain.keys() == checkpointed.keys()
     for name, g in plain.items():
         torch.testing.assert_close(checkpointed[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _real_shape_inputs(dtype, spec, Bn=2, Tn=256, Hn=4):
+    gen = torch.Generator().manual_seed(3)
+    init = {n: (torch.randn(Hn, *s, generator=gen) * 0.02).cuda().requires_grad_() for n, s in spec.shapes.items()}
+    q, k, v, u = (torch.randn(Bn, Tn, Hn, spec.d_k, generator=gen).to("cuda", dtype).requires_grad_()
+                  for _ in range(4))
+    alpha = (torch.rand(Bn, Tn, Hn, generator=gen) * 0.1 + 0.9).cuda().requires_grad_()
+    eta = (torch.rand(Bn, Tn, Hn, generator=gen) * 0.5).cuda().requires_grad_()
+    theta = (torch.rand(Bn, Tn, Hn, generator=gen) * 0.1).cuda().requires_grad_()
+    return init, q, k, v, u, alpha, eta, theta
+
+
+def _real_titans(spec):
+    def run(init, q, k, v, u, alpha, eta, theta):
+        return chunk_titans(spec, q, k, v, alpha, eta, theta, TitansState.initial(init, q.shape[0]), chunk_size=64)[0]
+    return run
+
+
+def _real_mc(spec):
+    def run(init, q, k, v, u, alpha, eta, theta):
+        opts = MCOptions(segment_size=128, aggregation="grm", chunk_size=64)
+        return chunk_mc_titans(spec, opts, q, k, v, u, alpha, eta, theta, init,
+                               MCState.initial(init, q.shape[0], spec.d_k))[0]
+    return run
+
+
+def _real_atlas(spec, optimizer):
+    def run(init, q, k, v, u, alpha, eta, theta):
+        state = AtlasState.initial(spec, init, q.shape[0], q.shape[2], 16, optimizer)
+        return chunk_atlas(spec, q, k, v, alpha, theta, eta, alpha, state, optimizer=optimizer, omega_window=16,
+                           chunk_size=64)[0]
+    return run
+
+
+REAL = {
+    "titans_4x256": (TitansMemorySpec(depth=2, d_k=256, d_v=256, expansion=4), _real_titans),
+    "mc_grm_4x256": (TitansMemorySpec(depth=2, d_k=256, d_v=256, expansion=4), _real_mc),
+    "atlas_gd_16x64": (TitansMemorySpec(depth=2, d_k=64, d_v=64, expansion=4), lambda s: _real_atlas(s, "gd")),
+    "atlas_momentum_16x64": (TitansMemorySpec(depth=2, d_k=64, d_v=64, expansion=4),
+                             lambda s: _real_atlas(s, "momentum")),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(REAL))
+def test_hand_written_chunks_equal_autograd_over_the_operator_at_real_shapes(name, dtype, monkeypatch):
+    """The fused chunks (kernels/titans_chunk.py, Triton final updates) against autograd over
+    ChunkOperator, both graphed, at the benchmark's head shapes. float32 problems: exact products;
+    bf16 problems: TF32 products on both sides, summed in other orders."""
+    spec, make = REAL[name]
+    heads = 16 if "16x64" in name else 4
+    inputs = _real_shape_inputs(dtype, spec, Hn=heads)
+    fused = output_and_grads(make(spec), inputs)
+    monkeypatch.setenv("MNEMO_CHUNK_BACKWARD", "autograd")
+    plain = output_and_grads(make(spec), inputs)
+    bound = 1e-4 if dtype == torch.float32 else 1e-2
+    for i, (a, b) in enumerate(zip(fused, plain)):
+        err = ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+        assert err < bound, (i, err)

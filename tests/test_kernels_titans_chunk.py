@@ -89,3 +89,87 @@ def test_uncovered_memories_are_refused_by_name():
     W, S, q, k, v, a, b, c, sa, sc = problem(SPECS["mlp_l2"], True)
     with pytest.raises(ValueError, match="ChunkOperator"):
         chunk_memory(gated, W, S, q, k, v, a, b, c, sa[..., -1], sc[..., -1, :])
+
+
+# --------------------------------------------------------------------------- the Triton ends
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _update_problem(momentum, M=70, N=33, K=19, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float32).to(DEVICE)  # noqa: E731
+    W, S = r(2, 3, M, N), (r(2, 3, M, N) if momentum else None)
+    gates = [r(2, 3), r(2, 3) if momentum else None, r(2, 3) if momentum else None]
+    return W, S, gates, r
+
+
+@pytest.mark.parametrize("momentum", [True, False], ids=["momentum", "plain"])
+def test_triton_final_update_equals_the_torch_one(momentum):
+    pytest.importorskip("triton")
+    from mnemo.kernels.titans_chunk import _final_update_torch
+    from mnemo.kernels.titans_chunk_triton import final_update
+
+    W, S, (a, b, sa), r = _update_problem(momentum)
+    U_w, U_s, Bf = r(2, 3, 19, 70), (r(2, 3, 19, 70) if momentum else None), r(2, 3, 19, 33)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        got = final_update(W, S, a, b, sa, U_w, U_s, Bf)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    want = _final_update_torch(W, S, a, b, sa, U_w, U_s, Bf)
+    for x, y in zip(got, want):
+        if y is None:
+            assert x is None
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_uses", [0, 1, 3])
+@pytest.mark.parametrize("momentum", [True, False], ids=["momentum", "plain"])
+def test_triton_final_update_backward_equals_the_torch_one(momentum, n_uses):
+    pytest.importorskip("triton")
+    from mnemo.kernels.titans_chunk import _final_update_backward_torch
+    from mnemo.kernels.titans_chunk_triton import final_update_backward
+
+    W, S, (a, b, sa), r = _update_problem(momentum)
+    dW, dS = r(2, 3, 70, 33), (r(2, 3, 70, 33) if momentum else None)
+    uses_w = [(r(2, 3, 5 + i, 70), r(2, 3, 5 + i, 33)) for i in range(n_uses)]
+    uses_s = [(r(2, 3, 7, 70), r(2, 3, 7, 33))][:n_uses] if momentum else []
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        got = final_update_backward(W, S, dW, dS, a, b, sa, uses_w, uses_s)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    want = _final_update_backward_torch(W, S, dW, dS, a, b, sa, uses_w, uses_s)
+    for i, (x, y) in enumerate(zip(got, want)):
+        if y is None:
+            assert x is None
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, msg=lambda m: f"output {i}: {m}")
+
+
+def test_the_chunk_through_the_triton_ends_equals_autograd_over_the_operator():
+    pytest.importorskip("triton")
+    from mnemo.kernels import use_backend
+
+    spec = SPECS["mlp_l2"]
+    W, S, q, k, v, a, b, c, sa, sc = problem(spec, True, seed=7)
+    names = list(spec.shapes)
+    leaves = [*W.values(), *S.values(), q, k, v, a, b, c, sa, sc]
+    want = flat(*by_operator(spec, W, S, q, k, v, a, b, c, sa, sc), names)
+    f32 = [t.detach().float().to(DEVICE).requires_grad_() for t in leaves]
+    W32, S32 = dict(zip(names, f32[:2])), dict(zip(names, f32[2:4]))
+    q32, k32, v32, a32, b32, c32, sa32, sc32 = f32[4:]
+    with use_backend("triton"):
+        got = flat(*chunk_memory(spec, W32, S32, q32, k32, v32, a32, b32, c32, sa32[..., -1], sc32[..., -1, :]),
+                   names)
+        cotangents = [torch.randn(t.shape, dtype=torch.float64) for t in want]
+        g_got = torch.autograd.grad(got, f32, [t.float().to(DEVICE) for t in cotangents])
+    g_want = torch.autograd.grad(want, leaves, cotangents)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x.detach().cpu().double(), y.detach(), rtol=1e-4, atol=1e-4)
+    for i, (x, y) in enumerate(zip(g_got, g_want)):
+        torch.testing.assert_close(x.cpu().double(), y, rtol=1e-4, atol=1e-4, msg=lambda m: f"gradient {i}: {m}")

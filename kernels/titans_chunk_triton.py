@@ -1,0 +1,158 @@
+"""Triton kernels for the weight-sized ends of a deep memory's chunk (:mod:`.titans_chunk`).
+
+A chunk reads its weights through cuBLAS matmuls of ``(chunk, width)`` rows; what is
+left weight-sized is its final update and that update's backward:
+
+- :func:`final_update`: ``W' = a W + b S + U_w^T B``, ``S' = s S + U_s^T B`` per
+  ``(batch, head)``, the rank-``K`` products in the same tile as the gated sums, so
+  ``W, S`` are read once and ``W', S'`` written once;
+- :func:`final_update_backward`: ``dW = a dW' + L_w^T R_w`` and
+  ``dS = b dW' + s dS' + L_s^T R_s`` (``L, R``: the stacked factors of every use of
+  the weight in the chunk) together with the gates' gradients ``<dW', W>``,
+  ``<dW', S>``, ``<dS', S>``, as per-tile partial sums: one pass over four
+  weight-sized tensors where autograd made a product tensor per gate.
+
+Weights are ``(G, M, N)`` float32 (``G = batch * heads``), factors ``(G, K, M)``
+and ``(G, K, N)``, gates ``(G,)``. Products are TF32 where the caller's float32
+matmul precision allows it (the memories' policy for bf16/fp16 problems, see
+:func:`~.chunk_loop.tf32_wanted`), exact float32 otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["final_update", "final_update_backward"]
+
+_BM, _BN, _BK = 64, 64, 32
+
+
+def _precision() -> str:
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+@triton.jit
+def _rank_product(acc, L, R, g, K, M, N, rm, rn, mm, mn, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc + L[g]^T R[g]`` on the tile ``(rm, rn)``: ``L (G, K, M)`` is read transposed, tile by tile."""
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        mk = rk < K
+        lt = tl.load(L + g * K * M + rk[None, :] * M + rm[:, None], mask=mk[None, :] & mm[:, None], other=0.0)
+        r = tl.load(R + g * K * N + rk[:, None] * N + rn[None, :], mask=mk[:, None] & mn[None, :], other=0.0)
+        acc += tl.dot(lt, r, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
+    t = tl.program_id(0)
+    n_tiles_n = tl.cdiv(N, BN)
+    rm = (t // n_tiles_n) * BM + tl.arange(0, BM)
+    rn = (t % n_tiles_n) * BN + tl.arange(0, BN)
+    return rm, rn, rm < M, rn < N
+
+
+@triton.jit
+def _final_update_kernel(W, S, W_OUT, S_OUT, UW, US, BF, A, B, SA, M, N, K,
+                         HAS_S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    g = tl.program_id(1).to(tl.int64)
+    rm, rn, mm, mn = _tile(M, N, BM, BN)
+    mask = mm[:, None] & mn[None, :]
+    offs = g * M * N + rm[:, None] * N + rn[None, :]
+    acc = _rank_product(tl.zeros((BM, BN), tl.float32), UW, BF, g, K, M, N, rm, rn, mm, mn, BK, PRECISION)
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    out = tl.load(A + g) * w + acc
+    if HAS_S:
+        s = tl.load(S + offs, mask=mask, other=0.0)
+        out += tl.load(B + g) * s
+        acc_s = _rank_product(tl.zeros((BM, BN), tl.float32), US, BF, g, K, M, N, rm, rn, mm, mn, BK, PRECISION)
+        tl.store(S_OUT + offs, tl.load(SA + g) * s + acc_s, mask=mask)
+    tl.store(W_OUT + offs, out, mask=mask)
+
+
+@triton.jit
+def _final_update_backward_kernel(W, S, DWN, DSN, DW, DS, LW, RW, LS, RS, A, B, SA, PART, M, N, KW, KS,
+                                  HAS_S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                                  PRECISION: tl.constexpr):
+    g = tl.program_id(1).to(tl.int64)
+    rm, rn, mm, mn = _tile(M, N, BM, BN)
+    mask = mm[:, None] & mn[None, :]
+    offs = g * M * N + rm[:, None] * N + rn[None, :]
+    part = PART + (g * tl.num_programs(0) + tl.program_id(0)) * 3
+    dwn = tl.load(DWN + offs, mask=mask, other=0.0)
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    acc = _rank_product(tl.zeros((BM, BN), tl.float32), LW, RW, g, KW, M, N, rm, rn, mm, mn, BK, PRECISION)
+    tl.store(DW + offs, tl.load(A + g) * dwn + acc, mask=mask)
+    tl.store(part, tl.sum(tl.sum(dwn * w, 1), 0))
+    if HAS_S:
+        dsn = tl.load(DSN + offs, mask=mask, other=0.0)
+        s = tl.load(S + offs, mask=mask, other=0.0)
+        acc_s = _rank_product(tl.zeros((BM, BN), tl.float32), LS, RS, g, KS, M, N, rm, rn, mm, mn, BK, PRECISION)
+        tl.store(DS + offs, tl.load(B + g) * dwn + tl.load(SA + g) * dsn + acc_s, mask=mask)
+        tl.store(part + 1, tl.sum(tl.sum(dwn * s, 1), 0))
+        tl.store(part + 2, tl.sum(tl.sum(dsn * s, 1), 0))
+
+
+def _grid(M: int, N: int, G: int) -> tuple[int, int]:
+    return (triton.cdiv(M, _BM) * triton.cdiv(N, _BN), G)
+
+
+def _flat(x: torch.Tensor | None, lead: int) -> torch.Tensor | None:
+    return None if x is None else x.reshape(-1, *x.shape[lead:]).contiguous()
+
+
+def final_update(W: torch.Tensor, S: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor | None,
+                 sa: torch.Tensor | None, U_w: torch.Tensor, U_s: torch.Tensor | None, Bf: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(W', S')`` for weights ``(..., M, N)``, gates ``(...)``, factors ``U (..., K, M)``, ``Bf (..., K, N)``."""
+    lead, (M, N), K = W.shape[:-2], W.shape[-2:], Bf.shape[-2]
+    Wf, Sf = _flat(W, -2), _flat(S, -2)
+    W_out = torch.empty_like(Wf)
+    S_out = torch.empty_like(Wf) if S is not None else W_out
+    has_s = S is not None
+    gates = [_flat(x, len(lead)) if x is not None else _flat(a, len(lead)) for x in (a, b, sa)]
+    _final_update_kernel[_grid(M, N, Wf.shape[0])](
+        Wf, Sf if has_s else Wf, W_out, S_out, _flat(U_w, -2), _flat(U_s, -2) if has_s else _flat(U_w, -2),
+        _flat(Bf, -2), *gates, M, N, K, HAS_S=has_s, BM=_BM, BN=_BN, BK=_BK, PRECISION=_precision())
+    return W_out.view(W.shape), (S_out.view(W.shape) if has_s else None)
+
+
+def _stack(uses: list[tuple[torch.Tensor, torch.Tensor]], lead: int, G: int, M: int, N: int, like: torch.Tensor):
+    if not uses:
+        return like.new_zeros(G, 0, M), like.new_zeros(G, 0, N), 0
+    L = torch.cat([left for left, _ in uses], -2)
+    R = torch.cat([right for _, right in uses], -2)
+    return _flat(L, -2), _flat(R, -2), L.shape[-2]
+
+
+def final_update_backward(W: torch.Tensor, S: torch.Tensor | None, dW_new: torch.Tensor, dS_new: torch.Tensor | None,
+                          a: torch.Tensor, b: torch.Tensor | None, sa: torch.Tensor | None,
+                          uses_w: list[tuple[torch.Tensor, torch.Tensor]],
+                          uses_s: list[tuple[torch.Tensor, torch.Tensor]]):
+    """``(dW, dS, <dW', W>, <dW', S>, <dS', S>)`` (the last three ``(...)``, ``None`` without ``S``).
+
+    ``uses_*`` are ``(L (..., K_i, M), R (..., K_i, N))`` pairs whose products ``L^T R`` add to the
+    weight's gradient."""
+    lead, (M, N) = W.shape[:-2], W.shape[-2:]
+    Wf = _flat(W, -2)
+    G = Wf.shape[0]
+    has_s = S is not None
+    LW, RW, KW = _stack(uses_w, len(lead), G, M, N, Wf)
+    LS, RS, KS = _stack(uses_s, len(lead), G, M, N, Wf) if has_s else (LW, RW, 0)
+    dW = torch.empty_like(Wf)
+    dS = torch.empty_like(Wf) if has_s else dW
+    grid = _grid(M, N, G)
+    part = Wf.new_zeros(G, grid[0], 3)
+    gates = [_flat(x, len(lead)) if x is not None else _flat(a, len(lead)) for x in (a, b, sa)]
+    Sf = _flat(S, -2) if has_s else Wf
+    dSn = _flat(dS_new, -2) if has_s else Wf
+    _final_update_backward_kernel[grid](
+        Wf, Sf, _flat(dW_new, -2), dSn, dW, dS, LW, RW, LS, RS, *gates, part, M, N, KW, KS,
+        HAS_S=has_s, BM=_BM, BN=_BN, BK=_BK, PRECISION=_precision())
+    dots = part.sum(1).view(*lead, 3)
+    if not has_s:
+        return dW.view(W.shape), None, dots[..., 0], None, None
+    return dW.view(W.shape), dS.view(W.shape), dots[..., 0], dots[..., 1], dots[..., 2]
