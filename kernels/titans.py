@@ -36,7 +36,7 @@ from torch.nn import functional as F
 from .backend import resolve_backend
 from .chunk_loop import run_chunks, tf32_products, tf32_wanted
 from .deep_attention import gelu_derivative
-from .norms import clip_scale
+from .norms import clip_rank_one
 from .titans_chunk import chunk_memory
 from .titans_chunk import wanted as fused_chunks
 
@@ -129,12 +129,9 @@ def grad_factors(spec: TitansMemorySpec, weights: dict[str, torch.Tensor], k: to
     factors = _raw_grad_factors(spec, weights, k, v)
     if spec.grad_clip is None:
         return factors
-    wide = lambda x: x.to(torch.promote_types(x.dtype, torch.float32))  # noqa: E731  (bf16 inputs: norms in fp32)
-    squared = sum(wide(a).pow(2).sum(-1) * wide(b).pow(2).sum(-1) for a, b in factors.values())
     # Why: the inner descent on an MLP memory diverges once the outer training makes values
     # (hence errors) large; a bounded step keeps the memory finite whatever the gates do.
-    scale = clip_scale(squared, spec.grad_clip)
-    return {name: (a * scale.unsqueeze(-1).to(a.dtype), b) for name, (a, b) in factors.items()}
+    return clip_rank_one(factors, spec.grad_clip)
 
 
 def _raw_grad_factors(spec: TitansMemorySpec, weights: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor):

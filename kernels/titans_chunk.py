@@ -18,10 +18,10 @@ Here the backward is written out once:
 - everything else is ``(chunk, width)``-sized.
 
 Scope: memories of depth 1 (``M(z) = W z``) and depth 2 (``z + W1 gelu(W2 z)``, or
-``W0 z + ...`` with a linear skip), objectives ``l2`` and ``dot``, no gradient
-clip, gradients taken at the weights the chunk starts from. :func:`supported`
-says whether a spec is covered; callers run :class:`~.titans.ChunkOperator`
-under autograd otherwise (gated memories, clipped gradients, resumed rows),
+``W0 z + ...`` with a linear skip), objectives ``l2`` and ``dot``, with or without
+the per-token gradient clip, gradients taken at the weights the chunk starts from.
+:func:`supported` says whether a spec is covered; callers run
+:class:`~.titans.ChunkOperator` under autograd otherwise (gated memories, resumed rows),
 which stays the readable definition these functions are tested against.
 
 Shapes: weights ``(B, H, d_out, d_in)``; ``q (B, H, C, d_k)``; ``k, v (B, H, K, .)``
@@ -40,6 +40,7 @@ from torch.nn import functional as F
 
 from .backend import resolve_backend
 from .deep_attention import gelu_derivative
+from .norms import clip_rank_one
 
 if TYPE_CHECKING:
     from .titans import TitansMemorySpec
@@ -49,7 +50,7 @@ __all__ = ["chunk_memory", "supported", "wanted"]
 
 def supported(spec: TitansMemorySpec) -> bool:
     """Whether :func:`chunk_memory` computes this memory (see the module's scope)."""
-    return not spec.gated and spec.grad_clip is None
+    return not spec.gated
 
 
 def wanted(spec: TitansMemorySpec) -> bool:
@@ -219,6 +220,18 @@ def _unpack(spec, momentum, m, tensors):
     return names, W, S, q, k, v, a, b, c, sa_last, sc_last
 
 
+def _clip_backward(spec, raw_A, factors, dA, dB):
+    """Gradients of the unclipped factors from those of the clipped ones: the clip's scale is a
+    function of ``(K,)``-sized norms, so autograd over :func:`~.norms.clip_rank_one` is cheap."""
+    names = list(raw_A)
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for n in names for t in (raw_A[n], factors[n][1])]
+        clipped = clip_rank_one({n: (leaves[2 * i], leaves[2 * i + 1]) for i, n in enumerate(names)}, spec.grad_clip)
+        outputs = [t for n in names for t in clipped[n]]
+        grads = torch.autograd.grad(outputs, leaves, [g for n in names for g in (dA[n], dB[n])])
+    return {n: grads[2 * i] for i, n in enumerate(names)}, {n: grads[2 * i + 1] for i, n in enumerate(names)}
+
+
 def _inputs_of_reads(spec, q, hidden):
     """Which input each weight's read takes: ``q``, or the hidden layer for ``w1``."""
     return {n: (hidden if n == "w1" else q) for n in spec.shapes}
@@ -229,6 +242,9 @@ class _ChunkMemory(torch.autograd.Function):
     def forward(ctx, spec, momentum, m, *tensors):
         names, W, S, q, k, v, a, b, c, sa_last, sc_last = _unpack(spec, momentum, m, tensors)
         factors, inner = _factors(spec, W, q, k, v)
+        if spec.grad_clip is not None:
+            inner["raw"] = {n: A for n, (A, _) in factors.items()}
+            factors = clip_rank_one(factors, spec.grad_clip)
         Sn = (lambda n: S[n]) if momentum else (lambda n: None)
         saved = {}
         if spec.depth == 1:
@@ -315,6 +331,9 @@ class _ChunkMemory(torch.autograd.Function):
             dq = back("w0", d_y) if spec.linear_skip else d_y
             dq = dq + back("w2", d_hidden * gelu_derivative(inner["hidden_pre"]))
 
+        if spec.grad_clip is not None:
+            dA, dB = _clip_backward(spec, inner["raw"], factors, dA, dB)
+
         # The gradient factors, taken at W (the chunk-start weights).
         if spec.depth == 1:
             d_err, dk = dA["w"], dB["w"]
@@ -323,7 +342,8 @@ class _ChunkMemory(torch.autograd.Function):
                 dk = dk + d_pred @ W["w"]
                 g.uses["W", "w"].append((d_pred, k))
         else:
-            err, act = factors["w1"]
+            err = inner["raw"]["w1"] if spec.grad_clip is not None else factors["w1"][0]
+            act = factors["w1"][1]
             pre, back_, slope = inner["pre"], inner["back"], inner["slope"]
             d_back = dA["w2"] * slope
             d_pre = dA["w2"] * back_ * _gelu_second_derivative(pre)

@@ -150,18 +150,22 @@ def _real_mc(spec):
 
 def _real_atlas(spec, optimizer):
     def run(init, q, k, v, u, alpha, eta, theta):
+        # unit keys as the layer gives them: a window of 16 raw keys of norm 8 diverges either way
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
         state = AtlasState.initial(spec, init, q.shape[0], q.shape[2], 16, optimizer)
         return chunk_atlas(spec, q, k, v, alpha, theta, eta, alpha, state, optimizer=optimizer, omega_window=16,
                            chunk_size=64)[0]
     return run
 
 
+# The configs' default per-token gradient clip (10), as the layers run them.
+WIDE = TitansMemorySpec(depth=2, d_k=256, d_v=256, expansion=4, grad_clip=10.0)
+NARROW = TitansMemorySpec(depth=2, d_k=64, d_v=64, expansion=4, grad_clip=10.0)
 REAL = {
-    "titans_4x256": (TitansMemorySpec(depth=2, d_k=256, d_v=256, expansion=4), _real_titans),
-    "mc_grm_4x256": (TitansMemorySpec(depth=2, d_k=256, d_v=256, expansion=4), _real_mc),
-    "atlas_gd_16x64": (TitansMemorySpec(depth=2, d_k=64, d_v=64, expansion=4), lambda s: _real_atlas(s, "gd")),
-    "atlas_momentum_16x64": (TitansMemorySpec(depth=2, d_k=64, d_v=64, expansion=4),
-                             lambda s: _real_atlas(s, "momentum")),
+    "titans_4x256": (WIDE, _real_titans),
+    "mc_grm_4x256": (WIDE, _real_mc),
+    "atlas_gd_16x64": (NARROW, lambda s: _real_atlas(s, "gd")),
+    "atlas_momentum_16x64": (NARROW, lambda s: _real_atlas(s, "momentum")),
 }
 
 

@@ -16,6 +16,10 @@ SPECS = {
     "mlp_l2": TitansMemorySpec(depth=2, d_k=4, d_v=4, expansion=2),
     "mlp_dot": TitansMemorySpec(depth=2, d_k=4, d_v=4, expansion=2, objective="dot"),
     "mlp_skip_l2": TitansMemorySpec(depth=2, d_k=5, d_v=3, expansion=2),
+    # clips that bind on some tokens and not on others (norms of the problem's gradients: 0.5 to 40)
+    "linear_clip": TitansMemorySpec(depth=1, d_k=4, d_v=4, grad_clip=3.0),
+    "mlp_clip": TitansMemorySpec(depth=2, d_k=4, d_v=4, expansion=2, grad_clip=3.0),
+    "mlp_skip_clip": TitansMemorySpec(depth=2, d_k=5, d_v=3, expansion=2, grad_clip=3.0),
 }
 
 
@@ -82,10 +86,18 @@ def test_gradcheck_of_the_mlp_chunk():
     assert torch.autograd.gradcheck(fn, inputs)
 
 
+def test_the_clips_bind_on_some_tokens_only():
+    for name in ("linear_clip", "mlp_clip", "mlp_skip_clip"):
+        spec = SPECS[name]
+        W, S, q, k, v, *_ = problem(spec, True)
+        raw = grad_factors(TitansMemorySpec(**{**spec.__dict__, "grad_clip": None}), W, k, v)
+        norms = sum(A.pow(2).sum(-1) * B.pow(2).sum(-1) for A, B in raw.values()).sqrt()
+        assert (norms > spec.grad_clip).any() and (norms < spec.grad_clip).any(), name
+
+
 def test_uncovered_memories_are_refused_by_name():
     gated = TitansMemorySpec(depth=2, gated=True, d_k=4, d_v=4)
-    clipped = TitansMemorySpec(depth=2, d_k=4, d_v=4, grad_clip=1.0)
-    assert not supported(gated) and not supported(clipped)
+    assert not supported(gated)
     W, S, q, k, v, a, b, c, sa, sc = problem(SPECS["mlp_l2"], True)
     with pytest.raises(ValueError, match="ChunkOperator"):
         chunk_memory(gated, W, S, q, k, v, a, b, c, sa[..., -1], sc[..., -1, :])
