@@ -419,7 +419,9 @@ def chunk_atlas(
         lambda with_stored: partial(_atlas_chunk_step, spec, optimizer, ns_steps, track_start, len(extra), fused,
                                     with_stored, read),
         carry, xs, (inside, *read_consts), state.position > 0, stored,
-        tf32=tf32_wanted(v), graphs=False if read is not None else None)
+        tf32=tf32_wanted(v), graphs=False if read is not None else None,
+        # Muon's per-token momenta are far larger than the carry: its backward holds one chunk at a time.
+        backward_unit=1 if optimizer == "muon" else None)
     o = chunks_last(o).transpose(1, 2)  # (B, span, H, d_v)
     W = dict(zip(names, carry[:m]))
     S = None if optimizer == "gd" else dict(zip(names, carry[m:2 * m]))

@@ -10,12 +10,14 @@ once per chunk.
 
 :func:`run_chunks` runs the loop once without recording and keeps only the
 carry entering every ``r``-th chunk (``r`` about the square root of the number of
-chunks). Its backward walks those stretches from the last one: it recomputes the
-carries inside a stretch from its checkpoint, then back-propagates through one
-chunk at a time by re-running that chunk's step under autograd. So memory holds
-about ``2 sqrt(n)`` carries instead of ``n`` chunks' worth of intermediates, for
-one extra forward pass; gradients are the same sums as plain autograd's (the
-per-chunk graphs are the plain loop's), in another order.
+chunks). Its backward walks those stretches from the last one: it re-runs a
+stretch under autograd from its checkpoint and back-propagates through it, as
+gradient checkpointing does. So memory holds ``n / r`` carries and one stretch's
+intermediates instead of ``n`` chunks' worth, for one extra forward pass; gradients
+are the same sums as plain autograd's (the per-chunk graphs are the plain loop's),
+in another order. A step whose intermediates dwarf its carry asks for a smaller
+backward unit: the stretch's carries are recomputed first, then one chunk at a
+time is re-run under autograd (one more forward pass, one chunk held).
 
 The step is any function of tensors that does not modify its arguments::
 
@@ -27,10 +29,12 @@ must read no tensor other than its arguments (the backward differentiates only
 those) and must not read values to the host.
 
 On CUDA every chunk is the same few hundred small kernels, so the loop is bound by
-the host launching them, not by the GPU. There the step is captured in two CUDA
-graphs per set of input shapes (:class:`GraphedStep`): its forward, and its
-recomputation with the backward; each chunk then costs a few copies and one replay.
-``MNEMO_CHUNK_GRAPHS=0`` turns this off.
+the host launching them, not by the GPU. There steps are captured in CUDA graphs
+per set of input shapes (:class:`GraphedStep`): with gradients a whole backward
+unit is one captured step, its forward and its re-run with the backward, so a unit
+costs one replay each way and the weight-sized carry is copied in and out once per
+unit; without gradients (prefill) a chunk is one replay. ``MNEMO_CHUNK_GRAPHS=0``
+turns this off.
 
 Where the steps are not captured (CPU, or graphs off), recomputing costs the host
 two more passes over every small op, which made the CPU demo's deep memories 1.4-1.6x
@@ -46,6 +50,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -60,7 +65,10 @@ def _stretch(n: int, checkpoint_every: int | None) -> int:
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         return checkpoint_every
-    return max(1, math.ceil(math.sqrt(n)))
+    # About sqrt(n), a divisor of n where one is near: each stretch length is a graph capture of its own
+    # (and the memory its backward holds), so equal stretches take one.
+    r = max(1, math.ceil(math.sqrt(n)))
+    return next((d for d in range(r, max(2, r // 2) - 1, -1) if n % d == 0), r)
 
 
 def _chunk(xs: Sequence[torch.Tensor], j: int) -> Tensors:
@@ -195,7 +203,13 @@ _MAX_GRAPHS = 16
 
 
 def _step_key(step: Step):
-    parts = (step.func, step.args, tuple(sorted(step.keywords.items()))) if hasattr(step, "func") else (step,)
+    """A step's identity for the cache of graphs: a partial by its function and arguments (a partial among
+    them by its own key, as :func:`_stretch_step` wraps the caller's step), anything else by itself."""
+    if hasattr(step, "func"):
+        args = tuple(_step_key(a) if hasattr(a, "func") else a for a in step.args)
+        parts = (step.func, args, tuple(sorted(step.keywords.items())))
+    else:
+        parts = (step,)
     try:
         hash(parts)
     except TypeError:
@@ -250,31 +264,21 @@ def graphed_step(step: Step, carry: Tensors, x: Tensors, consts: Tensors, need_x
     return graphed
 
 
-def _forward(step: Step, graphed: GraphedStep | None, carry: Tensors, xs: Tensors, consts: Tensors, lo: int,
-             hi: int, every: int | None = None, keep_ys: bool = True) -> tuple[Tensors, Tensors, list[Tensors]]:
-    """Chunks ``lo .. hi - 1`` from ``carry``: their outputs stacked (empty without ``keep_ys``), the
-    final carry and the carry entering every chunk ``j`` with ``(j - lo) % every == 0`` (none without
-    ``every``)."""
-    kept, ys = [], []
+def _forward(step: Step, graphed: GraphedStep | None, carry: Tensors, xs: Tensors, consts: Tensors
+             ) -> tuple[Tensors, Tensors]:
+    """Every chunk from ``carry`` without gradients: their outputs stacked and the final carry."""
     if graphed is None:
-        for j in range(lo, hi):
-            if every and (j - lo) % every == 0:
-                kept.append(carry)
-            y, carry = step(carry, _chunk(xs, j), consts)
-            if keep_ys:
-                ys.append(y)
-        return (_stack(ys) if keep_ys else ()), carry, kept
-    stacked = tuple(t.new_empty((hi - lo, *t.shape)) for t in graphed.ys) if keep_ys else ()
+        return _stretch_step(step, carry, xs, consts)
+    n = xs[0].shape[0]
+    stacked = tuple(t.new_empty((n, *t.shape)) for t in graphed.ys)
     graphed.load(carry, consts=consts)
-    for j in range(lo, hi):
-        if every and (j - lo) % every == 0:
-            kept.append(tuple(t.clone() for t in graphed.carry))
+    for j in range(n):
         graphed.load(x=_chunk(xs, j))
         graphed.fwd.replay()
         for out, y in zip(stacked, graphed.ys):
-            out[j - lo].copy_(y)
+            out[j].copy_(y)
         graphed.load(graphed.carry_out)
-    return stacked, tuple(t.clone() for t in graphed.carry), kept
+    return stacked, tuple(t.clone() for t in graphed.carry)
 
 
 def _backward_one(step: Step, graphed: GraphedStep | None, carry: Tensors, x: Tensors, consts_in: Tensors,
@@ -307,23 +311,72 @@ def _backward_one(step: Step, graphed: GraphedStep | None, carry: Tensors, x: Te
     return [next(found) if t.requires_grad else None for t in leaves]
 
 
+def _stretch_step(step: Step, carry: Tensors, xs: Tensors, consts: Tensors) -> tuple[Tensors, Tensors]:
+    """``step`` over every chunk of ``xs`` (chunk index first), as one step: stacked outputs, final carry."""
+    ys = []
+    for j in range(xs[0].shape[0]):
+        y, carry = step(carry, _chunk(xs, j), consts)
+        ys.append(y)
+    return _stack(ys), carry
+
+
+def _slice(xs: Sequence[torch.Tensor], lo: int, hi: int) -> Tensors:
+    return tuple(x[lo:hi] for x in xs)
+
+
+def _run_unit(stretch: Step, graphed: GraphedStep | None, carry: Tensors, xs: Tensors, consts: Tensors
+              ) -> tuple[Tensors, Tensors]:
+    """A few chunks without gradients, captured or not: their stacked outputs and the carry after them
+    (owned by the caller: a graph's buffers are cloned)."""
+    if graphed is None:
+        return stretch(carry, xs, consts)
+    graphed.load(carry, xs, consts)
+    graphed.fwd.replay()
+    return tuple(t.clone() for t in graphed.ys), tuple(t.clone() for t in graphed.carry_out)
+
+
 class _ChunkLoop(torch.autograd.Function):
+    """The loop in stretches of ``r`` chunks, each run in units of ``u`` chunks (``u`` divides ``r``).
+
+    The forward keeps the carry entering each stretch. The backward takes the stretches from the
+    last: it recomputes the carries entering the stretch's units from its checkpoint (none when a
+    unit is the whole stretch), then re-runs one unit at a time under autograd and back-propagates
+    through it. On CUDA a unit is one captured step (:func:`_stretch_step` in a
+    :class:`GraphedStep`), so it costs one replay each way and the carry is copied per unit, not
+    per chunk. ``u = r`` runs every chunk forward twice in all and holds a stretch's intermediates
+    at once; ``u = 1`` three times, holding one chunk's.
+    """
+
     @staticmethod
     def forward(ctx, step: Step, n_carry: int, n_xs: int, checkpoint_every: int | None, graphs: bool | None,
-                tf32: bool, *tensors):
+                tf32: bool, unit: int | None, *tensors):
         carry = tensors[:n_carry]
         xs = tensors[n_carry:n_carry + n_xs]
         consts = tensors[n_carry + n_xs:]
         n = xs[0].shape[0]
         r = _stretch(n, checkpoint_every)
-        need = ctx.needs_input_grad[6:]
+        u = r if unit is None else max(1, min(unit, r))
+        r = -(-r // u) * u
+        need = ctx.needs_input_grad[7:]
         need_xs, need_consts = need[n_carry:n_carry + n_xs], need[n_carry + n_xs:]
-        graphed = None
+        stretch = partial(_stretch_step, step)
+        graphed: dict[int, GraphedStep | None] = {}
+        checkpoints, outputs = [], []
         with tf32_products(tf32):
             if _graphs_wanted(tensors, n, graphs):
-                graphed = graphed_step(step, carry, _chunk(xs, 0), consts, need_xs, need_consts, backward=True)
-            ys, carry, checkpoints = _forward(step, graphed, carry, xs, consts, 0, n, every=r)
-        ctx.step, ctx.graphed, ctx.r, ctx.n, ctx.tf32 = step, graphed, r, n, tf32
+                for lo in range(0, n, u):
+                    L = min(n, lo + u) - lo
+                    if L not in graphed:
+                        graphed[L] = graphed_step(stretch, carry, _slice(xs, lo, lo + L), consts, need_xs,
+                                                  need_consts, backward=True)
+            for lo in range(0, n, u):
+                hi = min(n, lo + u)
+                if lo % r == 0:
+                    checkpoints.append(carry)
+                ys, carry = _run_unit(stretch, graphed.get(hi - lo), carry, _slice(xs, lo, hi), consts)
+                outputs.append(ys)
+        ys = tuple(torch.cat(parts) for parts in zip(*outputs))
+        ctx.step, ctx.graphed, ctx.r, ctx.u, ctx.n, ctx.tf32 = stretch, graphed, r, u, n, tf32
         ctx.autocast = _autocast_state()
         ctx.sizes = (n_carry, n_xs, len(consts), len(ys))
         ctx.save_for_backward(*xs, *consts, *(t for c in checkpoints for t in c))
@@ -336,41 +389,42 @@ class _ChunkLoop(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         n_carry, n_xs, n_consts, n_ys = ctx.sizes
-        step, graphed, r, n = ctx.step, ctx.graphed, ctx.r, ctx.n
+        stretch, r, u, n = ctx.step, ctx.r, ctx.u, ctx.n
         saved = ctx.saved_tensors
         xs, consts = saved[:n_xs], saved[n_xs:n_xs + n_consts]
         flat = saved[n_xs + n_consts:]
         checkpoints = [flat[i:i + n_carry] for i in range(0, len(flat), n_carry)]
         d_ys, d_carry = grads[:n_ys], list(grads[n_ys:])
-        need = ctx.needs_input_grad[6:]
+        need = ctx.needs_input_grad[7:]
         need_xs, need_consts = need[n_carry:n_carry + n_xs], need[n_carry + n_xs:]
         d_xs = [torch.zeros_like(x) if want else None for x, want in zip(xs, need_xs)]
         d_consts: list[torch.Tensor | None] = [None] * n_consts
         consts_in = tuple(c.detach().requires_grad_(want) for c, want in zip(consts, need_consts))
 
         for s in reversed(range(len(checkpoints))):
-            lo, hi = s * r, min(n, (s + 1) * r)
+            units = [(lo, min(n, lo + u)) for lo in range(s * r, min(n, (s + 1) * r), u)]
+            carries = [checkpoints[s]]
             with torch.no_grad(), _autocast(ctx.autocast), tf32_products(ctx.tf32):
-                # the carries entering lo .. hi - 1: the stretch's last chunk need not run forward
-                _, last, carries = _forward(step, graphed, checkpoints[s], xs, consts, lo, hi - 1, every=1,
-                                            keep_ys=False)
-                carries.append(last)
-            if graphed is not None:
-                graphed.load(consts=consts)
-            for j in reversed(range(lo, hi)):
+                for lo, hi in units[:-1]:  # the carries entering the stretch's units
+                    carries.append(_run_unit(stretch, ctx.graphed.get(hi - lo), carries[-1], _slice(xs, lo, hi),
+                                             consts)[1])
+            for (lo, hi), carry in reversed(list(zip(units, carries))):
+                graphed = ctx.graphed.get(hi - lo)
+                if graphed is not None:
+                    graphed.load(consts=consts)
                 with _autocast(ctx.autocast), tf32_products(ctx.tf32):
-                    got = _backward_one(step, graphed, carries[j - lo], _chunk(xs, j), consts_in, need_xs,
-                                        [None if d is None else d[j] for d in d_ys], d_carry)
+                    got = _backward_one(stretch, graphed, carry, _slice(xs, lo, hi), consts_in, need_xs,
+                                        [None if d is None else d[lo:hi] for d in d_ys], d_carry)
                 d_carry = got[:n_carry]
                 for i, g in enumerate(got[n_carry:n_carry + n_xs]):
                     if g is not None and d_xs[i] is not None:
-                        d_xs[i][j] = g
+                        d_xs[i][lo:hi] = g
                 for i, g in enumerate(got[n_carry + n_xs:]):
                     if g is not None and need_consts[i]:
                         # in place: a cache of memories makes these as large as the carry, once per memory
                         d_consts[i] = g.clone() if d_consts[i] is None else d_consts[i].add_(g)
         d_carry = [g if want else None for g, want in zip(d_carry, need[:n_carry])]
-        return (None, None, None, None, None, None, *d_carry, *d_xs, *d_consts)
+        return (None, None, None, None, None, None, None, *d_carry, *d_xs, *d_consts)
 
 
 # torch.compile runs the loop as it is (a graph break): traced, every chunk would be unrolled into one
@@ -386,6 +440,7 @@ def run_chunks(
     graphs: bool | None = None,
     recompute: bool | None = None,
     tf32: bool = False,
+    backward_unit: int | None = None,
 ) -> tuple[Tensors, Tensors]:
     """Run ``step`` over the chunks of ``xs`` (chunk index first); returns ``(ys, carry)``.
 
@@ -400,6 +455,9 @@ def run_chunks(
     steps are captured in graphs, unless ``MNEMO_CHUNK_RECOMPUTE`` says otherwise.
     ``tf32`` lets the steps' float32 matmuls on CUDA use TF32 tensor cores (the
     caller's choice for bf16/fp16 problems, whose inputs carry fewer bits than TF32).
+    ``backward_unit`` is how many chunks the recompute's backward holds under autograd at once:
+    ``None`` (a whole stretch: each chunk runs forward twice in all) or ``1`` for steps whose
+    intermediates dwarf their carry (Atlas' per-token Muon momenta: three forwards, one chunk held).
     """
     carry, xs, consts = tuple(carry), tuple(xs), tuple(consts)
     if not xs or xs[0].shape[0] == 0:
@@ -414,10 +472,9 @@ def run_chunks(
             asked = os.environ.get("MNEMO_CHUNK_RECOMPUTE")
             recompute = asked == "1" if asked in ("0", "1") else _graphs_wanted(tensors, n, graphs)
         if recompute:
-            out = _ChunkLoop.apply(step, len(carry), len(xs), checkpoint_every, graphs, tf32, *tensors)
+            out = _ChunkLoop.apply(step, len(carry), len(xs), checkpoint_every, graphs, tf32, backward_unit, *tensors)
             return tuple(out[:len(out) - len(carry)]), tuple(out[len(out) - len(carry):])
         graphs = False  # autograd records the loop below: replays would overwrite what it saved
     with tf32_products(tf32):
         graphed = graphed_step(step, carry, _chunk(xs, 0), consts) if _graphs_wanted(tensors, n, graphs) else None
-        ys, carry, _ = _forward(step, graphed, carry, xs, consts, 0, n)
-    return ys, carry
+        return _forward(step, graphed, carry, xs, consts)

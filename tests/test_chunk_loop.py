@@ -61,9 +61,10 @@ def assert_run_chunks_is_plain_autograd(**options):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("unit", [None, 1, 2])
 @pytest.mark.parametrize("every", [None, 1, 2, 3, 7, 10])
-def test_gradients_equal_plain_autograd(every):
-    assert_run_chunks_is_plain_autograd(checkpoint_every=every, recompute=True)
+def test_gradients_equal_plain_autograd(every, unit):
+    assert_run_chunks_is_plain_autograd(checkpoint_every=every, recompute=True, backward_unit=unit)
 
 
 def test_the_backward_recomputes_under_the_forwards_autocast():
@@ -142,9 +143,11 @@ def replay_on_cpu(monkeypatch):
     monkeypatch.setattr(chunk_loop, "graphed_step", ReplayOnCPU)
 
 
+@pytest.mark.parametrize("unit", [None, 1, 2])
 @pytest.mark.parametrize("every", [None, 1, 3])
-def test_replayed_steps_equal_plain_autograd(every, replay_on_cpu):
-    assert_run_chunks_is_plain_autograd(checkpoint_every=every)  # replayed steps recompute by default
+def test_replayed_steps_equal_plain_autograd(every, unit, replay_on_cpu):
+    # replayed steps recompute by default
+    assert_run_chunks_is_plain_autograd(checkpoint_every=every, backward_unit=unit)
     h0, kept, inp, mask, w = toy_inputs()
     with torch.no_grad():
         plain = plain_loop(h0, kept, inp, mask, w)
