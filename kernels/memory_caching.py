@@ -46,7 +46,6 @@ from .titans import (
     TitansMemorySpec,
     TitansState,
     align_rows,
-    chunk_coefficients,
     grad_factors,
     memory_apply,
     next_chunk_start,
@@ -54,7 +53,7 @@ from .titans import (
     static_apply,
     step_titans,
     titans_chunk_operator,
-    titans_gates,
+    titans_coefficients,
 )
 from .titans_chunk import chunk_memory
 from .titans_chunk import wanted as fused_chunks
@@ -428,8 +427,9 @@ def _mc_chunk_step(spec: TitansMemorySpec, options: MCOptions, track_start: bool
 
     ``carry``: weights, momenta, (``track_start``) chunk-start weights, in ``spec.shapes`` order,
     then the online segment's ``key_sum, key_count``. ``x``: the chunk's ``q, k, v, u`` and gates
-    ``(B, H, C, .)``, ``live (B, C)``, ``stops (B,)`` (rows whose last token is inside) and
-    ``use_stored (B,)`` (resumed rows whose first token is inside). ``consts``: the cache
+    ``(B, H, C, .)``, ``live (B, C)``, ``stops (B,)`` (rows whose last token is inside),
+    ``use_stored (B,)`` (resumed rows whose first token is inside) and, ``fused``, the chunk's
+    :func:`~.titans.titans_coefficients`. ``consts``: the cache
     (``valid``, summaries, weights), then (``with_stored``) the stored chunk-start weights.
     ``fused``: the online memory runs through :func:`~.titans_chunk.chunk_memory` where it can (chunks
     whose gradients are taken at the carried weights).
@@ -438,13 +438,12 @@ def _mc_chunk_step(spec: TitansMemorySpec, options: MCOptions, track_start: bool
     m = len(names)
     W, M = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
     key_sum, key_count = carry[-2], carry[-1]
-    q, k, v, u, alpha, eta, theta, lv, stops, use_stored = x
+    q, k, v, u, alpha, eta, theta, lv, stops, use_stored = x[:10]
     cached_valid, cached_summary = consts[0], consts[1]
     cached = dict(zip(names, consts[2:2 + m]))
     grad_w = resumed_grad_weights(W, use_stored, consts[2 + m:]) if with_stored else W
     if fused and not with_stored:
-        a, b, c, sa, sc = chunk_coefficients(**titans_gates(alpha, eta, theta, lv))
-        online, W_new, M_new = chunk_memory(spec, W, M, q, k, v, a, b, c, sa[..., -1], sc[..., -1, :])
+        online, W_new, M_new = chunk_memory(spec, W, M, q, k, v, *x[10:])
     else:
         online = titans_chunk_operator(spec, W, M, grad_w, k, v, alpha, eta, theta, lv)
         W_new, M_new = online.final()
@@ -534,10 +533,12 @@ def chunk_mc_titans(
             use_stored = resumed[None] & (shift[None] >= lo) & (shift[None] < lo + width)
             with_stored = any_resumed and s0 == 0
             xs.append(use_stored)
+            fused = fused_chunks(spec) and options.aggregation != "soup"
+            if fused:
+                xs += titans_coefficients(*xs[4:8])
             carry = (*(W[n] for n in names), *(M[n] for n in names), *(chunk_start if track_start else ()),
                      key_sum, key_count)
-            step = partial(_mc_chunk_step, spec, options, track_start, with_stored,
-                           fused_chunks(spec) and options.aggregation != "soup")
+            step = partial(_mc_chunk_step, spec, options, track_start, with_stored, fused)
             ys, carry = run_chunks(step, carry, xs, consts + (stored if with_stored else ()), tf32=tf32_wanted(v))
             outputs.append(ys[0])
             W, M = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))

@@ -385,6 +385,19 @@ def titans_gates(alpha, eta, theta, live) -> dict[str, torch.Tensor]:
                 gm=torch.where(lv, one, zero), dS=torch.where(lv, eta, one), gs=torch.where(lv, -theta, zero))
 
 
+def titans_coefficients(alpha, eta, theta, live) -> tuple[torch.Tensor, ...]:
+    """The coefficients :func:`~.titans_chunk.chunk_memory` takes, for many chunks at once: gates
+    ``(n, B, H, C)`` and ``live (n, B, C)`` (chunk first) give ``a, b (n, B, H, C)``,
+    ``c (n, B, H, C, C)``, ``sa_last (n, B, H)`` and ``sc_last (n, B, H, C)``.
+
+    Computed before the chunk loop, as one batch of small ops rather than a few dozen per chunk,
+    and fed to the loop as per-chunk inputs (their gradients flow back through these ops)."""
+    n, B = alpha.shape[:2]
+    flat = lambda x: x.reshape(n * B, *x.shape[2:])  # noqa: E731
+    a, b, c, sa, sc = chunk_coefficients(**titans_gates(flat(alpha), flat(eta), flat(theta), flat(live)))
+    return tuple(x.reshape(n, B, *x.shape[1:]) for x in (a, b, c, sa[..., -1], sc[..., -1, :]))
+
+
 def titans_chunk_operator(spec, W0, S0, grad_weights, k, v, alpha, eta, theta, live) -> ChunkOperator:
     """One inner chunk (``(B, H, C, .)`` inputs, gates ``(B, H, C)``, ``live (B, C)``): its operator."""
     return ChunkOperator(W0, S0, grad_factors(spec, grad_weights, k, v), **titans_gates(alpha, eta, theta, live))
@@ -425,8 +438,8 @@ def _titans_step(spec: TitansMemorySpec, track_start: bool, fused: bool, carry, 
 
     ``carry`` is the weights, momenta and (``track_start``) chunk-start weights in
     ``spec.shapes`` order; ``x`` the chunk's ``q, k, v, alpha, eta, theta`` ``(B, H, C, .)``,
-    ``live (B, C)`` and ``stops (B,)`` (rows whose last token falls inside the chunk);
-    ``consts`` is empty or ``(use_stored (B,), *stored_chunk_start)`` for the chunk where
+    ``live (B, C)``, ``stops (B,)`` (rows whose last token falls inside the chunk) and, ``fused``,
+    the chunk's :func:`titans_coefficients`; ``consts`` is empty or ``(use_stored (B,), *stored_chunk_start)`` for the chunk where
     resumed rows take their gradients at the stored chunk-start weights. ``fused``: the chunks
     whose gradients are taken at the carried weights run through
     :func:`~.titans_chunk.chunk_memory` (its hand-written backward), the others through
@@ -435,10 +448,9 @@ def _titans_step(spec: TitansMemorySpec, track_start: bool, fused: bool, carry, 
     names = list(spec.shapes)
     m = len(names)
     W, S = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
-    q, k, v, alpha, eta, theta, live, stops = x
+    q, k, v, alpha, eta, theta, live, stops = x[:8]
     if fused and not consts:
-        a, b, c, sa, sc = chunk_coefficients(**titans_gates(alpha, eta, theta, live))
-        y, W_new, S_new = chunk_memory(spec, W, S, q, k, v, a, b, c, sa[..., -1], sc[..., -1, :])
+        y, W_new, S_new = chunk_memory(spec, W, S, q, k, v, *x[8:])
         grad_w = W
     else:
         grad_w = resumed_grad_weights(W, consts[0], consts[1:]) if consts else W
@@ -526,6 +538,9 @@ def chunk_titans(
     starts = torch.arange(n, device=q.device)[:, None] * C
     stops = (end[None] > starts) & (end[None] < starts + C)  # (n, B): rows whose last token is inside
     xs += [live_chunks, stops]
+    fused = fused_chunks(spec)
+    if fused:
+        xs += titans_coefficients(*xs[3:6], live_chunks)
     names = list(spec.shapes)
     # Only rows that stop inside a chunk change their chunk-start weights; with none (whole chunks,
     # the training case) the carry leaves them out.
@@ -534,7 +549,7 @@ def chunk_titans(
     stored = tuple(state.chunk_start[n_].to(dtype) for n_ in names)
     if track_start:
         carry += stored
-    step = partial(_titans_step, spec, track_start, fused_chunks(spec))
+    step = partial(_titans_step, spec, track_start, fused)
     o, carry = run_resumable_chunks(lambda with_stored: step, carry, xs, (), state.position > 0, stored,
                                     checkpoint_every=checkpoint_every, tf32=tf32_wanted(v))
     o = chunks_last(o).transpose(1, 2)  # (B, total, H, d_v)
