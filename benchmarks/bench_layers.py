@@ -83,18 +83,18 @@ class DeepLayer(nn.Module):
         return self.attn(x, positions)
 
 
-def titans_layer(segment_size):
-    config = MCTitansConfig(hidden_size=D, num_heads=4, head_dim=256, memory_expansion=4, inner_chunk_size=64,
-                            segment_size=segment_size)
+def titans_layer(segment_size, heads=4):
+    config = MCTitansConfig(hidden_size=D, num_heads=heads, head_dim=D // heads, memory_expansion=4,
+                            inner_chunk_size=64, segment_size=segment_size)
     layer = MCTitansLayer(config, 0)
     for p in layer.memory_init().values():
         nn.init.normal_(p, std=0.02)
     return layer
 
 
-def atlas_layer(preset):
+def atlas_layer(preset, **overrides):
     # the paper's 340M layer: hidden 1024, 16 heads of 64, MLP memory x4, window 16, chunk 64
-    layer = AtlasMemory(AtlasConfig.preset(preset, hidden_size=D, num_heads=16), 0)
+    layer = AtlasMemory(AtlasConfig.preset(preset, hidden_size=D, num_heads=16, **overrides), 0)
     for p in layer.memory_init().values():
         nn.init.normal_(p, std=0.02)
     return layer
@@ -107,7 +107,9 @@ LAYERS = {
     "mnemo_mom_4x2_shared_torch": lambda: MoMMemoryLayer(MoMConfig(hidden_size=D, num_heads=4, head_dim=256), 0),
     "mnemo_titans_4x256_mlp4_c64_torch": lambda: titans_layer(None),
     "mnemo_mc_titans_grm_seg256_4x256_mlp4_c64_torch": lambda: titans_layer(256),
+    "mnemo_titans_16x64_mlp4_c64_torch": lambda: titans_layer(None, heads=16),
     "mnemo_atlas_omeganet_gd_16x64_torch": lambda: atlas_layer("omeganet"),
+    "mnemo_atlas_momentum_16x64_torch": lambda: atlas_layer("atlas", inner_optimizer="momentum"),
     "mnemo_atlas_muon_16x64_torch": lambda: atlas_layer("atlas"),
 }
 

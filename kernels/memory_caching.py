@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .backend import resolve_backend
 from .chunk_loop import run_chunks, tf32_wanted
@@ -46,6 +47,7 @@ from .titans import (
     TitansMemorySpec,
     TitansState,
     align_rows,
+    chunks_last,
     grad_factors,
     memory_apply,
     next_chunk_start,
@@ -431,31 +433,50 @@ def _mc_chunk_step(spec: TitansMemorySpec, options: MCOptions, track_start: bool
     ``use_stored (B,)`` (resumed rows whose first token is inside) and, ``fused``, the chunk's
     :func:`~.titans.titans_coefficients`. ``consts``: the cache
     (``valid``, summaries, weights), then (``with_stored``) the stored chunk-start weights.
-    ``fused``: the online memory runs through :func:`~.titans_chunk.chunk_memory` where it can (chunks
-    whose gradients are taken at the carried weights).
+    ``fused`` (without ``with_stored``): the online memory runs through
+    :func:`~.titans_chunk.chunk_memory` and the step returns its reads alone, with no ``consts``:
+    the cache is read for the whole segment after the loop (:func:`_read_segment`).
     """
     names = list(spec.shapes)
     m = len(names)
     W, M = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
     key_sum, key_count = carry[-2], carry[-1]
     q, k, v, u, alpha, eta, theta, lv, stops, use_stored = x[:10]
-    cached_valid, cached_summary = consts[0], consts[1]
-    cached = dict(zip(names, consts[2:2 + m]))
-    grad_w = resumed_grad_weights(W, use_stored, consts[2 + m:]) if with_stored else W
-    if fused and not with_stored:
-        online, W_new, M_new = chunk_memory(spec, W, M, q, k, v, *x[10:])
-    else:
-        online = titans_chunk_operator(spec, W, M, grad_w, k, v, alpha, eta, theta, lv)
-        W_new, M_new = online.final()
     run_sum = key_sum[:, :, None] + (k * lv[:, None, :, None]).cumsum(2)
     run_count = key_count[:, None] + lv.to(k.dtype).cumsum(1)
-    summary = run_sum / run_count.clamp(min=1)[:, None, :, None]
-    y = mc_read(spec, options.aggregation, options.ssc_topk, q, u, online, summary, cached, cached_summary,
-                cached_valid)
+    if fused and not with_stored:
+        y, W_new, M_new = chunk_memory(spec, W, M, q, k, v, *x[10:])
+        grad_w = W
+    else:
+        cached_valid, cached_summary = consts[0], consts[1]
+        cached = dict(zip(names, consts[2:2 + m]))
+        grad_w = resumed_grad_weights(W, use_stored, consts[2 + m:]) if with_stored else W
+        online = titans_chunk_operator(spec, W, M, grad_w, k, v, alpha, eta, theta, lv)
+        W_new, M_new = online.final()
+        summary = run_sum / run_count.clamp(min=1)[:, None, :, None]
+        y = mc_read(spec, options.aggregation, options.ssc_topk, q, u, online, summary, cached, cached_summary,
+                    cached_valid)
     new_carry = tuple(W_new[n] for n in names) + tuple(M_new[n] for n in names)
     if track_start:
         new_carry += next_chunk_start(stops, grad_w, carry[2 * m:3 * m])
     return (y,), new_carry + (run_sum[:, :, -1], run_count[:, -1])
+
+
+def _read_segment(spec: TitansMemorySpec, options: MCOptions, q, u, k, lv, key_sum, key_count, online, state):
+    """The reads of a run of chunks inside one segment (``(B, H, L, .)``, ``lv (B, L)``) from the online
+    memory's reads ``online`` and the cache: the cache is constant inside a segment, so every chunk's
+    read of it is one batch of matmuls here instead of a per-chunk read inside the loop. Recomputed in
+    the backward (checkpointed): its hidden layers are a cached memory's worth per token."""
+    run_sum = key_sum[:, :, None] + (k * lv[:, None, :, None]).cumsum(2)
+    run_count = key_count[:, None] + lv.to(k.dtype).cumsum(1)
+    summary = run_sum / run_count.clamp(min=1)[:, None, :, None]
+    names = list(spec.shapes)
+    cached = {n: state.cached[n].to(online.dtype) for n in names}
+    if state.cached_valid.shape[1] == 0:
+        return mc_read(spec, options.aggregation, options.ssc_topk, q, u, online, summary, cached,
+                       state.cached_summary(), state.cached_valid)
+    return checkpoint(mc_read, spec, options.aggregation, options.ssc_topk, q, u, online, summary, cached,
+                      state.cached_summary(), state.cached_valid, use_reentrant=False)
 
 
 def chunk_mc_titans(
@@ -539,7 +560,14 @@ def chunk_mc_titans(
             carry = (*(W[n] for n in names), *(M[n] for n in names), *(chunk_start if track_start else ()),
                      key_sum, key_count)
             step = partial(_mc_chunk_step, spec, options, track_start, with_stored, fused)
-            ys, carry = run_chunks(step, carry, xs, consts + (stored if with_stored else ()), tf32=tf32_wanted(v))
+            outside = fused and not with_stored  # the cache is read after the loop
+            loop_consts = () if outside else consts + (stored if with_stored else ())
+            ys, carry = run_chunks(step, carry, xs, loop_consts, tf32=tf32_wanted(v))
+            if outside:
+                seg_of = lambda name: bufs[name][:, :, c0:c1]  # noqa: E731
+                y = _read_segment(spec, options, seg_of("q"), seg_of("u"), seg_of("k"), live[:, c0:c1], key_sum,
+                                  key_count, chunks_last(ys[0]), state)
+                ys = (_segment_chunks(y, width),)
             outputs.append(ys[0])
             W, M = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
             if track_start:
