@@ -54,7 +54,15 @@ from functools import partial
 
 import torch
 
-__all__ = ["GraphedStep", "graphed_step", "release_graphs", "run_chunks", "tf32_products", "tf32_wanted"]
+__all__ = [
+    "GraphedStep",
+    "graphed_step",
+    "recompute_in_backward",
+    "release_graphs",
+    "run_chunks",
+    "tf32_products",
+    "tf32_wanted",
+]
 
 Tensors = tuple[torch.Tensor, ...]
 Step = Callable[[Tensors, Tensors, Tensors], tuple[Tensors, Tensors]]
@@ -116,6 +124,40 @@ def tf32_products(enabled: bool):
         yield
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+class _Recomputed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, tf32, n_tensors, *args):
+        ctx.fn, ctx.tf32, ctx.args = fn, tf32, args
+        ctx.save_for_backward(*args[:n_tensors])
+        ctx.n_tensors = n_tensors
+        with tf32_products(tf32):
+            return fn(*args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tensors = ctx.saved_tensors
+        leaves = tuple(t.detach().requires_grad_(_differentiable(t) and need)
+                       for t, need in zip(tensors, ctx.needs_input_grad[3:]))
+        with torch.enable_grad(), tf32_products(ctx.tf32):
+            out = ctx.fn(*leaves, *ctx.args[ctx.n_tensors:])
+            wanted = [t for t in leaves if t.requires_grad]
+            found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
+        return (None, None, None, *(next(found) if t.requires_grad else None for t in leaves),
+                *([None] * (len(ctx.args) - ctx.n_tensors)))
+
+
+def recompute_in_backward(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], *rest,
+                          tf32: bool = False) -> torch.Tensor:
+    """``fn(*tensors, *rest)`` (one tensor out), its intermediates dropped and recomputed in the backward,
+    as ``torch.utils.checkpoint`` does, with the forward, the recomputation and the backward's products
+    all under :func:`tf32_products` (``tf32``): a checkpoint alone would run the backward's matmuls
+    outside it. ``rest`` holds what is not differentiated (tensors or not)."""
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        with tf32_products(tf32):
+            return fn(*tensors, *rest)
+    return _Recomputed.apply(fn, tf32, len(tensors), *tensors, *rest)
 
 
 def _zeros_for_none(grads: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]) -> Tensors:

@@ -39,10 +39,9 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from .backend import resolve_backend
-from .chunk_loop import run_chunks, tf32_wanted
+from .chunk_loop import recompute_in_backward, run_chunks, tf32_wanted
 from .titans import (
     TitansMemorySpec,
     TitansState,
@@ -462,21 +461,29 @@ def _mc_chunk_step(spec: TitansMemorySpec, options: MCOptions, track_start: bool
     return (y,), new_carry + (run_sum[:, :, -1], run_count[:, -1])
 
 
-def _read_segment(spec: TitansMemorySpec, options: MCOptions, q, u, k, lv, key_sum, key_count, online, state):
+def _read_segment(spec: TitansMemorySpec, options: MCOptions, q, u, k, lv, key_sum, key_count, online, state,
+                  tf32: bool):
     """The reads of a run of chunks inside one segment (``(B, H, L, .)``, ``lv (B, L)``) from the online
     memory's reads ``online`` and the cache: the cache is constant inside a segment, so every chunk's
     read of it is one batch of matmuls here instead of a per-chunk read inside the loop. Recomputed in
-    the backward (checkpointed): its hidden layers are a cached memory's worth per token."""
+    the backward (its hidden layers are a cached memory's worth per token), with TF32 products for
+    low-precision problems (``tf32``) as inside the loop."""
     run_sum = key_sum[:, :, None] + (k * lv[:, None, :, None]).cumsum(2)
     run_count = key_count[:, None] + lv.to(k.dtype).cumsum(1)
     summary = run_sum / run_count.clamp(min=1)[:, None, :, None]
     names = list(spec.shapes)
-    cached = {n: state.cached[n].to(online.dtype) for n in names}
+    cached = [state.cached[n].to(online.dtype) for n in names]
     if state.cached_valid.shape[1] == 0:
-        return mc_read(spec, options.aggregation, options.ssc_topk, q, u, online, summary, cached,
+        return mc_read(spec, options.aggregation, options.ssc_topk, q, u, online, summary, dict(zip(names, cached)),
                        state.cached_summary(), state.cached_valid)
-    return checkpoint(mc_read, spec, options.aggregation, options.ssc_topk, q, u, online, summary, cached,
-                      state.cached_summary(), state.cached_valid, use_reentrant=False)
+
+    valid = state.cached_valid  # the state moves on (the segment's close) before the backward runs
+
+    def read(q, u, online, summary, cached_summary, *cached):
+        return mc_read(spec, options.aggregation, options.ssc_topk, q, u, online, summary, dict(zip(names, cached)),
+                       cached_summary, valid)
+
+    return recompute_in_backward(read, (q, u, online, summary, state.cached_summary(), *cached), tf32=tf32)
 
 
 def chunk_mc_titans(
@@ -566,7 +573,7 @@ def chunk_mc_titans(
             if outside:
                 seg_of = lambda name: bufs[name][:, :, c0:c1]  # noqa: E731
                 y = _read_segment(spec, options, seg_of("q"), seg_of("u"), seg_of("k"), live[:, c0:c1], key_sum,
-                                  key_count, chunks_last(ys[0]), state)
+                                  key_count, chunks_last(ys[0]), state, tf32_wanted(v))
                 ys = (_segment_chunks(y, width),)
             outputs.append(ys[0])
             W, M = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))

@@ -400,3 +400,24 @@ def test_tf32_policy_is_for_low_precision_cuda_problems_and_restores_the_setting
     with pytest.raises(RuntimeError), tf32_products(True):
         raise RuntimeError("an error inside still restores it")
     assert torch.get_float32_matmul_precision() == before
+
+
+def test_recompute_in_backward_equals_plain_autograd():
+    from mnemo.kernels.chunk_loop import recompute_in_backward
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(4, 5, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = torch.rand(4, 5, generator=gen) > 0.5
+
+    def fn(x, w, mask, power):
+        return ((x * w).masked_fill(mask, 0.0) ** power).sin()
+
+    plain = fn(x, w, mask, 3)
+    got = recompute_in_backward(fn, (x, w), mask, 3)
+    assert type(got.grad_fn).__name__ == "_RecomputedBackward"
+    torch.testing.assert_close(got, plain, rtol=0, atol=0)
+    cot = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (x, w), cot), torch.autograd.grad(plain, (x, w), cot)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.no_grad():
+        assert recompute_in_backward(fn, (x, w), mask, 3).grad_fn is None
