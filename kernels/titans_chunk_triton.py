@@ -49,21 +49,21 @@ def _rank_product(acc, L, R, g, K, M, N, rm, rn, mm, mn, BK: tl.constexpr, PRECI
 
 @triton.jit
 def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's weight, its ``BM x BN`` tile (rows, columns, their masks) and the tile's offsets."""
+    g = tl.program_id(1).to(tl.int64)
     t = tl.program_id(0)
     n_tiles_n = tl.cdiv(N, BN)
     rm = (t // n_tiles_n) * BM + tl.arange(0, BM)
     rn = (t % n_tiles_n) * BN + tl.arange(0, BN)
-    return rm, rn, rm < M, rn < N
+    mm, mn = rm < M, rn < N
+    return g, rm, rn, mm, mn, mm[:, None] & mn[None, :], g * M * N + rm[:, None] * N + rn[None, :]
 
 
 @triton.jit
 def _final_update_kernel(W, S, W_OUT, S_OUT, UW, US, BF, A, B, SA, M, N, K,
                          HAS_S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                          PRECISION: tl.constexpr):
-    g = tl.program_id(1).to(tl.int64)
-    rm, rn, mm, mn = _tile(M, N, BM, BN)
-    mask = mm[:, None] & mn[None, :]
-    offs = g * M * N + rm[:, None] * N + rn[None, :]
+    g, rm, rn, mm, mn, mask, offs = _tile(M, N, BM, BN)
     acc = _rank_product(tl.zeros((BM, BN), tl.float32), UW, BF, g, K, M, N, rm, rn, mm, mn, BK, PRECISION)
     w = tl.load(W + offs, mask=mask, other=0.0)
     out = tl.load(A + g) * w + acc
@@ -79,10 +79,7 @@ def _final_update_kernel(W, S, W_OUT, S_OUT, UW, US, BF, A, B, SA, M, N, K,
 def _final_update_backward_kernel(W, S, DWN, DSN, DW, DS, LW, RW, LS, RS, A, B, SA, PART, M, N, KW, KS,
                                   HAS_S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                                   PRECISION: tl.constexpr):
-    g = tl.program_id(1).to(tl.int64)
-    rm, rn, mm, mn = _tile(M, N, BM, BN)
-    mask = mm[:, None] & mn[None, :]
-    offs = g * M * N + rm[:, None] * N + rn[None, :]
+    g, rm, rn, mm, mn, mask, offs = _tile(M, N, BM, BN)
     part = PART + (g * tl.num_programs(0) + tl.program_id(0)) * 3
     dwn = tl.load(DWN + offs, mask=mask, other=0.0)
     w = tl.load(W + offs, mask=mask, other=0.0)
