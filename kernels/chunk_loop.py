@@ -306,12 +306,22 @@ def graphed_step(step: Step, carry: Tensors, x: Tensors, consts: Tensors, need_x
     return graphed
 
 
-def _forward(step: Step, graphed: GraphedStep | None, carry: Tensors, xs: Tensors, consts: Tensors
-             ) -> tuple[Tensors, Tensors]:
-    """Every chunk from ``carry`` without gradients: their outputs stacked and the final carry."""
-    if graphed is None:
-        return _stretch_step(step, carry, xs, consts)
+def _forward(step: Step, graphed: GraphedStep | None, carry: Tensors, xs: Tensors, consts: Tensors,
+             every: int | None = None) -> tuple[Tensors, Tensors, list[Tensors]]:
+    """Every chunk from ``carry``: their outputs stacked, the final carry and (``every``) the carries after
+    chunks ``every - 1``, ``2 every - 1``, ... before the last."""
     n = xs[0].shape[0]
+    kept: list[Tensors] = []
+    if graphed is None:
+        if not every:
+            return (*_stretch_step(step, carry, xs, consts), kept)
+        parts = []
+        for lo in range(0, n, every):
+            ys, carry = _stretch_step(step, carry, _slice(xs, lo, min(n, lo + every)), consts)
+            parts.append(ys)
+            if lo + every < n:
+                kept.append(carry)
+        return tuple(torch.cat(p) for p in zip(*parts)), carry, kept
     stacked = tuple(t.new_empty((n, *t.shape)) for t in graphed.ys)
     graphed.load(carry, consts=consts)
     for j in range(n):
@@ -320,7 +330,9 @@ def _forward(step: Step, graphed: GraphedStep | None, carry: Tensors, xs: Tensor
         for out, y in zip(stacked, graphed.ys):
             out[j].copy_(y)
         graphed.load(graphed.carry_out)
-    return stacked, tuple(t.clone() for t in graphed.carry)
+        if every and (j + 1) % every == 0 and j + 1 < n:
+            kept.append(tuple(t.clone() for t in graphed.carry))
+    return stacked, tuple(t.clone() for t in graphed.carry), kept
 
 
 def _backward_one(step: Step, graphed: GraphedStep | None, carry: Tensors, x: Tensors, consts_in: Tensors,
@@ -391,7 +403,7 @@ class _ChunkLoop(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, step: Step, n_carry: int, n_xs: int, checkpoint_every: int | None, graphs: bool | None,
-                tf32: bool, unit: int | None, *tensors):
+                tf32: bool, unit: int | None, snapshots: bool, *tensors):
         carry = tensors[:n_carry]
         xs = tensors[n_carry:n_carry + n_xs]
         consts = tensors[n_carry + n_xs:]
@@ -399,7 +411,7 @@ class _ChunkLoop(torch.autograd.Function):
         r = _stretch(n, checkpoint_every)
         u = r if unit is None else max(1, min(unit, r))
         r = -(-r // u) * u
-        need = ctx.needs_input_grad[7:]
+        need = ctx.needs_input_grad[8:]
         need_xs, need_consts = need[n_carry:n_carry + n_xs], need[n_carry + n_xs:]
         stretch = partial(_stretch_step, step)
         graphed: dict[int, GraphedStep | None] = {}
@@ -421,10 +433,13 @@ class _ChunkLoop(torch.autograd.Function):
         ctx.step, ctx.graphed, ctx.r, ctx.u, ctx.n, ctx.tf32 = stretch, graphed, r, u, n, tf32
         ctx.autocast = _autocast_state()
         ctx.sizes = (n_carry, n_xs, len(consts), len(ys))
+        ctx.snapshots = snapshots
         ctx.save_for_backward(*xs, *consts, *(t for c in checkpoints for t in c))
         # An output that is an input object would be taken for the input by autograd.
         carry = tuple(t.clone() if any(t is s for s in tensors) else t for t in carry)
         outputs = ys + carry
+        if snapshots:  # the carries after each stretch but the last: the checkpoints after the first
+            outputs += tuple(t for c in checkpoints[1:] for t in c)
         ctx.mark_non_differentiable(*(t for t in outputs if not _differentiable(t)))
         return outputs
 
@@ -436,14 +451,18 @@ class _ChunkLoop(torch.autograd.Function):
         xs, consts = saved[:n_xs], saved[n_xs:n_xs + n_consts]
         flat = saved[n_xs + n_consts:]
         checkpoints = [flat[i:i + n_carry] for i in range(0, len(flat), n_carry)]
-        d_ys, d_carry = grads[:n_ys], list(grads[n_ys:])
-        need = ctx.needs_input_grad[7:]
+        d_ys, d_carry = grads[:n_ys], list(grads[n_ys:n_ys + n_carry])
+        d_snaps = grads[n_ys + n_carry:]
+        need = ctx.needs_input_grad[8:]
         need_xs, need_consts = need[n_carry:n_carry + n_xs], need[n_carry + n_xs:]
         d_xs = [torch.zeros_like(x) if want else None for x, want in zip(xs, need_xs)]
         d_consts: list[torch.Tensor | None] = [None] * n_consts
         consts_in = tuple(c.detach().requires_grad_(want) for c, want in zip(consts, need_consts))
 
         for s in reversed(range(len(checkpoints))):
+            if ctx.snapshots and s + 1 < len(checkpoints):  # the carry after stretch s is also an output
+                snap = d_snaps[s * n_carry:(s + 1) * n_carry]
+                d_carry = [a if b is None else (b if a is None else a + b) for a, b in zip(d_carry, snap)]
             units = [(lo, min(n, lo + u)) for lo in range(s * r, min(n, (s + 1) * r), u)]
             carries = [checkpoints[s]]
             with torch.no_grad(), _autocast(ctx.autocast), tf32_products(ctx.tf32):
@@ -466,7 +485,7 @@ class _ChunkLoop(torch.autograd.Function):
                         # in place: a cache of memories makes these as large as the carry, once per memory
                         d_consts[i] = g.clone() if d_consts[i] is None else d_consts[i].add_(g)
         d_carry = [g if want else None for g, want in zip(d_carry, need[:n_carry])]
-        return (None, None, None, None, None, None, None, *d_carry, *d_xs, *d_consts)
+        return (None, None, None, None, None, None, None, None, *d_carry, *d_xs, *d_consts)
 
 
 # torch.compile runs the loop as it is (a graph break): traced, every chunk would be unrolled into one
@@ -483,7 +502,8 @@ def run_chunks(
     recompute: bool | None = None,
     tf32: bool = False,
     backward_unit: int | None = None,
-) -> tuple[Tensors, Tensors]:
+    snapshots: bool = False,
+) -> tuple[Tensors, Tensors] | tuple[Tensors, Tensors, list[Tensors]]:
     """Run ``step`` over the chunks of ``xs`` (chunk index first); returns ``(ys, carry)``.
 
     ``ys`` stacks each chunk's outputs along a new first dimension. With gradients,
@@ -500,6 +520,8 @@ def run_chunks(
     ``backward_unit`` is how many chunks the recompute's backward holds under autograd at once:
     ``None`` (a whole stretch: each chunk runs forward twice in all) or ``1`` for steps whose
     intermediates dwarf their carry (Atlas' per-token Muon momenta: three forwards, one chunk held).
+    ``snapshots`` adds a third result: the carries after every stretch but the last (after chunks
+    ``r - 1``, ``2r - 1``, ... with ``r`` the checkpoint spacing), differentiable like the rest.
     """
     carry, xs, consts = tuple(carry), tuple(xs), tuple(consts)
     if not xs or xs[0].shape[0] == 0:
@@ -514,9 +536,18 @@ def run_chunks(
             asked = os.environ.get("MNEMO_CHUNK_RECOMPUTE")
             recompute = asked == "1" if asked in ("0", "1") else _graphs_wanted(tensors, n, graphs)
         if recompute:
-            out = _ChunkLoop.apply(step, len(carry), len(xs), checkpoint_every, graphs, tf32, backward_unit, *tensors)
-            return tuple(out[:len(out) - len(carry)]), tuple(out[len(out) - len(carry):])
+            out = _ChunkLoop.apply(step, len(carry), len(xs), checkpoint_every, graphs, tf32, backward_unit,
+                                   snapshots, *tensors)
+            m = len(carry)
+            n_snap = (-(-n // _stretch(n, checkpoint_every)) - 1) * m if snapshots else 0
+            ys_end = len(out) - m - n_snap
+            ys, carry = tuple(out[:ys_end]), tuple(out[ys_end:ys_end + m])
+            if not snapshots:
+                return ys, carry
+            flat = out[ys_end + m:]
+            return ys, carry, [tuple(flat[i:i + m]) for i in range(0, n_snap, m)]
         graphs = False  # autograd records the loop below: replays would overwrite what it saved
     with tf32_products(tf32):
         graphed = graphed_step(step, carry, _chunk(xs, 0), consts) if _graphs_wanted(tensors, n, graphs) else None
-        return _forward(step, graphed, carry, xs, consts)
+        ys, carry, kept = _forward(step, graphed, carry, xs, consts, _stretch(n, checkpoint_every) if snapshots else None)
+    return (ys, carry, kept) if snapshots else (ys, carry)

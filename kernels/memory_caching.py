@@ -53,6 +53,7 @@ from .titans import (
     resumed_grad_weights,
     static_apply,
     step_titans,
+    _titans_step,
     titans_chunk_operator,
     titans_coefficients,
 )
@@ -486,6 +487,43 @@ def _read_segment(spec: TitansMemorySpec, options: MCOptions, q, u, k, lv, key_s
     return recompute_in_backward(read, (q, u, online, summary, state.cached_summary(), *cached), tf32=tf32)
 
 
+def _segments_in_one_loop(spec: TitansMemorySpec, options: MCOptions, bufs: dict, live: torch.Tensor,
+                          W: dict, M: dict, state: MCState, seg: int, tf32: bool):
+    """Whole segments of whole chunks (the training case, ``checkpoint`` caching, fused chunks): the
+    online memory runs through every chunk in one loop, whose checkpoints sit at the segments' ends
+    and come back as the memories to cache; then each segment reads its cache (:func:`_read_segment`)
+    and closes. A loop per segment paid the host for each segment's loop and its backward.
+    Returns the outputs (chunk first, per segment) and the final weights and momenta; ``state``
+    ends as the per-segment path leaves it."""
+    names = list(spec.shapes)
+    m, C = len(names), options.chunk_size
+    total = live.shape[1]
+    B = live.shape[0]
+    n = total // C
+    xs = [_segment_chunks(bufs[name], C) for name in ("q", "k", "v", "alpha", "eta", "theta")]
+    live_chunks = live.reshape(B, n, C).movedim(1, 0)
+    xs += [live_chunks, torch.zeros(n, B, dtype=torch.bool, device=live.device)]
+    xs += titans_coefficients(*xs[3:6], live_chunks)
+    step = partial(_titans_step, spec, False, True)
+    ys, carry, ends = run_chunks(step, (*(W[n_] for n_ in names), *(M[n_] for n_ in names)), xs, (),
+                                 checkpoint_every=seg // C, tf32=tf32, snapshots=True)
+    ends.append(carry)
+    online = chunks_last(ys[0])
+    outputs = []
+    key_sum, key_count = state.key_sum.to(online.dtype), state.key_count.to(online.dtype)
+    for i, s0 in enumerate(range(0, total, seg)):
+        s1 = s0 + seg
+        k_seg, lv = bufs["k"][:, :, s0:s1], live[:, s0:s1]
+        y = _read_segment(spec, options, bufs["q"][:, :, s0:s1], bufs["u"][:, :, s0:s1], k_seg, lv, key_sum,
+                          key_count, online[:, :, s0:s1], state, tf32)
+        outputs.append(_segment_chunks(y, C))
+        state.key_sum = key_sum + (k_seg * lv[:, None, :, None]).sum(2)
+        state.key_count = key_count + lv.to(key_count.dtype).sum(1)
+        state.push(live[:, s1 - 1], dict(zip(names, ends[i][:m])))
+        key_sum, key_count = state.key_sum, state.key_count
+    return outputs, dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
+
+
 def chunk_mc_titans(
     spec: TitansMemorySpec,
     options: MCOptions,
@@ -539,7 +577,14 @@ def chunk_mc_titans(
     chunk_start = stored
     outputs = []
     key_sum, key_count = state.key_sum.to(dtype), state.key_count.to(dtype)
-    for s0 in range(0, total, seg):
+    fused = fused_chunks(spec) and options.aggregation != "soup"
+    if (fused and S_seg and options.cache_mode == "checkpoint" and seg % C == 0 and total > seg
+            and not any_resumed and not track_start):
+        outputs, W, M = _segments_in_one_loop(spec, options, bufs, live, W, M, state, seg, tf32_wanted(v))
+        segments = ()
+    else:
+        segments = range(0, total, seg)
+    for s0 in segments:
         if options.cache_mode == "independent" and S_seg:
             starts = live[:, s0] & (state.seen + (s0 - shift) > 0)
             r = starts[:, None, None, None]
@@ -561,7 +606,6 @@ def chunk_mc_titans(
             use_stored = resumed[None] & (shift[None] >= lo) & (shift[None] < lo + width)
             with_stored = any_resumed and s0 == 0
             xs.append(use_stored)
-            fused = fused_chunks(spec) and options.aggregation != "soup"
             if fused:
                 xs += titans_coefficients(*xs[4:8])
             carry = (*(W[n] for n in names), *(M[n] for n in names), *(chunk_start if track_start else ()),

@@ -421,3 +421,67 @@ def test_recompute_in_backward_equals_plain_autograd():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     with torch.no_grad():
         assert recompute_in_backward(fn, (x, w), mask, 3).grad_fn is None
+
+
+@pytest.mark.parametrize("loop_mode", ["plain", "recompute", "replayed"])
+@pytest.mark.parametrize("every", [2, 3, 7])
+def test_snapshots_are_the_carries_at_stretch_ends_with_their_gradients(every, loop_mode, request):
+    if loop_mode == "replayed":
+        request.getfixturevalue("replay_on_cpu")
+    h0, kept, inp, mask, w = toy_inputs()
+    carry, ys, plain_snaps = (h0, kept), [], []
+    for j in range(N):
+        y, carry = toy_step(carry, (inp[j], mask[j]), (w,))
+        ys.append(y)
+        if (j + 1) % every == 0 and j + 1 < N:
+            plain_snaps.append(carry)
+    plain_ys = tuple(torch.stack(t) for t in zip(*ys))
+
+    def loss(ys, carry, snaps):
+        return toy_loss(ys, carry) + sum((s[0] * (i + 2)).sin().sum() for i, s in enumerate(snaps))
+
+    expected = torch.autograd.grad(loss(plain_ys, carry, plain_snaps), (h0, kept, inp, w))
+    recompute = {"plain": False, "recompute": True, "replayed": None}[loop_mode]
+    got_ys, got_carry, snaps = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=every,
+                                          recompute=recompute, snapshots=True)
+    assert len(snaps) == len(plain_snaps) == -(-N // every) - 1
+    for a, b in zip([t for s in snaps for t in s], [t for s in plain_snaps for t in s]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    got = torch.autograd.grad(loss(got_ys, got_carry, snaps), (h0, kept, inp, w))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        free = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=every, snapshots=True)[2]
+    for a, b in zip([t for s in free for t in s], [t for s in plain_snaps for t in s]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("agg", ["grm", "ssc", "residual", "mean"])
+def test_mc_titans_whole_segments_run_in_one_loop_and_equal_the_reference(agg, loop_mode, monkeypatch):
+    """Whole segments of whole chunks take one chunk loop whose checkpoints are the cached memories
+    (memory_caching._segments_in_one_loop); two calls of whole segments equal one reference run."""
+    from mnemo.kernels import memory_caching
+
+    taken = []
+    original = memory_caching._segments_in_one_loop
+    monkeypatch.setattr(memory_caching, "_segments_in_one_loop", lambda *a: taken.append(1) or original(*a))
+    spec, Tn = SPECS["clipped"], 24
+    gen = torch.Generator().manual_seed(8)
+    init = {n: (torch.randn(H, *s, generator=gen, dtype=torch.float64) * 0.5).requires_grad_()
+            for n, s in spec.shapes.items()}
+    q, k, v, u = (torch.randn(B, Tn, H, DK, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(4))
+    alpha = (torch.rand(B, Tn, H, generator=gen, dtype=torch.float64) * 0.5 + 0.5).requires_grad_()
+    eta, theta = (torch.rand(B, Tn, H, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    xs = (q, k, v, u, alpha, eta, theta)
+    leaves = [*xs, *init.values()]
+    opts = MCOptions(segment_size=6, aggregation=agg, ssc_topk=1, chunk_size=3)
+    weight = torch.randn(B, Tn, H, DK, generator=gen, dtype=torch.float64)
+    ref = reference_mc_titans(spec, opts, *xs, init)
+    expected = grads((ref * weight).sum(), leaves)
+    o1, state = chunk_mc_titans(spec, opts, *(x[:, :12] for x in xs), init, MCState.initial(init, B, DK))
+    o2, _ = chunk_mc_titans(spec, opts, *(x[:, 12:] for x in xs), init, state)
+    assert len(taken) == 2
+    out = torch.cat([o1, o2], 1)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for a, b in zip(grads((out * weight).sum(), leaves), expected):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
