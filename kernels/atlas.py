@@ -267,6 +267,24 @@ class MuonChunk:
         return ({n: w[:, :, -1] for n, w in self.weights.items()}, {n: s[:, :, -1] for n, s in self.momenta.items()})
 
 
+def atlas_coefficients(optimizer: str, inside: torch.Tensor, gamma, alpha, lr, mom, live) -> tuple[torch.Tensor, ...]:
+    """:func:`~.titans_chunk.chunk_memory`'s coefficients for every chunk at once (chunk first: window
+    ``gamma (n, B, H, C + c - 1)``, gates ``(n, B, H, C)``, ``live (n, B, C)``, the window band
+    ``inside (C, C + c - 1)``): ``a, b, c, sa_last, sc_last`` (the momentum's unused for ``gd``).
+    One batch of small ops before the chunk loop instead of a few dozen per chunk."""
+    n, B = alpha.shape[:2]
+    flat = lambda x: x.reshape(n * B, *x.shape[2:])  # noqa: E731
+    gamma, alpha, lr, mom, lv = (flat(x) for x in (gamma, alpha, lr, mom, live))
+    band = inside[None, None] * gamma[:, :, None, :] * lv[:, None, :, None]
+    one, zero = torch.ones_like(alpha), torch.zeros_like(alpha)
+    lvh = lv[:, None, :]
+    gates = dict(band=band, dM=torch.where(lvh, alpha, one), gm=torch.where(lvh, -lr, zero))
+    if optimizer != "gd":
+        gates.update(dS=torch.where(lvh, mom, one), gs=torch.where(lvh, one, zero))
+    a, b, c, sa, sc = chunk_coefficients(**gates)
+    return tuple(x.reshape(n, B, *x.shape[1:]) for x in (a, b, c, sa[..., -1], sc[..., -1, :]))
+
+
 def _atlas_chunk_step(spec: TitansMemorySpec, optimizer: str, ns_steps: int, track_start: bool, n_extra: int,
                       fused: bool, with_stored: bool, read, carry, x, consts):
     """One inner chunk of :func:`chunk_atlas` as a :func:`~.chunk_loop.run_chunks` step.
@@ -274,7 +292,7 @@ def _atlas_chunk_step(spec: TitansMemorySpec, optimizer: str, ns_steps: int, tra
     ``carry``: weights, (not ``gd``) momenta and (``track_start``) chunk-start weights, in
     ``spec.shapes`` order. ``x``: the chunk's ``q`` ``(B, H, C, d_k)``, its window ``k, v, gamma``
     (``C + c - 1`` tokens), ``alpha, lr, momentum`` ``(B, H, C)``, ``live (B, C)``, ``stops (B,)``
-    and ``n_extra`` read inputs. ``consts``: the window band ``(C, C + c - 1)``, the read's
+    ``n_extra`` read inputs and, ``fused``, the chunk's :func:`atlas_coefficients`. ``consts``: the window band ``(C, C + c - 1)``, the read's
     constants, then (``with_stored``) ``use_stored (B,)`` and the stored chunk-start weights.
     ``fused`` (``gd`` and ``momentum`` without a read of their own): chunks whose gradients are
     taken at the carried weights run through :func:`~.titans_chunk.chunk_memory`.
@@ -295,11 +313,8 @@ def _atlas_chunk_step(spec: TitansMemorySpec, optimizer: str, ns_steps: int, tra
     dM = torch.where(lvh, alpha, one)
     gm = torch.where(lvh, -lr, zero)
     if fused and not with_stored:
-        gd = optimizer == "gd"
-        a, b, c, sa, sc = chunk_coefficients(band, dM, gm, *(() if gd else (torch.where(lvh, mom, one),
-                                                                               torch.where(lvh, one, zero))))
-        y, W, S = chunk_memory(spec, W, S, q, k, v, a, b, c, sa[..., -1], sc[..., -1, :])
-        new_carry = tuple(W[n] for n in names) + (() if gd else tuple(S[n] for n in names))
+        y, W, S = chunk_memory(spec, W, S, q, k, v, *x[9 + n_extra:])
+        new_carry = tuple(W[n] for n in names) + (() if optimizer == "gd" else tuple(S[n] for n in names))
         if track_start:
             new_carry += next_chunk_start(stops, grad_w, carry[len(carry) - m:])
         return (y,), new_carry
@@ -412,6 +427,8 @@ def chunk_atlas(
     pos = torch.arange(C + pre, device=device)
     t_pos, i_pos = pos[pre:], pos
     inside = (i_pos[None, :] <= t_pos[:, None]) & (t_pos[:, None] <= i_pos[None, :] + c - 1)  # (C, C + c - 1)
+    if fused:
+        xs += atlas_coefficients(optimizer, inside, *xs[3:8])
     read_consts = tuple(read_consts)
     # A read of cached memories brings a new closure and a cache one memory larger on every segment:
     # each call would be a new graph capture, so such chunks run uncaptured.
