@@ -183,7 +183,9 @@ def test_hand_written_chunks_equal_autograd_over_the_operator_at_real_shapes(nam
     plain = output_and_grads(make(spec), inputs)
     # float32: the momentum gate's gradient is a sum of cancelling terms, 3e-4 / 4e-4 from float64 on
     # either path (fused / autograd, CPU, Atlas momentum 16 x 64, T=256); everything else is within 2e-6.
-    bound = 1e-3 if dtype == torch.float32 else 1e-2
+    # TF32: the gates' gradients sit 3e-2 to 5e-2 from float64 on either path (Atlas momentum 16 x 64 on an
+    # H100: retention 3.4e-2 / 3.2e-2, momentum 4.7e-2 / 4.5e-2, fused / autograd); the paths differ by 1.2e-2.
+    bound = 1e-3 if dtype == torch.float32 else 3e-2
     for i, (a, b) in enumerate(zip(fused, plain)):
         err = ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
         assert err < bound, (i, err)
