@@ -9,23 +9,17 @@ and stage count; beside the PyTorch versions and a plain copy of ``W, S`` (the b
 from __future__ import annotations
 
 import itertools
-import time
 
 import torch
+from bench_layers import bench
 
 import mnemo.kernels.titans_chunk_triton as K
 from mnemo.kernels.titans_chunk import _final_update_backward_torch, _final_update_torch
 
 
-def timed(fn, n=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e6
+def timed(fn) -> float:
+    """Microseconds per call (``bench_layers.bench`` reports milliseconds)."""
+    return bench(fn, warmup=3, iters=20) * 1e3
 
 
 def main():

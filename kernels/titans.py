@@ -134,7 +134,11 @@ def grad_factors(spec: TitansMemorySpec, weights: dict[str, torch.Tensor], k: to
     return clip_rank_one(factors, spec.grad_clip)
 
 
-def _raw_grad_factors(spec: TitansMemorySpec, weights: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor):
+def _raw_grad_factors(spec: TitansMemorySpec, weights: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                      keep: dict | None = None):
+    """The unclipped factors; ``keep`` (non-gated MLPs) receives the hidden layer's pre-activation
+    ``pre``, its gradient ``back`` and the activation's slope ``slope``, which a hand-written
+    backward (:mod:`.titans_chunk`) reuses."""
     apply = static_apply(weights)
 
     def d_loss(prediction):  # dL/dM(k)
@@ -155,7 +159,10 @@ def _raw_grad_factors(spec: TitansMemorySpec, weights: dict[str, torch.Tensor], 
         factors["w2"] = (back * pre3 * gelu_derivative(pre2), k)
         factors["w3"] = (back * act, k)
     else:
-        factors["w2"] = (back * gelu_derivative(pre2), k)
+        slope = gelu_derivative(pre2)
+        factors["w2"] = (back * slope, k)
+        if keep is not None:
+            keep.update(pre=pre2, back=back, slope=slope)
     return factors
 
 

@@ -187,24 +187,13 @@ class _Grads:
         self.uses = {(group, n): [] for group in ("W", "S") for n in names}
 
 
-def _factors(spec, W, q, k, v):
-    """The gradient factors ``{name: (A, B)}`` at ``W`` and what their backward needs."""
-    err_of = (lambda pred: 2 * (pred - v)) if spec.objective == "l2" else (lambda pred: -v)
-    if spec.depth == 1:
-        pred = k @ _t(W["w"]) if spec.objective == "l2" else None
-        return {"w": (err_of(pred), k)}, {}
-    pre = k @ _t(W["w2"])
-    act = F.gelu(pre)
-    pred = None
-    if spec.objective == "l2":
-        pred = (k @ _t(W["w0"]) if spec.linear_skip else k) + act @ _t(W["w1"])
-    err = err_of(pred)
-    back = err @ W["w1"]
-    slope = gelu_derivative(pre)
-    factors = {"w1": (err, act), "w2": (back * slope, k)}
-    if spec.linear_skip:
-        factors["w0"] = (err, k)
-    return factors, {"pre": pre, "back": back, "slope": slope}
+def _factors(spec, W, k, v):
+    """The gradient factors ``{name: (A, B)}`` at ``W`` (the same definition as every other path) and
+    the intermediates their backward needs."""
+    from .titans import _raw_grad_factors  # the module imports this one
+
+    inner: dict = {}
+    return _raw_grad_factors(spec, W, k, v, keep=inner), inner
 
 
 def _unpack(spec, momentum, m, tensors):
@@ -241,7 +230,7 @@ class _ChunkMemory(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, momentum, m, *tensors):
         names, W, S, q, k, v, a, b, c, sa_last, sc_last = _unpack(spec, momentum, m, tensors)
-        factors, inner = _factors(spec, W, q, k, v)
+        factors, inner = _factors(spec, W, k, v)
         if spec.grad_clip is not None:
             inner["raw"] = {n: A for n, (A, _) in factors.items()}
             factors = clip_rank_one(factors, spec.grad_clip)
