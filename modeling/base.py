@@ -19,7 +19,7 @@ from .gates import GateProjection
 from .generation import MnemoGenerationMixin, graphed_decode_step
 from .normalization import RMSNorm
 from .short_conv import ShortConvolution
-from .outputs import MnemoCausalLMOutput, MnemoModelOutput
+from .outputs import MnemoCausalLMOutput, MnemoModelOutput, cache_field, resolve_cache_kwarg
 from .stack import causal_lm_forward, decoder_forward
 
 
@@ -78,12 +78,14 @@ class MnemoDecoderMixin:
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        cache: MnemoCache | None = None,
         **kwargs,
     ) -> MnemoModelOutput | tuple:
+        """``cache`` and ``past_key_values`` are the same argument (transformers' new and old names)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         out = decoder_forward(
-            self, input_ids, attention_mask, past_key_values, inputs_embeds, position_ids, use_cache,
-            output_hidden_states,
+            self, input_ids, attention_mask, resolve_cache_kwarg(cache, past_key_values), inputs_embeds,
+            position_ids, use_cache, output_hidden_states,
         )
         return out if return_dict else out.to_tuple()
 
@@ -130,18 +132,21 @@ class MnemoCausalLMMixin(MnemoGenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        cache: MnemoCache | None = None,
         **kwargs,
     ) -> MnemoCausalLMOutput | tuple:
-        """With ``labels``, ``loss`` is the LM loss plus ``aux_loss_coef * aux_loss`` where the family has one."""
+        """With ``labels``, ``loss`` is the LM loss plus ``aux_loss_coef * aux_loss`` where the family has one.
+        ``cache`` and ``past_key_values`` are the same argument (transformers' new and old names)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        logits = graphed_decode_step(self, input_ids, past_key_values, inputs_embeds, labels, output_hidden_states)
+        cache = resolve_cache_kwarg(cache, past_key_values)
+        logits = graphed_decode_step(self, input_ids, cache, inputs_embeds, labels, output_hidden_states)
         if logits is not None:  # generate(cuda_graph=True): the step replayed, the cache advanced in place
-            out = MnemoCausalLMOutput(logits=logits, past_key_values=past_key_values)
+            out = MnemoCausalLMOutput(logits=logits, **cache_field(cache))
             return out if return_dict else out.to_tuple()
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             position_ids=position_ids,
             use_cache=use_cache,

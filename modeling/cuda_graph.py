@@ -44,7 +44,7 @@ class DecodeGraph:
 
     Built after the prefill, for the cache's batch size. ``__call__(input_ids)``
     advances the cache by one token per row and returns the step's logits
-    ``(B, 1, V)``, as ``model(input_ids, past_key_values=cache).logits`` would.
+    ``(B, 1, V)``, as ``model(input_ids, cache=cache).logits`` would.
     """
 
     def __init__(self, model, cache: MnemoCache, *, capture: bool | None = None) -> None:
@@ -75,7 +75,7 @@ class DecodeGraph:
         for layer in self.cache:
             layer.in_place = True  # the buffers are this graph's own: layers may write them where they lie
         try:
-            logits = self.model(self.input_ids, past_key_values=self.cache, use_cache=True).logits
+            logits = self.model(self.input_ids, cache=self.cache, use_cache=True).logits
         finally:
             self.cache.decode_graphs = requested
             for layer in self.cache:

@@ -14,6 +14,7 @@ from transformers import GenerationMixin
 
 from .cache import MnemoCache
 from .cuda_graph import DecodeGraph, check_decode_graph_support
+from .outputs import CACHE_NAME, resolve_cache_kwarg
 
 
 def check_attention_mask(attention_mask: torch.Tensor | None, batch: int, total_length: int) -> None:
@@ -64,9 +65,10 @@ class MnemoGenerationMixin(GenerationMixin):
         if kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1) > 1:
             raise ValueError("cuda_graph=True decodes greedily or by sampling: beam search reorders the cache "
                              "every step, which a captured step cannot follow")
-        cache = kwargs.get("past_key_values")
+        cache = resolve_cache_kwarg(kwargs.pop("cache", None), kwargs.pop("past_key_values", None))
         if cache is None:
-            cache = kwargs["past_key_values"] = MnemoCache(self.config.num_hidden_layers)
+            cache = MnemoCache(self.config.num_hidden_layers)
+        kwargs[CACHE_NAME] = cache
         if not isinstance(cache, MnemoCache):
             raise ValueError(f"cuda_graph=True needs a MnemoCache, got {type(cache).__name__}")
         cache.decode_graphs = True
@@ -88,8 +90,11 @@ class MnemoGenerationMixin(GenerationMixin):
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool = True,
         next_sequence_length: int | None = None,
+        cache: MnemoCache | None = None,
         **kwargs: Any,
     ) -> dict[str, Any]:
+        """The model's inputs for the next step, the cache under the name ``generate()`` reads back."""
+        past_key_values = resolve_cache_kwarg(cache, past_key_values)
         seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         if seen == 0 and attention_mask is not None:
             check_left_padding(attention_mask)
@@ -109,7 +114,7 @@ class MnemoGenerationMixin(GenerationMixin):
             inputs = {"input_ids": None, "inputs_embeds": inputs_embeds}
         for key in ("is_first_iteration", "labels", "cache_position", "position_ids"):
             kwargs.pop(key, None)
-        inputs.update(past_key_values=past_key_values, attention_mask=attention_mask, use_cache=use_cache)
+        inputs.update({CACHE_NAME: past_key_values}, attention_mask=attention_mask, use_cache=use_cache)
         inputs.update(kwargs)
         return inputs
 

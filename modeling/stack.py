@@ -13,7 +13,7 @@ from torch import nn
 
 from .cache import MnemoCache
 from .generation import check_attention_mask
-from .outputs import MnemoCausalLMOutput, MnemoModelOutput
+from .outputs import MnemoCausalLMOutput, MnemoModelOutput, cache_field
 
 
 class PackedDocuments:
@@ -129,7 +129,7 @@ def decoder_forward(
             layer_cache.seen_tokens += T
     return MnemoModelOutput(
         last_hidden_state=hidden_states,
-        past_key_values=cache,
+        **cache_field(cache),
         hidden_states=all_hidden,
         aux_loss=torch.stack(aux_losses).mean() if aux_losses else None,
     )
@@ -155,7 +155,7 @@ def causal_lm_forward(
     return MnemoCausalLMOutput(
         loss=loss,
         logits=logits,
-        past_key_values=outputs.past_key_values,
+        **cache_field(outputs.cache),
         hidden_states=outputs.hidden_states,
         aux_loss=outputs.aux_loss,
     )
