@@ -66,10 +66,11 @@ def supports(key_dim: int, value_dim: int, chunk_size: int) -> bool:
 
 if triton is not None:
 
-    # Rows of the per-(chunk, head) factor table ``ROWS`` ``(n_chunks, H, 4, C)``, float32: ``Qd = q * QS``,
-    # ``Kd = k * KS`` (raw packed ``q, k``; L2 norm, scale and decay folded in), and the decays alone,
-    # ``EG = e^G`` and ``ER = e^{G_last - G}``, that turn ``dQd, dKd`` into gradients of ``q^, k^``.
-    _QS, _KS, _EG, _ER = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+    # Rows of the per-(chunk, head) factor table ``ROWS`` ``(n_chunks, H, N_ROWS, C)``, float32: ``Qd = q * QS``,
+    # ``Kd = k * KS`` (raw packed ``q, k``; L2 norm, scale and decay folded in), the decays alone,
+    # ``EG = e^G`` and ``ER = e^{G_last - G}``, that turn ``dQd, dKd`` into gradients of ``q^, k^``, and
+    # ``WS = beta e^G r_k``, with which the backward recomputes ``W = T (k * WS)`` instead of saving it.
+    _QS, _KS, _EG, _ER, _WS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3), tl.constexpr(4)
 
     # Tile helpers. ``r`` indexes a chunk's rows (``tl.arange(0, C)``); ``kk`` / ``vv`` a block of key /
     # value columns with ``K`` / ``V`` the true sizes (masks cover padded head dimensions).
@@ -116,8 +117,8 @@ if triton is not None:
 
     @triton.jit
     def _row_factor(ROWS, ch, which, r, C: tl.constexpr):
-        """One of a (chunk, head)'s per-row factors saved by the intra-chunk kernel (``_QS ... _ER``)."""
-        return tl.load(ROWS + (ch * 4 + which) * C + r)
+        """One of a (chunk, head)'s per-row factors saved by the intra-chunk kernel (``_QS ... _WS``)."""
+        return tl.load(ROWS + (ch * 5 + which) * C + r)
 
     @triton.jit
     def _decayed(X, ROWS, which, c, ch, CH_START, CH_LEN, r, kk, H, i_h, K, C: tl.constexpr):
@@ -181,7 +182,7 @@ if triton is not None:
             u_t = tl.load(U + ch * C * V + cv_t, mask=cv_mask_t, other=0.0)
             d_t = u_t - _mm(s_t, _rows_t(W + ch * C * K, r, kk, K), PRECISION)
             if SAVE:
-                tl.store(D + ch * C * V + cv_t, d_t, mask=cv_mask_t)
+                tl.store(D + ch * C * V + cv_t, d_t.to(D.dtype.element_ty), mask=cv_mask_t)
             else:
                 # O^T = S^T Qd^T + D^T P^T, straight into the packed token layout
                 o_t = _mm(s_t, _decayed_t(Q, ROWS, _QS, c, ch, CH_START, CH_LEN, r, kk, H, i_h, K, C), PRECISION)
@@ -208,7 +209,7 @@ if triton is not None:
         s_ptr, s_mask = _kv(STATES + ch * K * V, kk, vv, K, V)
         qd = _decayed(Q, ROWS, _QS, c, ch, CH_START, CH_LEN, r, kk, H, i_h, K, C)
         o = _mm(qd, tl.load(s_ptr, mask=s_mask, other=0.0).to(tl.float32), PRECISION)
-        o += _mm(_rows(P + ch * C * C, r, r, C), _rows(D + ch * C * V, r, vv, V), PRECISION)
+        o += _mm(_rows(P + ch * C * C, r, r, C), _rows(D + ch * C * V, r, vv, V).to(tl.float32), PRECISION)
         o_off, o_mask = _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V)
         tl.store(O + o_off, o.to(O.dtype.element_ty), mask=o_mask)
 
@@ -229,9 +230,9 @@ if triton is not None:
             vv = vb * BV + tl.arange(0, BV)
             o_off, o_mask = _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V)
             do = tl.load(DO + o_off, mask=o_mask, other=0.0).to(tl.float32)
-            tl.store(DD_OUT + ch * C * V + r[:, None] * V + vv[None, :], _mm(p_t, do, PRECISION),
-                     mask=(r[:, None] >= 0) & (vv[None, :] < V))
-            dp += _mm(do, _rows_t(D + ch * C * V, r, vv, V), PRECISION)
+            tl.store(DD_OUT + ch * C * V + r[:, None] * V + vv[None, :],
+                     _mm(p_t, do, PRECISION).to(DD_OUT.dtype.element_ty), mask=(r[:, None] >= 0) & (vv[None, :] < V))
+            dp += _mm(do, _rows_t(D + ch * C * V, r, vv, V).to(tl.float32), PRECISION)
         tl.store(DP + ch * C * C + r[:, None] * C + r[None, :], dp)
 
     @triton.jit
@@ -261,9 +262,9 @@ if triton is not None:
             c = c_end - 1 - j
             ch = c * H + i_h
             tl.store(DS_NEXT + ch * K * V + s_off, ds.to(DS_NEXT.dtype.element_ty), mask=s_mask)
-            dd = tl.load(DD + ch * C * V + cv, mask=cv_mask, other=0.0)
+            dd = tl.load(DD + ch * C * V + cv, mask=cv_mask, other=0.0).to(tl.float32)
             dd += _mm(_decayed(K_, ROWS, _KS, c, ch, CH_START, CH_LEN, r, kk, H, i_h, K, C), ds, PRECISION)
-            tl.store(DD + ch * C * V + cv, dd, mask=cv_mask)
+            tl.store(DD + ch * C * V + cv, dd.to(DD.dtype.element_ty), mask=cv_mask)
             o_off, o_mask = _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V)
             do = tl.load(DO + o_off, mask=o_mask, other=0.0).to(tl.float32)
             qd_t = _decayed_t(Q, ROWS, _QS, c, ch, CH_START, CH_LEN, r, kk, H, i_h, K, C)
@@ -274,14 +275,19 @@ if triton is not None:
 
     @triton.jit
     def _state_grads_kernel(
-        DO, DD, D, STATES, DS_NEXT, ROWS, DW, DQ, DK, DGAMMA_PART, CH_START, CH_LEN, H, K, V,
+        DO, DD, D, STATES, DS_NEXT, ROWS, Q, K_, DW, DQ, DK, RHO_Q, RHO_K, DGAMMA_PART, CH_START, CH_LEN,
+        H, K, V,
         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """The gradients that pair a chunk's state with its rows, one (chunk, head, block of key
         columns), summed over the value columns: ``dW = -dD S^T``, ``dQd = dO S^T``, ``dKd = D dS'^T``
         and this block's share of ``dgamma = sum(S * dS')``. ``dQd`` and ``dKd`` leave as the
         gradients of the normalised ``q^, k^`` that they imply (``Qd = q^ e^G``, ``Kd = k^ e^{G_last - G}``),
-        written into the packed float32 buffers ``DQ, DK`` that the intra-chunk backward completes."""
+        for the intra-chunk backward to complete, each split into its part along this block of the raw
+        row (coefficient ``RHO_*``, float32, one per row and block) and the rest (``DQ, DK``, which are
+        bf16 for bf16 problems). The L2 norm's backward takes out the part along the row, and these
+        gradients point mostly along it: rounded whole, their bf16 error was of the size of what remains
+        (dk 4.5e-3 -> 8.2e-3 relative RMS against float64 at d_k = 130); split, only the rest is rounded."""
         c = tl.program_id(0).to(tl.int64)
         i_h = tl.program_id(1)
         i_k = tl.program_id(2)
@@ -299,17 +305,46 @@ if triton is not None:
             n_t = tl.load(DS_NEXT + st_off, mask=st_mask, other=0.0).to(tl.float32)
             o_off, o_mask = _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V)
             do = tl.load(DO + o_off, mask=o_mask, other=0.0).to(tl.float32)
-            dw -= _mm(_rows(DD + ch * C * V, r, vv, V), s_t, PRECISION)
+            dw -= _mm(_rows(DD + ch * C * V, r, vv, V).to(tl.float32), s_t, PRECISION)
             dqd += _mm(do, s_t, PRECISION)
-            dkd += _mm(_rows(D + ch * C * V, r, vv, V), n_t, PRECISION)
+            dkd += _mm(_rows(D + ch * C * V, r, vv, V).to(tl.float32), n_t, PRECISION)
             dgamma += tl.sum(s_t * n_t, axis=0)
         out = ch * C * K + r[:, None] * K + kk[None, :]
         out_mask = (r[:, None] >= 0) & (kk[None, :] < K)
-        tl.store(DW + out, dw, mask=out_mask)
+        tl.store(DW + out, dw.to(DW.dtype.element_ty), mask=out_mask)
         tok_off, tok_mask = _token_tile(c, CH_START, CH_LEN, r, kk, H, i_h, K)
-        tl.store(DQ + tok_off, dqd * _row_factor(ROWS, ch, _EG, r, C)[:, None], mask=tok_mask)
-        tl.store(DK + tok_off, dkd * _row_factor(ROWS, ch, _ER, r, C)[:, None], mask=tok_mask)
+        rho_off = ((tl.load(CH_START + c).to(tl.int64) + r) * H + i_h) * tl.num_programs(2) + i_k
+        rho_mask = r < tl.load(CH_LEN + c)
+        _split_along_row(Q, DQ, RHO_Q, dqd * _row_factor(ROWS, ch, _EG, r, C)[:, None], tok_off, tok_mask, rho_off,
+                         rho_mask)
+        _split_along_row(K_, DK, RHO_K, dkd * _row_factor(ROWS, ch, _ER, r, C)[:, None], tok_off, tok_mask, rho_off,
+                         rho_mask)
         tl.store(DGAMMA_PART + ch * tl.num_programs(2) + i_k, tl.sum(dgamma, axis=0))
+
+    @triton.jit
+    def _split_along_row(X, DX, RHO, dx, off, mask, rho_off, rho_mask):
+        """Store ``dx`` ``(C, BK)`` as ``rho`` (per row) times the raw rows ``X`` plus the rest, ``DX``."""
+        x = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)
+        rho = tl.sum(x * dx, axis=1) / tl.maximum(tl.sum(x * x, axis=1), 1e-30)
+        tl.store(DX + off, (dx - rho[:, None] * x).to(DX.dtype.element_ty), mask=mask)
+        tl.store(RHO + rho_off, rho, mask=rho_mask)
+
+    @triton.jit
+    def _w_kernel(
+        K_, TINV, ROWS, W, CH_START, CH_LEN, H, K,
+        C: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """``W = T (k * WS)`` of one (chunk, head, block of key columns), from the saved ``(I + A)^-1``,
+        the packed ``k`` and its row factor: the backward scan's one use of ``W`` recomputes it rather
+        than keep it from the forward (a float32 ``(chunks, H, C, d_k)`` tensor less between the two)."""
+        c = tl.program_id(0).to(tl.int64)
+        i_h = tl.program_id(1)
+        ch = c * H + i_h
+        r = tl.arange(0, C)
+        kk = tl.program_id(2) * BK + tl.arange(0, BK)
+        t = tl.load(TINV + ch * C * C + r[:, None] * C + r[None, :])
+        w = _mm(t, _decayed(K_, ROWS, _WS, c, ch, CH_START, CH_LEN, r, kk, H, i_h, K, C), PRECISION)
+        tl.store(W + ch * C * K + r[:, None] * K + kk[None, :], w, mask=(r[:, None] >= 0) & (kk[None, :] < K))
 
     @triton.jit
     def _chunk_program(CH_START, CH_LEN, H, C: tl.constexpr):
@@ -408,12 +443,13 @@ if triton is not None:
             tl.store(U + chh * C * V + r[:, None] * V + cols[None, :], u.to(U.dtype.element_ty), mask=(r[:, None] >= 0) & (cols[None, :] < V))
         e_g = tl.exp(G_cum)
         e_rest = tl.exp(G_last - G_cum)
-        rows = ROWS + chh * 4 * C + r
+        w_scale = beta * e_g * rk
+        rows = ROWS + chh * 5 * C + r
         tl.store(rows + _QS * C, rq * e_g)
         tl.store(rows + _KS * C, rk * e_rest)
         tl.store(rows + _EG * C, e_g)
         tl.store(rows + _ER * C, e_rest)
-        w_scale = beta * e_g * rk
+        tl.store(rows + _WS * C, w_scale)
         for kb in range(NK):
             cols = kb * BK + tl.arange(0, BK)
             m = valid[:, None] & (cols[None, :] < K)
@@ -525,15 +561,16 @@ if triton is not None:
     @triton.jit
     def _intra_backward_rows_kernel(
         Q, K_, G, BETA, CH_START, CH_LEN, TINV, DW, DGAMMA, SYM, MPE, ROWB,
-        DQ, DK, DQ_OUT, DK_OUT, DG,
+        DQ, DK, RHO_Q, RHO_K, DQ_SUM, DK_SUM, DQ_OUT, DK_OUT, DG,
         H, K, scale, eps,
-        C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
+        C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, RHO_BK: tl.constexpr, RHO_NK: tl.constexpr,
         HAS_G: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """The second half, one (chunk, head): the gradients of ``q, k`` and ``g``, from the matrices of
-        :func:`_intra_backward_matrices_kernel`. ``DQ, DK`` (packed, float32) enter holding the gradients
-        of ``q^, k^`` through ``Qd, Kd`` (from the state-gradient kernel) and are completed in place
-        before the normalisation's backward writes ``dq, dk`` in the inputs' dtype."""
+        :func:`_intra_backward_matrices_kernel`. ``DQ, DK`` and ``RHO_*`` enter holding the gradients of
+        ``q^, k^`` through ``Qd, Kd`` as the state-gradient kernel split them (``RHO_BK`` its block of
+        columns); they are completed in the packed float32 ``DQ_SUM, DK_SUM`` before the normalisation's
+        backward writes ``dq, dk`` in the inputs' dtype (any of these buffers may be one and the same)."""
         ch, i_h, chh, r, valid, tok = _chunk_program(CH_START, CH_LEN, H, C)
         g, beta, G_cum, G_last = _chunk_gates(G, BETA, tok, H, i_h, valid, C, HAS_G)
         e_g = tl.exp(G_cum)
@@ -555,6 +592,7 @@ if triton is not None:
         # gradients are the row dots with q^, k^.
         q_dot = tl.zeros([C], dtype=tl.float32)
         k_dot = tl.zeros([C], dtype=tl.float32)
+        rho_row = (tok * H + i_h) * RHO_NK
         dG_last = tl.load(DGAMMA + chh).to(tl.float32) * tl.exp(G_last)
         for kb in range(NK):
             cols = kb * BK + tl.arange(0, BK)
@@ -563,8 +601,12 @@ if triton is not None:
             k_b = tl.load(K_ + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
             qh = q_b * rq[:, None]
             kh = k_b * rk[:, None]
-            dq0 = tl.load(DQ + qk_base[:, None] + cols[None, :], mask=m, other=0.0)
-            dk0 = tl.load(DK + qk_base[:, None] + cols[None, :], mask=m, other=0.0)
+            rho_q = tl.load(RHO_Q + rho_row + kb * BK // RHO_BK, mask=valid, other=0.0)
+            rho_k = tl.load(RHO_K + rho_row + kb * BK // RHO_BK, mask=valid, other=0.0)
+            dq0 = tl.load(DQ + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32) \
+                + rho_q[:, None] * q_b
+            dk0 = tl.load(DK + qk_base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32) \
+                + rho_k[:, None] * k_b
             dw = tl.load(DW + chh * C * K + r[:, None] * K + cols[None, :],
                          mask=(r[:, None] >= 0) & (cols[None, :] < K), other=0.0).to(tl.float32)
             dq_h = tl.dot(M, kh, input_precision=PRECISION) + dq0
@@ -578,8 +620,8 @@ if triton is not None:
             q_dot += tl.sum(q_b * dq_h, axis=1)
             k_dot += tl.sum(k_b * dk_h, axis=1)
             tl.debug_barrier()  # every thread has read this block of DQ, DK before any overwrites it
-            tl.store(DQ + qk_base[:, None] + cols[None, :], dq_h, mask=m)
-            tl.store(DK + qk_base[:, None] + cols[None, :], dk_h, mask=m)
+            tl.store(DQ_SUM + qk_base[:, None] + cols[None, :], dq_h, mask=m)
+            tl.store(DK_SUM + qk_base[:, None] + cols[None, :], dk_h, mask=m)
 
         dG = dG + tl.where(r == C - 1, dG_last, 0.0)
         dg = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG  # G = cumsum(g)
@@ -587,14 +629,15 @@ if triton is not None:
             tl.store(DG + tok * H + i_h, dg, mask=valid)
 
         # Through the normalisation: d q = r_q (dq^ - q (q . dq^) / (|q|^2 + eps)), same for k, from the
-        # float32 scratch DQ, DK (other threads wrote it: hence the barrier) into the outputs' dtype.
+        # sums (other threads wrote them: hence the barrier) into the outputs, which may be the sums
+        # themselves (hence the second barrier, before a block is overwritten).
         tl.debug_barrier()
         for kb in range(NK):
             cols = kb * BK + tl.arange(0, BK)
             m = valid[:, None] & (cols[None, :] < K)
             ptr = qk_base[:, None] + cols[None, :]
-            dq_h = tl.load(DQ + ptr, mask=m, other=0.0)
-            dk_h = tl.load(DK + ptr, mask=m, other=0.0)
+            dq_h = tl.load(DQ_SUM + ptr, mask=m, other=0.0)
+            dk_h = tl.load(DK_SUM + ptr, mask=m, other=0.0)
             if L2NORM:
                 q_b = tl.load(Q + ptr, mask=m, other=0.0).to(tl.float32)
                 k_b = tl.load(K_ + ptr, mask=m, other=0.0).to(tl.float32)
@@ -602,6 +645,7 @@ if triton is not None:
                 dk_h = rk[:, None] * (dk_h - k_b * (k_dot / (k_sq + eps))[:, None])
             else:
                 dq_h = dq_h * scale
+            tl.debug_barrier()
             tl.store(DQ_OUT + ptr, dq_h.to(DQ_OUT.dtype.element_ty), mask=m)
             tl.store(DK_OUT + ptr, dk_h.to(DK_OUT.dtype.element_ty), mask=m)
 
@@ -666,14 +710,16 @@ _GRAD_BK, _GRAD_BV, _GRAD_WARPS = 128, 32, 8
 _INTRA_WARPS, _INTRA_STAGES = (4, 8, 8), (1, 1, 1)
 
 
-def _saved_state_dtype(low_precision: bool) -> torch.dtype:
-    """The dtype of the per-chunk states saved for the chunk-parallel kernels, and of their gradients.
+def _stored_dtype(low_precision: bool) -> torch.dtype:
+    """The dtype of the per-chunk tensors that pass between kernels through memory once computed: the
+    states entering each chunk and ``D`` (saved by the forward), and the gradients ``dD``, ``dW`` and of
+    each state (made and used within the backward).
 
-    Both only enter products with a chunk's rows, never the carried state (the scans carry float32):
-    bf16 for bf16/fp16 problems halves their traffic and memory (flash-linear-attention's choice too).
-    On the interpreter's bf16 tests (which truncate where CUDA rounds) the saved states took the output's
-    error against float64 from 4.2e-3 to 4.7e-3; the state gradients took dg's from 3e-4 to 2.7e-3 and
-    dk's from 4.1e-3 to 5.5e-3, inside the 1e-2 bound and below the output's own error.
+    None of them is carried from chunk to chunk (the scans carry float32 states and state gradients in
+    registers) and each is rounded once, where it is written, after its sums ran in float32: bf16 for
+    bf16/fp16 problems halves their traffic and memory (flash-linear-attention keeps these in bf16 too).
+    ``W`` and ``U`` stay float32: the scans subtract ``W S`` from ``U``, and ``D`` is their small
+    difference once the memory predicts its values. Measured against float64 in benchmarks/RESULTS.md.
     """
     return torch.bfloat16 if low_precision else torch.float32
 
@@ -695,7 +741,7 @@ def _intra_forward(q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, 
     # reference from 3e-3 to 1.4e-2 (d_k = 130).
     U, W = torch.empty(n_chunks, H, C, V, **f32), torch.empty(n_chunks, H, C, K, **f32)
     Pm, gamma = torch.empty(n_chunks, H, C, C, **f32), torch.empty(n_chunks, H, **f32)
-    rows = torch.empty(n_chunks, H, 4, C, **f32)
+    rows = torch.empty(n_chunks, H, 5, C, **f32)
     T = torch.empty_like(Pm) if save_t else Pm
     _intra_forward_kernel[(n_chunks, H)](
         q, k, v, g if g is not None else beta, beta, chunk_start, chunk_len, U, W, Pm, rows, gamma, T,
@@ -712,8 +758,8 @@ def _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, order, chunk_start, c
     N = offsets.numel() - 1
     O = U.new_empty(q.shape[0], H, V, dtype=out_dtype)
     SF = U.new_empty(N, H, K, V, dtype=torch.float32)
-    D = torch.empty_like(U) if save else U.new_empty(0)
-    states = U.new_empty(n_chunks, H, K, V, dtype=_saved_state_dtype(low_precision)) if save else U.new_empty(0)
+    D = U.new_empty(U.shape, dtype=_stored_dtype(low_precision)) if save else U.new_empty(0)
+    states = U.new_empty(n_chunks, H, K, V, dtype=_stored_dtype(low_precision)) if save else U.new_empty(0)
     BK, BV, precision = _block(K), min(_SCAN_BV, _block(V)), _precision(low_precision)
     NV = triton.cdiv(V, BV)
     _scan_forward_kernel[(N * H * NV,)](
@@ -730,20 +776,42 @@ def _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, order, chunk_start, c
     return O, SF, D, states
 
 
-def _scan_backward(W, P, q, k, rows, gamma, D, states, offsets, order, chunk_start, chunk_len, dO, dSF,
+def _recompute_w(k, T, rows, chunk_start, chunk_len, low_precision: bool) -> torch.Tensor:
+    """``W`` of every chunk, float32, as the intra-chunk forward made it (see :func:`_w_kernel`)."""
+    n_chunks, H, C, _ = T.shape
+    K = k.shape[-1]
+    W = T.new_empty(n_chunks, H, C, K)
+    BK, NK = _state_tiles(K)
+    _w_kernel[(n_chunks, H, NK)](k, T, rows, W, chunk_start, chunk_len, H, K, C=C, BK=BK,
+                                 PRECISION=_precision(low_precision), num_warps=4, num_stages=1)
+    return W
+
+
+def _state_path_buffer(x: torch.Tensor) -> torch.Tensor:
+    """Where the state-gradient kernel leaves the gradient of ``q^`` or ``k^`` through ``Qd`` or ``Kd``
+    (less its part along the row): for bf16 problems the bf16 output ``dq`` or ``dk`` itself, which it
+    becomes in the end, else float32 (fp16's range is too narrow for unnormalised gradients)."""
+    if x.dtype == torch.bfloat16:
+        return torch.empty_like(x)
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+
+
+def _scan_backward(T, P, q, k, rows, gamma, D, states, offsets, order, chunk_start, chunk_len, dO, dSF,
                    low_precision: bool):
-    """The scan's gradients: ``dD`` (= ``dU``), ``dW``, ``dP``, ``dgamma``, ``dS0``, and the packed float32
-    gradients of ``q^, k^`` through ``Qd, Kd`` (completed by the intra-chunk backward)."""
+    """The scan's gradients: ``dD`` (= ``dU``), ``dW``, ``dP``, ``dgamma``, ``dS0``, and the packed gradients
+    of ``q^, k^`` through ``Qd, Kd`` as the state-gradient kernel splits them (completed by the intra-chunk
+    backward): ``(rest of dq^, rest of dk^, coefficients along q, along k, their block of columns)``."""
     n_chunks, H, C, V = D.shape
-    K = W.shape[-1]
+    K = k.shape[-1]
     N = offsets.numel() - 1
-    precision = _precision(low_precision)
-    dD, dP = torch.empty_like(D), torch.empty_like(P)
+    precision, stored = _precision(low_precision), _stored_dtype(low_precision)
+    dD, dP = D.new_empty(D.shape, dtype=stored), torch.empty_like(P)
     BV = min(_OUT_BV, _block(V))
     _output_grad_kernel[(n_chunks, H)](
         P, D, dO, dD, dP, chunk_start, chunk_len, H, V, C=C, BV=BV, NV=triton.cdiv(V, BV), PRECISION=precision,
         num_warps=_OUT_WARPS, num_stages=1,
     )
+    W = _recompute_w(k, T, rows, chunk_start, chunk_len, low_precision)
     ds_next = torch.empty_like(states)
     dS0 = D.new_empty(N, H, K, V, dtype=torch.float32)
     BV = min(_SCAN_BV, _block(V))
@@ -753,24 +821,35 @@ def _scan_backward(W, P, q, k, rows, gamma, D, states, offsets, order, chunk_sta
         chunk_len, H, K, V, NV, C=C, BK=_block(K), BV=BV, HAS_DSF=dSF is not None, PRECISION=precision,
         num_warps=_SCAN_WARPS, num_stages=1,
     )
-    dW = torch.empty_like(W)
-    dq_h, dk_h = (torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in (q, k))
+    del W
+    dW = D.new_empty(n_chunks, H, C, K, dtype=stored)
+    dq_s, dk_s = _state_path_buffer(q), _state_path_buffer(k)
     BK, BV = min(_GRAD_BK, _block(K)), min(_GRAD_BV, _block(V))
     n_k = triton.cdiv(K, BK)
+    rho_q, rho_k = (D.new_empty(q.shape[0], H, n_k, dtype=torch.float32) for _ in range(2))
     dgamma = D.new_empty(n_chunks, H, n_k, dtype=torch.float32)
     _state_grads_kernel[(n_chunks, H, n_k)](
-        dO, dD, D, states, ds_next, rows, dW, dq_h, dk_h, dgamma, chunk_start, chunk_len, H, K, V,
-        C=C, BK=BK, BV=BV, PRECISION=precision, num_warps=_GRAD_WARPS, num_stages=2,
+        dO, dD, D, states, ds_next, rows, q, k, dW, dq_s, dk_s, rho_q, rho_k, dgamma, chunk_start, chunk_len,
+        H, K, V, C=C, BK=BK, BV=BV, PRECISION=precision, num_warps=_GRAD_WARPS, num_stages=2,
     )
-    return dD, dW, dP, dgamma.sum(-1), dS0, dq_h, dk_h
+    return dD, dW, dP, dgamma.sum(-1), dS0, (dq_s, dk_s, rho_q, rho_k, BK)
 
 
-def _intra_backward(q, k, v, g, beta, chunk_start, chunk_len, T, dU, dW, dP, dgamma, dq_h, dk_h, chunk_size, scale,
+def _intra_backward(q, k, v, g, beta, chunk_start, chunk_len, T, dU, dW, dP, dgamma, state_path, chunk_size, scale,
                     use_qk_l2norm, eps, low_precision):
-    """Gradients of the packed ``q, k, v, g, beta`` (``dq_h, dk_h``: the packed float32 gradients of ``q^, k^``
-    so far, completed in place)."""
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    """Gradients of the packed ``q, k, v, g, beta``; ``state_path``: the gradients of ``q^, k^`` so far, as
+    :func:`_scan_backward` returns them (their buffers become ``dq, dk`` where they have the inputs' dtype).
+
+    The complete gradients of ``q^, k^`` are summed in float32 before the normalisation's backward: for
+    bf16 problems in buffers made here, after the states and ``D`` are freed, so that they do not add to
+    the state-gradient kernel's peak."""
+    dq_s, dk_s, rho_q, rho_k, rho_bk = state_path
     f32 = dict(dtype=torch.float32, device=q.device)
+    dq_sum = dq_s if dq_s.dtype == torch.float32 else torch.empty(q.shape, **f32)
+    dk_sum = dk_s if dk_s.dtype == torch.float32 else torch.empty(k.shape, **f32)
+    dq = dq_s if dq_s.dtype == q.dtype else torch.empty_like(q)
+    dk = dk_s if dk_s.dtype == k.dtype else torch.empty_like(k)
+    dv = torch.empty_like(v)
     dbeta = torch.empty(beta.shape, **f32)
     dg = torch.empty_like(dbeta) if g is not None else dbeta
     sym, mpe = torch.empty_like(T), torch.empty_like(T)
@@ -785,15 +864,33 @@ def _intra_backward(q, k, v, g, beta, chunk_start, chunk_len, T, dU, dW, dP, dga
         H, K, V, scale, eps, **args, **flags, num_warps=_INTRA_WARPS[1], num_stages=_INTRA_STAGES[1],
     )
     _intra_backward_rows_kernel[grid](
-        q, k, g_or_beta, beta, chunk_start, chunk_len, T, dW, dgamma, sym, mpe, rows, dq_h, dk_h, dq, dk, dg,
-        H, K, scale, eps, C=chunk_size, BK=args["BK"], NK=args["NK"], **flags,
-        num_warps=_INTRA_WARPS[2], num_stages=_INTRA_STAGES[2],
+        q, k, g_or_beta, beta, chunk_start, chunk_len, T, dW, dgamma, sym, mpe, rows, dq_s, dk_s, rho_q, rho_k,
+        dq_sum, dk_sum, dq, dk, dg, H, K, scale, eps, C=chunk_size, BK=args["BK"], NK=args["NK"], RHO_BK=rho_bk,
+        RHO_NK=rho_q.shape[-1], **flags, num_warps=_INTRA_WARPS[2], num_stages=_INTRA_STAGES[2],
     )
     return dq, dk, dv, None if g is None else dg.to(g.dtype), dbeta.to(beta.dtype)
 
 
+def _release(*tensors: torch.Tensor) -> None:
+    """Free the memory of saved tensors the backward has used up (the graph keeps only their shells).
+
+    A second backward through the same graph (``retain_graph=True``) finds them empty and recomputes
+    them (:func:`_released`). Under ``torch.compile`` they are left to the compiler."""
+    if not torch.compiler.is_compiling():
+        for t in tensors:
+            t.untyped_storage().resize_(0)
+
+
+def _released(t: torch.Tensor) -> bool:
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
 class _ChunkedGatedDelta(torch.autograd.Function):
-    """The chunked gated delta rule over a flat chunk layout: intra-chunk terms, then the scan."""
+    """The chunked gated delta rule over a flat chunk layout: intra-chunk terms, then the scan.
+
+    The forward saves ``(I + A)^-1``, ``P``, the row factors, the states entering each chunk and ``D``;
+    the backward recomputes ``W`` and frees the states and ``D`` as soon as the state-gradient kernel
+    has read them, so that they are not held beside the intra-chunk backward's buffers."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, S0, offsets, chunk_start, chunk_len, config):
@@ -806,24 +903,31 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         O, SF, D, states = _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, order, chunk_start, chunk_len,
                                          out_dtype, save, low_precision)
         if save:
-            ctx.save_for_backward(q, k, v, g, beta, T, W, P, rows, gamma, D, states, offsets, order, chunk_start,
+            ctx.save_for_backward(q, k, v, g, beta, S0, T, P, rows, gamma, D, states, offsets, order, chunk_start,
                                   chunk_len)
         ctx.config = config
-        ctx.has_s0 = S0 is not None
         return O, SF
 
     @staticmethod
     def backward(ctx, dO, dSF):
-        q, k, v, g, beta, T, W, P, rows, gamma, D, states, offsets, order, chunk_start, chunk_len = ctx.saved_tensors
-        chunk_size, scale, use_qk_l2norm, eps, _, low_precision = ctx.config
+        q, k, v, g, beta, S0, T, P, rows, gamma, D, states, offsets, order, chunk_start, chunk_len = ctx.saved_tensors
+        chunk_size, scale, use_qk_l2norm, eps, out_dtype, low_precision = ctx.config
+        if _released(states):  # a second backward through the same graph: the forward's scan again
+            U, W, *_ = _intra_forward(q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, use_qk_l2norm,
+                                      eps, low_precision, save_t=False)
+            _, _, D, states = _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, order, chunk_start,
+                                            chunk_len, out_dtype, True, low_precision)
+            del U, W
         dO = D.new_zeros(q.shape[0], D.shape[1], D.shape[-1]) if dO is None else dO.contiguous()
-        dU, dW, dP, dgamma, dS0, dq_h, dk_h = _scan_backward(
-            W, P, q, k, rows, gamma, D, states, offsets, order, chunk_start, chunk_len, dO,
+        dU, dW, dP, dgamma, dS0, state_path = _scan_backward(
+            T, P, q, k, rows, gamma, D, states, offsets, order, chunk_start, chunk_len, dO,
             None if dSF is None else dSF.contiguous(), low_precision,
         )
-        grads = _intra_backward(q, k, v, g, beta, chunk_start, chunk_len, T, dU, dW, dP, dgamma, dq_h, dk_h,
+        _release(states, D)
+        del states, D
+        grads = _intra_backward(q, k, v, g, beta, chunk_start, chunk_len, T, dU, dW, dP, dgamma, state_path,
                                 chunk_size, scale, use_qk_l2norm, eps, low_precision)
-        return (*grads, dS0 if ctx.has_s0 else None, None, None, None, None)
+        return (*grads, dS0 if S0 is not None else None, None, None, None, None)
 
 
 def chunk_packed(q, k, v, g, beta, S0, offsets: torch.Tensor, chunk_start: torch.Tensor, chunk_len: torch.Tensor,

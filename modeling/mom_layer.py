@@ -23,6 +23,7 @@ from ..kernels.cached_linear import CachedStates, chunk_mc_gated_delta, step_mc_
 from ..kernels.gated_delta import chunk_gated_delta, step_gated_delta, step_gated_delta_
 from .cache import LayerCache
 from .normalization import GatedRMSNorm
+from .recompute import RecomputedSaves, gathered_rows, shared_parts
 from .routing import balance_loss, route, top_memories
 from .short_conv import ConvWindows, ShortConvolution
 
@@ -248,6 +249,11 @@ class MoMMemoryLayer(nn.Module):
         parts = torch.cat(outputs).split(widths, dim=-1)
         return (*parts, None) if len(parts) == 3 else tuple(parts)
 
+    def _projections_recompute_exactly(self) -> bool:
+        """Whether the memories' projections give the same keys and values when run again in the backward:
+        plain linear layers do; adapters may not (dropout draws a new mask)."""
+        return _plain_linears([p for m in range(self.num_states) for p in self._memory(m) if p is not None])
+
     def _routed_projections(self, x: torch.Tensor, rows: torch.Tensor, memory: torch.Tensor):
         """``k, v, beta, decay`` logits ``(B, slots, C)`` of every row's routed memories (decay ``None``
         when ungated), from every memory's projections of ``x (B, d)``.
@@ -333,14 +339,24 @@ class MoMMemoryLayer(nn.Module):
         valid = attention_mask.bool() if attention_mask is not None else None
         plan = route(self.gate(hidden_states), self.topk, valid, self.shared_memory)
 
-        q = plan.gather(self.q_proj(x))  # W_q is shared: project once, then gather
-        k, v, b, a = self._memory_projections(plan.gather(x), plan)
-
         state, win_q, win_k, win_v = self._cached_states(cache, B, hidden_states)
         windows = ConvWindows.build(plan.cu_seqlens, self.conv_size, token_sequence=plan.sequence)
-        q, win_q = self.q_conv1d(q, windows, win_q)
-        k, win_k = self.k_conv1d(k, windows, win_k)
-        v, win_v = self.v_conv1d(v, windows, win_v)
+        with RecomputedSaves() as saves:
+            # Each memory's gathered rows of x, the gathered queries and the projected keys and values are
+            # made again in the backward (a gather, a projection) rather than kept (modeling/recompute.py).
+            q_lin = self.q_proj(x)  # W_q is shared: project once, then gather
+            q = saves.register(plan.gather(q_lin), gathered_rows(q_lin, plan.token_index))
+            k, v, b, a = self._memory_projections(
+                saves.register(plan.gather(x), gathered_rows(x, plan.token_index)), plan)
+            if self._projections_recompute_exactly():
+                k, v = k.contiguous(), v.contiguous()
+                redo_k, redo_v = shared_parts(lambda: tuple(
+                    t.contiguous() for t in self._memory_projections(x.index_select(0, plan.token_index), plan)[:2]), 2)
+                saves.register(k, redo_k)
+                saves.register(v, redo_v)
+            q, win_q = self.q_conv1d(q, windows, win_q)
+            k, win_k = self.k_conv1d(k, windows, win_k)
+            v, win_v = self.v_conv1d(v, windows, win_v)
 
         beta = b.float().sigmoid()
         g = None

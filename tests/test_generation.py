@@ -107,3 +107,23 @@ def test_models_are_stateful_generators(make_model):
     model = make_model()
     assert model.can_generate() and model._is_stateful
     assert not model._supports_default_dynamic_cache()
+
+
+def test_the_cache_answers_to_both_names():
+    """transformers 5.24 renamed ``past_key_values`` to ``cache``: outputs and ``forward`` take either name."""
+    model = tiny_mom()
+    ids = torch.randint(1, 97, (2, 11))
+    full = model(ids).logits
+    with torch.no_grad():
+        out = model(ids[:, :7], use_cache=True)
+        assert isinstance(out.cache, MnemoCache) and out.past_key_values is out.cache
+        by_new_name = model(ids[:, 7:], cache=out.cache).logits
+    with torch.no_grad():
+        out = model(ids[:, :7], use_cache=True)
+        by_old_name = model(ids[:, 7:], past_key_values=out.cache).logits
+        with pytest.raises(ValueError, match="once"):
+            model(ids[:, 7:], cache=out.cache, past_key_values=MnemoCache(model.config.num_hidden_layers))
+    torch.testing.assert_close(by_new_name, full[:, 7:], rtol=1e-5, atol=1e-5)
+    assert torch.equal(by_new_name, by_old_name)
+    generated = model.generate(ids, max_new_tokens=3, do_sample=False, cache=MnemoCache(model.config.num_hidden_layers))
+    assert torch.equal(generated, model.generate(ids, max_new_tokens=3, do_sample=False))
