@@ -291,21 +291,31 @@ def _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2no
     return o.unsqueeze(0).to(out_dtype), S
 
 
-def _chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int):
-    """The flat chunk layout of a packed batch: each sequence split into whole chunks, back to back.
+def _chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int, tokens: int):
+    """The flat chunk layout of a packed batch of ``tokens`` rows: each sequence split into whole chunks,
+    back to back.
 
-    Returns each sequence's first chunk (``N + 1`` offsets), each chunk's first token
-    and length, and the number of chunks.
+    Returns each sequence's first chunk (``N + 1`` offsets) and each chunk's first token and length.
+    The number of chunks laid out is a bound known on the host, ``(tokens + N (C - 1)) / C`` (each
+    sequence ends at most one partial chunk), so the layout needs no device-to-host read: reading
+    the exact count made the host wait for every kernel queued before the recurrence and left the GPU
+    idle while it launched the next ones. Chunks past the last sequence's have length 0; no sequence
+    owns them, so the scans never visit them and no kernel writes a token for them.
     """
     device = cu_seqlens.device
+    n = cu_seqlens.numel() - 1
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     chunks = (lengths + chunk_size - 1) // chunk_size
     offsets = torch.nn.functional.pad(chunks.cumsum(0), (1, 0))
-    n_chunks = int(offsets[-1])  # the layout's one host read
-    chunk_seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), chunks, output_size=n_chunks)
-    chunk_start = cu_seqlens[chunk_seq] + (torch.arange(n_chunks, device=device) - offsets[chunk_seq]) * chunk_size
-    chunk_len = torch.minimum(cu_seqlens[chunk_seq + 1] - chunk_start, torch.full_like(chunk_start, chunk_size))
-    return offsets, chunk_start, chunk_len.to(torch.int32), n_chunks
+    n_chunks = (tokens + n * (chunk_size - 1)) // chunk_size
+    index = torch.arange(n_chunks, device=device)
+    # the sequence owning chunk c is the first whose chunks end after c; n for the unowned ones
+    owner = torch.searchsorted(offsets[1:], index, right=True)
+    seq = owner.clamp(max=max(n - 1, 0))
+    chunk_start = cu_seqlens[seq] + (index - offsets[seq]) * chunk_size
+    chunk_len = torch.minimum(cu_seqlens[seq + 1] - chunk_start, torch.full_like(chunk_start, chunk_size))
+    owned = owner < n
+    return offsets, torch.where(owned, chunk_start, 0), torch.where(owned, chunk_len, 0).to(torch.int32)
 
 
 def _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size):
@@ -319,10 +329,10 @@ def _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2n
     B, T, H, K = q.shape
     V = v.shape[-1]
     cu = torch.arange(B + 1, device=q.device) * T if cu_seqlens is None else cu_seqlens.to(q.device)
-    offsets, chunk_start, chunk_len, n_chunks = _chunk_layout(cu, chunk_size)
     S0 = None if initial_state is None else initial_state.float()
-    if n_chunks == 0 or n == 0:
+    if n == 0 or B * T == 0:
         return v.new_zeros(B, T, H, V), q.new_zeros(n, H, K, V, dtype=torch.float32) if S0 is None else S0
+    offsets, chunk_start, chunk_len = _chunk_layout(cu, chunk_size, B * T)
 
     o, S = chunk_packed(
         *(None if x is None else x.reshape((B * T,) + x.shape[2:]) for x in (q, k, v, g, beta)), S0,

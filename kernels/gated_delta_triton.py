@@ -201,6 +201,8 @@ if triton is not None:
     ):
         """``O = Qd S + P D`` of one (chunk, head, block of value columns), from the saved states."""
         c = tl.program_id(0).to(tl.int64)
+        if tl.load(CH_LEN + c) == 0:  # a chunk of the layout's bound that no sequence owns
+            return
         i_h = tl.program_id(1)
         ch = c * H + i_h
         r = tl.arange(0, C)
@@ -221,6 +223,8 @@ if triton is not None:
         """The gradients of ``O = ... + P D`` in ``D`` and ``P``, one (chunk, head): ``P^T dO`` (the part
         of ``dD`` known before the state-gradient scan) and ``dP = dO D^T``."""
         c = tl.program_id(0).to(tl.int64)
+        if tl.load(CH_LEN + c) == 0:  # a chunk of the layout's bound that no sequence owns
+            return
         i_h = tl.program_id(1)
         ch = c * H + i_h
         r = tl.arange(0, C)
@@ -289,6 +293,8 @@ if triton is not None:
         gradients point mostly along it: rounded whole, their bf16 error was of the size of what remains
         (dk 4.5e-3 -> 8.2e-3 relative RMS against float64 at d_k = 130); split, only the rest is rounded."""
         c = tl.program_id(0).to(tl.int64)
+        if tl.load(CH_LEN + c) == 0:  # a chunk of the layout's bound that no sequence owns
+            return
         i_h = tl.program_id(1)
         i_k = tl.program_id(2)
         ch = c * H + i_h
@@ -338,6 +344,8 @@ if triton is not None:
         the packed ``k`` and its row factor: the backward scan's one use of ``W`` recomputes it rather
         than keep it from the forward (a float32 ``(chunks, H, C, d_k)`` tensor less between the two)."""
         c = tl.program_id(0).to(tl.int64)
+        if tl.load(CH_LEN + c) == 0:  # a chunk of the layout's bound that no sequence owns
+            return
         i_h = tl.program_id(1)
         ch = c * H + i_h
         r = tl.arange(0, C)
@@ -411,6 +419,8 @@ if triton is not None:
         """``intra_chunk_terms`` of one (chunk, head), read straight from the packed tokens. ``Qd`` and
         ``Kd`` are not stored: their row factors are (``ROWS``), for the kernels that read ``q, k``."""
         ch, i_h, chh, r, valid, tok = _chunk_program(CH_START, CH_LEN, H, C)
+        if tl.load(CH_LEN + ch) == 0:  # a chunk of the layout's bound that no sequence owns
+            return
         g, beta, G_cum, G_last = _chunk_gates(G, BETA, tok, H, i_h, valid, C, HAS_G)
         qk_base = tok * H * K + i_h * K
         kk, qk, q_sq, k_sq = _chunk_grams(Q, K_, qk_base, valid, K, C, BK, NK, PRECISION)
@@ -482,6 +492,8 @@ if triton is not None:
         so that one block's tiles are live at a time: unrolled, they spilled 108 and 206.)
         """
         ch, i_h, chh, r, valid, tok = _chunk_program(CH_START, CH_LEN, H, C)
+        if tl.load(CH_LEN + ch) == 0:  # a chunk of the layout's bound that no sequence owns
+            return
         g, beta, G_cum, G_last = _chunk_gates(G, BETA, tok, H, i_h, valid, C, HAS_G)
         e_g = tl.exp(G_cum)
         qk_base = tok * H * K + i_h * K
@@ -572,6 +584,8 @@ if triton is not None:
         columns); they are completed in the packed float32 ``DQ_SUM, DK_SUM`` before the normalisation's
         backward writes ``dq, dk`` in the inputs' dtype (any of these buffers may be one and the same)."""
         ch, i_h, chh, r, valid, tok = _chunk_program(CH_START, CH_LEN, H, C)
+        if tl.load(CH_LEN + ch) == 0:  # a chunk of the layout's bound that no sequence owns
+            return
         g, beta, G_cum, G_last = _chunk_gates(G, BETA, tok, H, i_h, valid, C, HAS_G)
         e_g = tl.exp(G_cum)
         qk_base = tok * H * K + i_h * K
@@ -701,9 +715,13 @@ def _precision(low_precision: bool) -> str:
 
 
 # Launch configurations measured on an H100 at 4 heads x 256, chunk 64, bf16 problems (benchmarks/RESULTS.md):
-# the scans are latency-bound chains of products, so wide value blocks with 8 warps; the chunk-parallel
+# the scans are latency-bound chains of products. On MoM's packed layouts (48K tokens, 40 or 10 sequences)
+# the forward scan ran 1.05 / 1.32 ms at value blocks of 32 with 4 warps against 1.74 / 2.20 ms at 64 with 8
+# (more programs resident per SM hide each other's loads); the backward scan, which carries more per
+# program, stays fastest at 64 with 8 warps (2.09 / 2.67 ms; 2.99 / 3.11 at 32 with 4). The chunk-parallel
 # kernels are bandwidth-bound reads of the saved states.
-_SCAN_BV, _SCAN_WARPS = 64, 8
+_SCAN_FWD_BV, _SCAN_FWD_WARPS = 32, 4
+_SCAN_BWD_BV, _SCAN_BWD_WARPS = 64, 8
 _OUT_BV, _OUT_WARPS = 64, 4
 _GRAD_BK, _GRAD_BV, _GRAD_WARPS = 128, 32, 8
 _W_BK, _W_WARPS = 128, 4  # 48K tokens, 4 x 256 (H100): 181 us; 64 x 4 warps 228, 128 x 8 186, 256 x 8 292
@@ -761,12 +779,12 @@ def _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, order, chunk_start, c
     SF = U.new_empty(N, H, K, V, dtype=torch.float32)
     D = U.new_empty(U.shape, dtype=_stored_dtype(low_precision)) if save else U.new_empty(0)
     states = U.new_empty(n_chunks, H, K, V, dtype=_stored_dtype(low_precision)) if save else U.new_empty(0)
-    BK, BV, precision = _block(K), min(_SCAN_BV, _block(V)), _precision(low_precision)
+    BK, BV, precision = _block(K), min(_SCAN_FWD_BV, _block(V)), _precision(low_precision)
     NV = triton.cdiv(V, BV)
     _scan_forward_kernel[(N * H * NV,)](
         U, W, P, q, k, rows, gamma, S0 if S0 is not None else U, O, D, states, SF, offsets, order, chunk_start,
         chunk_len, H, K, V, NV, C=C, BK=BK, BV=BV, HAS_S0=S0 is not None, SAVE=save, PRECISION=precision,
-        num_warps=_SCAN_WARPS, num_stages=1,
+        num_warps=_SCAN_FWD_WARPS, num_stages=1,
     )
     if save:  # the outputs, from the saved states, in parallel over chunks
         BV = min(_OUT_BV, _block(V))
@@ -816,12 +834,12 @@ def _scan_backward(T, P, q, k, rows, gamma, D, states, offsets, order, chunk_sta
     W = _recompute_w(k, T, rows, chunk_start, chunk_len, low_precision)
     ds_next = torch.empty_like(states)
     dS0 = D.new_empty(N, H, K, V, dtype=torch.float32)
-    BV = min(_SCAN_BV, _block(V))
+    BV = min(_SCAN_BWD_BV, _block(V))
     NV = triton.cdiv(V, BV)
     _scan_backward_kernel[(N * H * NV,)](
         W, q, k, rows, gamma, dO, dSF if dSF is not None else dS0, dD, ds_next, dS0, offsets, order, chunk_start,
         chunk_len, H, K, V, NV, C=C, BK=_block(K), BV=BV, HAS_DSF=dSF is not None, PRECISION=precision,
-        num_warps=_SCAN_WARPS, num_stages=1,
+        num_warps=_SCAN_BWD_WARPS, num_stages=1,
     )
     del W
     dW = D.new_empty(n_chunks, H, C, K, dtype=stored)

@@ -92,6 +92,21 @@ def test_long_sequence_state_stays_accurate_in_bf16():
     assert rel_rms(tri[0], ref[0]) < 1e-2
 
 
+def test_chunked_form_makes_no_device_to_host_read():
+    """The chunk layout is sized on the host: a read would stall the GPU before every recurrence."""
+    inputs, S0, cu = routed_inputs([700, 0, 1300, 64, 2048], torch.bfloat16)
+    leaves = [x.detach().clone().requires_grad_() for x in (*inputs, S0)]
+    with use_backend("triton"):
+        chunk_gated_delta(*leaves[:5], initial_state=leaves[5], cu_seqlens=cu)  # compiled outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            o, s = chunk_gated_delta(*leaves[:5], initial_state=leaves[5], cu_seqlens=cu)
+            (o.float().sum() + s.sum()).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
 def test_step_equals_torch_step():
     (q, k, v, g, beta), S0, _ = routed_inputs([1] * 48, torch.bfloat16, seed=5)
     args = (q[0], k[0], v[0], g[0], beta[0], S0)

@@ -87,6 +87,25 @@ def test_varlen_with_empty_sequences_equals_reference():
     assert torch.equal(s[1].cpu(), S0[1].float()), "an empty sequence must return its initial state unchanged"
 
 
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_chunk_layout_lists_every_chunk_then_unowned_empty_ones(chunk_size):
+    """The layout is sized by a bound known on the host (no device read): the real chunks in sequence
+    order, then chunks of length 0 that no sequence's offsets reach."""
+    from mnemo.kernels.gated_delta import _chunk_layout
+
+    lengths = [5, 0, 35, 1, 17, 0, 64, 65]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    offsets, start, length = _chunk_layout(cu, chunk_size, int(cu[-1]))
+    expected = [(int(cu[i]) + j, min(chunk_size, n - j)) for i, n in enumerate(lengths)
+                for j in range(0, n, chunk_size)]
+    real = int(offsets[-1])
+    assert real == len(expected) and offsets.tolist() == [0] + torch.tensor(
+        [-(-n // chunk_size) for n in lengths]).cumsum(0).tolist()
+    assert list(zip(start[:real].tolist(), length[:real].tolist())) == expected
+    assert length.numel() == (int(cu[-1]) + len(lengths) * (chunk_size - 1)) // chunk_size >= real
+    assert (length[real:] == 0).all() and (start[real:] == 0).all()
+
+
 @pytest.mark.parametrize("K", [8, 130])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("l2norm", [True, False])
