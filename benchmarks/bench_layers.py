@@ -35,15 +35,20 @@ except ImportError:
     pass
 
 
-def bench(fn, warmup=2, iters=5):
+def bench(fn, warmup=2, iters=5, repeats=1):
+    """Milliseconds per call of ``fn`` run back to back: the median over ``repeats`` timed loops of ``iters``
+    calls (one slow loop, from a clock change or another process, then moves nothing)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e3
+    loops = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        loops.append((time.perf_counter() - start) / iters * 1e3)
+    return sorted(loops)[len(loops) // 2]
 
 
 def layer_fwd_bwd_ms(layer: nn.Module, B: int, T: int, **bench_kwargs) -> float:

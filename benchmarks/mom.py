@@ -80,7 +80,7 @@ def train(fla):
                 torch.cuda.reset_peak_memory_stats()
                 layer = make().to(DEV, DT)
                 with use_backend(backend):
-                    ms = layer_fwd_bwd_ms(layer, B, T, warmup=2, iters=5)
+                    ms = layer_fwd_bwd_ms(layer, B, T, warmup=3, iters=10, repeats=3)
                 record(what="train_fwd_bwd", layer=name, T=T, B=B, ms=round(ms, 2),
                        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
                 del layer

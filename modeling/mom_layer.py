@@ -32,6 +32,16 @@ def _memory_projections(num: int, hidden: int, out: int) -> nn.ModuleList:
     return nn.ModuleList(nn.Linear(hidden, out, bias=False) for _ in range(num))
 
 
+def _grouped_product_covers(x: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs on ``x``'s device and dtype: bf16 on Hopper and Blackwell, float32
+    and bf16 on the CPU."""
+    if not hasattr(torch, "_grouped_mm") or torch.compiler.is_compiling() or x.stride(0) * x.element_size() % 16:
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+
+
 def _plain_linears(modules: list[nn.Module]) -> bool:
     """Whether ``modules`` are bias-free ``nn.Linear`` (no adapters), so their weights can be concatenated."""
     return all(type(p) is nn.Linear and p.bias is None for p in modules)
@@ -231,22 +241,32 @@ class MoMMemoryLayer(nn.Module):
         """``k, v, beta`` and decay logits (``None`` when ungated) of every packed entry, each from the
         projections of the memory it was routed to.
 
-        Each memory's projections run as one product over their concatenated weights, on its slice
-        of ``packed`` taken by ``split``: one product's input gradient per memory, and one
-        concatenation for the backward of all slices (slicing by index gave every slice's gradient
-        a full-size zero tensor, and 20 full-size additions at 4 memories + shared). Projections that
-        carry adapters (PEFT) run one by one, so the adapters stay in the computation.
+        Each memory's projections run as one product over their concatenated weights on its slice of
+        ``packed``. Where PyTorch has a grouped product for ``packed``'s device and dtype, all memories run
+        as one, its groups bounded by the plan's ``memory_ends`` on the device: no host read of the slices,
+        which would stall the host until the GPU caught up, then leave the GPU waiting on every launch
+        after it. Otherwise each slice is taken by ``split`` (one product's input gradient per memory, and
+        one concatenation for the backward of all slices; slicing by index gave every slice's gradient a
+        full-size zero tensor). Projections that carry adapters (PEFT) run one by one, so the adapters
+        stay in the computation.
         """
-        sizes = [end - start for start, end in plan.memory_slices]
-        widths = [p.out_features for p in self._memory(0) if p is not None]
-        outputs = []
-        for m, rows in enumerate(packed.split(sizes)):
-            projections = [p for p in self._memory(m) if p is not None]
-            if _plain_linears(projections):
-                outputs.append(F.linear(rows, torch.cat([p.weight for p in projections])))
-            else:
-                outputs.append(torch.cat([p(rows) for p in projections], dim=-1))
-        parts = torch.cat(outputs).split(widths, dim=-1)
+        modules = [[p for p in self._memory(m) if p is not None] for m in range(self.num_states)]
+        widths = [p.out_features for p in modules[0]]
+        plain = _plain_linears([p for per_memory in modules for p in per_memory])
+        if plain and _grouped_product_covers(packed):
+            # the product's rows must lie a multiple of 16 bytes apart: zero rows of weight pad it
+            pad = packed.new_zeros(-sum(widths) % (16 // packed.element_size()), packed.shape[-1])
+            weight = torch.stack([torch.cat([p.weight for p in per_memory] + [pad]) for per_memory in modules])
+            out = torch._grouped_mm(packed, weight.transpose(1, 2), offs=plan.memory_ends)
+        else:
+            outputs = []
+            for m, rows in enumerate(packed.split([end - start for start, end in plan.memory_slices()])):
+                if plain:
+                    outputs.append(F.linear(rows, torch.cat([p.weight for p in modules[m]])))
+                else:
+                    outputs.append(torch.cat([p(rows) for p in modules[m]], dim=-1))
+            out = torch.cat(outputs)
+        parts = out.split(widths + [out.shape[-1] - sum(widths)], dim=-1)[:len(widths)]
         return (*parts, None) if len(parts) == 3 else tuple(parts)
 
     def _projections_recompute_exactly(self) -> bool:
@@ -371,7 +391,7 @@ class MoMMemoryLayer(nn.Module):
         if self.segment_size is not None:
             u = plan.gather(self.u_proj(x)).view(-1, H, self.head_k_dim) if self.gated_aggregation else None
             o, state, mc_states = self._cached_memory(q, k, v, g, beta, u, state, plan, valid, cache, B, T)
-        elif plan.max_length <= 1 and T == 1:
+        elif T == 1:
             # Decoding: every sequence has at most one token; step only those that do.
             o, new = step_gated_delta(q, k, v, g, beta, state.index_select(0, plan.sequence))
             state = state.index_copy(0, plan.sequence, new.to(state.dtype))

@@ -6,6 +6,12 @@ sorted by ``(memory, row, time)``, so each memory's entries are one contiguous
 slice (its projections run on that slice only) and the memory kernels see plain
 ``cu_seqlens``. Padded tokens are routed nowhere: they write no state, decay no
 state and enter no conv window.
+
+Planning reads nothing back to the host when every token is valid: the layout
+stays on the device (each memory's slice is ``memory_ends``), so the host is not
+held up waiting for the GPU mid-forward. A host read happens only where a caller
+asks for the slices as numbers (:meth:`RoutingPlan.memory_slices`) and to drop
+padded tokens.
 """
 
 from __future__ import annotations
@@ -24,10 +30,20 @@ class RoutingPlan:
     weight: torch.Tensor  # (P,) float32 combine weight (routing weight, 1 for the shared memory)
     cu_seqlens: torch.Tensor  # (M * B + 1,) offsets; sequence s = m * B + b
     sequence: torch.Tensor  # (P,) the sequence of each packed entry
-    memory_slices: list[tuple[int, int]]  # packed rows [start, end) of each memory
-    max_length: int  # longest sequence
     aux_loss: torch.Tensor  # Switch-style load-balancing loss of this layer
     slot_entries: torch.Tensor  # (B * T, slots) packed entry of each token's slot; P where the token is padding
+    batch_size: int
+
+    @property
+    def memory_ends(self) -> torch.Tensor:
+        """``(M,)`` int32, on the device: the end of each memory's packed rows (its slice starts where the
+        previous one ends)."""
+        return self.cu_seqlens[self.batch_size::self.batch_size].to(torch.int32)
+
+    def memory_slices(self) -> list[tuple[int, int]]:
+        """Packed rows ``[start, end)`` of each memory, on the host (one device-to-host read)."""
+        bounds = [0] + self.memory_ends.tolist()
+        return list(zip(bounds[:-1], bounds[1:]))
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Rows ``token_index`` of ``x`` ``(B * T, ...)``: every token once per memory it visits."""
@@ -98,7 +114,7 @@ def route(
     num_memories = E + int(shared_memory)
     slots = memory.shape[-1]
     token = torch.arange(B * T, device=device).view(B, T, 1).expand(B, T, slots)
-    # (token, slot) entry of each kept item; one host read (none without padding) selects all three
+    # (token, slot) entry of each kept item; with padding, one host read selects all three
     entries = B * T * slots
     kept_entry = (torch.arange(entries, device=device) if every_token
                   else valid[..., None].expand(B, T, slots).reshape(-1).nonzero().squeeze(1))
@@ -110,17 +126,12 @@ def route(
     slot_entries[kept_entry[order]] = torch.arange(order.numel(), device=device)
     # ``sequence`` is sorted: each sequence's first entry is a search away (bincount would read the host)
     cu_seqlens = torch.searchsorted(sequence, torch.arange(num_memories * B + 1, device=device))
-    counts = cu_seqlens[1:] - cu_seqlens[:-1]
-    # the memories' packed bounds and the longest sequence in one host read
-    *bounds, longest = torch.cat([cu_seqlens[::B], counts.max().view(1) if counts.numel() else
-                                  counts.new_zeros(1)]).tolist()
     return RoutingPlan(
         token_index=token[order],
         weight=weight[order],
         cu_seqlens=cu_seqlens,
         sequence=sequence,
-        memory_slices=list(zip(bounds[:-1], bounds[1:])),
-        max_length=longest,
         aux_loss=aux_loss,
         slot_entries=slot_entries.view(B * T, slots),
+        batch_size=B,
     )

@@ -107,6 +107,24 @@ def test_chunked_form_makes_no_device_to_host_read():
             torch.cuda.set_sync_debug_mode(0)
 
 
+def test_mom_layer_trains_without_a_device_to_host_read():
+    """Routing, projections and recurrence stay on the device: a host read mid-forward made the host wait for
+    the GPU and the GPU then wait for every launch after it."""
+    from mnemo.modeling.mom_layer import MoMMemoryLayer
+
+    config = MoMConfig(hidden_size=256, num_heads=2, head_dim=128, num_memories=4, topk=2, shared_memory=True)
+    layer = MoMMemoryLayer(config, 0).cuda().bfloat16()
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with use_backend("triton"):
+        layer(x)[0].float().sum().backward()  # compiled outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            layer(x)[0].float().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
 def test_step_equals_torch_step():
     (q, k, v, g, beta), S0, _ = routed_inputs([1] * 48, torch.bfloat16, seed=5)
     args = (q[0], k[0], v[0], g[0], beta[0], S0)

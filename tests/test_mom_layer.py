@@ -197,3 +197,31 @@ def test_gated_decode_step_equals_packed_path(variant):
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=name)
             cache.states, cache.seen_tokens = step_cache.states, cache.seen_tokens + 1
     assert cache["mc_count"].tolist() == [v // config.segment_size for v in cache["mc_seen"].tolist()]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_grouped_projections_equal_the_per_memory_products(shared, monkeypatch):
+    """All memories' projections as one grouped product (groups bounded on the device, no host read)
+    give what one product per memory's slice gives, gradients included."""
+    import mnemo.modeling.mom_layer as mom_layer
+    from mnemo.modeling.routing import route
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    layer = MoMMemoryLayer(tiny_mom_config(shared_memory=shared), 0).to(device, dtype)
+    x = torch.randn(2, 9, layer.q_proj.in_features, device=device, dtype=dtype)
+    plan = route(layer.gate(x), layer.topk, None, layer.shared_memory)
+    packed = x.reshape(-1, x.shape[-1]).index_select(0, plan.token_index)
+    assert mom_layer._grouped_product_covers(packed)
+
+    def projections(grouped: bool):
+        monkeypatch.setattr(mom_layer, "_grouped_product_covers", lambda t: grouped)
+        layer.zero_grad()
+        rows = packed.detach().clone().requires_grad_()
+        parts = [p for p in layer._memory_projections(rows, plan) if p is not None]
+        sum((p.float() * torch.linspace(-1, 1, p.numel(), device=device).view_as(p)).sum() for p in parts).backward()
+        return parts + [rows.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
+
+    for a, b in zip(projections(True), projections(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)

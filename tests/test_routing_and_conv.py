@@ -88,7 +88,7 @@ def test_route_layout():
     M = E + 1
     assert plan.cu_seqlens.numel() == M * B + 1
     assert int(plan.cu_seqlens[-1]) == int(valid.sum()) * (k + 1)
-    for m, (start, end) in enumerate(plan.memory_slices):
+    for m, (start, end) in enumerate(plan.memory_slices()):
         for s in range(m * B, (m + 1) * B):
             lo, hi = int(plan.cu_seqlens[s]), int(plan.cu_seqlens[s + 1])
             assert start <= lo <= hi <= end
