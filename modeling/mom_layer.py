@@ -42,6 +42,17 @@ def _grouped_product_covers(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
 
 
+def _grouped_product(x: torch.Tensor, weights: list[torch.Tensor], plan) -> torch.Tensor:
+    """``x @ weights[m].T`` on memory ``m``'s rows of ``x`` for every memory at once, the groups ending at
+    the plan's ``memory_ends``. The product's rows must lie a multiple of 16 bytes apart: zero rows of
+    weight pad it, and the columns returned are the weights' own."""
+    width = weights[0].shape[0]
+    pad = x.new_zeros(-width % (16 // x.element_size()), x.shape[-1])
+    stacked = torch.stack([torch.cat([w, pad]) if pad.numel() else w for w in weights])
+    out = torch._grouped_mm(x, stacked.transpose(1, 2), offs=plan.memory_ends)
+    return out if pad.numel() == 0 else out[:, :width]
+
+
 def _plain_linears(modules: list[nn.Module]) -> bool:
     """Whether ``modules`` are bias-free ``nn.Linear`` (no adapters), so their weights can be concatenated."""
     return all(type(p) is nn.Linear and p.bias is None for p in modules)
@@ -241,23 +252,25 @@ class MoMMemoryLayer(nn.Module):
         """``k, v, beta`` and decay logits (``None`` when ungated) of every packed entry, each from the
         projections of the memory it was routed to.
 
-        Each memory's projections run as one product over their concatenated weights on its slice of
-        ``packed``. Where PyTorch has a grouped product for ``packed``'s device and dtype, all memories run
-        as one, its groups bounded by the plan's ``memory_ends`` on the device: no host read of the slices,
-        which would stall the host until the GPU caught up, then leave the GPU waiting on every launch
-        after it. Otherwise each slice is taken by ``split`` (one product's input gradient per memory, and
-        one concatenation for the backward of all slices; slicing by index gave every slice's gradient a
-        full-size zero tensor). Projections that carry adapters (PEFT) run one by one, so the adapters
-        stay in the computation.
+        Where PyTorch has a grouped product for ``packed``'s device and dtype, every memory's keys run as
+        one product, its groups bounded by the plan's ``memory_ends`` on the device, and likewise the
+        values and the gates: no host read of the slices, which would stall the host until the GPU caught
+        up, then leave the GPU waiting on every launch after it. Otherwise each memory's projections run
+        as one product over their concatenated weights on its slice of ``packed``, taken by ``split`` (one
+        product's input gradient per memory, and one concatenation for the backward of all slices; slicing
+        by index gave every slice's gradient a full-size zero tensor). Projections that carry adapters
+        (PEFT) run one by one, so the adapters stay in the computation.
         """
         modules = [[p for p in self._memory(m) if p is not None] for m in range(self.num_states)]
         widths = [p.out_features for p in modules[0]]
         plain = _plain_linears([p for per_memory in modules for p in per_memory])
         if plain and _grouped_product_covers(packed):
-            # the product's rows must lie a multiple of 16 bytes apart: zero rows of weight pad it
-            pad = packed.new_zeros(-sum(widths) % (16 // packed.element_size()), packed.shape[-1])
-            weight = torch.stack([torch.cat([p.weight for p in per_memory] + [pad]) for per_memory in modules])
-            out = torch._grouped_mm(packed, weight.transpose(1, 2), offs=plan.memory_ends)
+            # keys and values each from their own product, so that both come out contiguous for the short
+            # convolutions (column blocks of one product cost a copy each, made again in the backward)
+            keys, values = (_grouped_product(packed, [p[i].weight for p in modules], plan) for i in (0, 1))
+            gates = _grouped_product(packed, [torch.cat([p.weight for p in per_memory[2:]]) for per_memory in modules],
+                                     plan)
+            parts = (keys, values, *gates.split(widths[2:], dim=-1))
         else:
             outputs = []
             for m, rows in enumerate(packed.split([end - start for start, end in plan.memory_slices()])):
@@ -265,8 +278,7 @@ class MoMMemoryLayer(nn.Module):
                     outputs.append(F.linear(rows, torch.cat([p.weight for p in modules[m]])))
                 else:
                     outputs.append(torch.cat([p(rows) for p in modules[m]], dim=-1))
-            out = torch.cat(outputs)
-        parts = out.split(widths + [out.shape[-1] - sum(widths)], dim=-1)[:len(widths)]
+            parts = torch.cat(outputs).split(widths, dim=-1)
         return (*parts, None) if len(parts) == 3 else tuple(parts)
 
     def _projections_recompute_exactly(self) -> bool:
