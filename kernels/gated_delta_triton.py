@@ -272,8 +272,8 @@ if triton is not None:
             o_off, o_mask = _token_tile(c, CH_START, CH_LEN, r, vv, H, i_h, V)
             do = tl.load(DO + o_off, mask=o_mask, other=0.0).to(tl.float32)
             qd_t = _decayed_t(Q, ROWS, _QS, c, ch, CH_START, CH_LEN, r, kk, H, i_h, K, C)
-            ds = tl.load(GAMMA + ch) * ds + _mm(qd_t, do, PRECISION) - _mm(_rows_t(W + ch * C * K, r, kk, K), dd,
-                                                                            PRECISION)
+            w_t = _rows_t(W + ch * C * K, r, kk, K).to(tl.float32)
+            ds = tl.load(GAMMA + ch) * ds + _mm(qd_t, do, PRECISION) - _mm(w_t, dd, PRECISION)
 
         tl.store(DS0 + state + s_off, ds, mask=s_mask)
 
@@ -352,7 +352,8 @@ if triton is not None:
         kk = tl.program_id(2) * BK + tl.arange(0, BK)
         t = tl.load(TINV + ch * C * C + r[:, None] * C + r[None, :])
         w = _mm(t, _decayed(K_, ROWS, _WS, c, ch, CH_START, CH_LEN, r, kk, H, i_h, K, C), PRECISION)
-        tl.store(W + ch * C * K + r[:, None] * K + kk[None, :], w, mask=(r[:, None] >= 0) & (kk[None, :] < K))
+        tl.store(W + ch * C * K + r[:, None] * K + kk[None, :], w.to(W.dtype.element_ty),
+                 mask=(r[:, None] >= 0) & (kk[None, :] < K))
 
     @triton.jit
     def _chunk_program(CH_START, CH_LEN, H, C: tl.constexpr):
@@ -737,7 +738,7 @@ def _stored_dtype(low_precision: bool) -> torch.dtype:
     None of them is carried from chunk to chunk (the scans carry float32 states and state gradients in
     registers) and each is rounded once, where it is written, after its sums ran in float32: bf16 for
     bf16/fp16 problems halves their traffic and memory (flash-linear-attention keeps these in bf16 too).
-    ``W`` and ``U`` stay float32: the scans subtract ``W S`` from ``U``, and ``D`` is their small
+    The forward's ``W`` and ``U`` stay float32: its scan subtracts ``W S`` from ``U``, and ``D`` is their small
     difference once the memory predicts its values. Measured against float64 in benchmarks/RESULTS.md.
     """
     return torch.bfloat16 if low_precision else torch.float32
@@ -796,10 +797,13 @@ def _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, order, chunk_start, c
 
 
 def _recompute_w(k, T, rows, chunk_start, chunk_len, low_precision: bool) -> torch.Tensor:
-    """``W`` of every chunk, float32, as the intra-chunk forward made it (see :func:`_w_kernel`)."""
+    """``W`` of every chunk as the intra-chunk forward made it (see :func:`_w_kernel`), for the backward
+    scan: stored in :func:`_stored_dtype`, as the other per-chunk tensors of the backward. The backward
+    scan only multiplies it into ``dD`` (``dS -= W^T dD``), where rounding it costs ~1e-4 relative against
+    float64; the forward scan, whose ``D = U - W S`` is a small difference, keeps its ``W`` float32."""
     n_chunks, H, C, _ = T.shape
     K = k.shape[-1]
-    W = T.new_empty(n_chunks, H, C, K)
+    W = T.new_empty(n_chunks, H, C, K, dtype=_stored_dtype(low_precision))
     BK = min(_W_BK, _block(K))
     _w_kernel[(n_chunks, H, triton.cdiv(K, BK))](k, T, rows, W, chunk_start, chunk_len, H, K, C=C, BK=BK,
                                                  PRECISION=_precision(low_precision), num_warps=_W_WARPS,

@@ -224,4 +224,6 @@ def test_grouped_projections_equal_the_per_memory_products(shared, monkeypatch):
         return parts + [rows.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
 
     for a, b in zip(projections(True), projections(False), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+        # bf16 on CUDA: other kernels, other summation orders (sums over rows cancel: scaled tolerance)
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=0, atol=(1e-2 if dtype == torch.bfloat16 else 1e-5) * scale)
