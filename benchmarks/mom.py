@@ -3,7 +3,7 @@
 Same work as shared/anchors/bench_anchors.py: bf16, hidden 1024, 4 heads x 256,
 4 memories top-2 + shared, 16,384 tokens per batch at T=2048 and T=8192, and
 4-layer models decoding after 1K / 16K / 64K-token prompts. Run on the GPU machine
-with mnemo installed (``python benchmarks/mom.py``; ``ONLY=train|kernel|decode``
+with mnemo installed (``python -m benchmarks.mom`` or ``python benchmarks/mom.py``; ``ONLY=train|kernel|decode``
 runs one part; ``ANCHORS=1`` adds fla's layers, ``ANCHOR_DECODE=1`` also its MoM model). The anchors need
 flash-linear-attention 0.6.0 (wheels: shared/tools/anchor-wheels.sh). Prints JSON lines as it goes, then
 one markdown table per part, and writes ``$OUT/mom.json``.
@@ -22,7 +22,10 @@ from mnemo import MoMConfig, MoMForCausalLM
 from mnemo.kernels import chunk_gated_delta, use_backend
 from mnemo.modeling.mom_layer import MoMMemoryLayer
 
-from bench_layers import SdpaAttention, bench, layer_fwd_bwd_ms  # noqa: E402  (run as a script from benchmarks/)
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, as `python -m benchmarks.mom` too
+from bench_layers import SdpaAttention, bench, layer_fwd_bwd_ms  # noqa: E402
 from decode import decode_ms, prefill  # noqa: E402
 
 D, TOKENS, DEV, DT = 1024, 16384, "cuda", torch.bfloat16
