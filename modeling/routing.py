@@ -32,7 +32,7 @@ class RoutingPlan:
     sequence: torch.Tensor  # (P,) the sequence of each packed entry
     aux_loss: torch.Tensor  # Switch-style load-balancing loss of this layer
     slot_entries: torch.Tensor  # (B * T, slots) packed entry of each token's slot; P where the token is padding
-    batch_size: int
+    batch_size: int  # B: sequence s = m * B + b, so memory m owns sequences m * B ... (m + 1) * B - 1
 
     @property
     def memory_ends(self) -> torch.Tensor:
