@@ -125,6 +125,10 @@ class MoMMemoryLayer(nn.Module):
             return self.shared_k, self.shared_v, self.shared_b, self.shared_a if self.gated else None
         return self.k_proj[m], self.v_proj[m], self.b_proj[m], self.a_proj[m] if self.gated else None
 
+    def _memory_modules(self) -> list[list[nn.Linear]]:
+        """Every memory's projections ``k, v, beta`` (and decay when gated), the shared memory last."""
+        return [[p for p in self._memory(m) if p is not None] for m in range(self.num_states)]
+
     def _cached_states(self, cache: LayerCache | None, batch: int, like: torch.Tensor):
         """States in sequence order ``m * B + b`` (``None`` entries mean zeros)."""
         if cache is None or "recurrent" not in cache:
@@ -261,7 +265,7 @@ class MoMMemoryLayer(nn.Module):
         by index gave every slice's gradient a full-size zero tensor). Projections that carry adapters
         (PEFT) run one by one, so the adapters stay in the computation.
         """
-        modules = [[p for p in self._memory(m) if p is not None] for m in range(self.num_states)]
+        modules = self._memory_modules()
         widths = [p.out_features for p in modules[0]]
         plain = _plain_linears([p for per_memory in modules for p in per_memory])
         if plain and _grouped_product_covers(packed):
@@ -284,7 +288,7 @@ class MoMMemoryLayer(nn.Module):
     def _projections_recompute_exactly(self) -> bool:
         """Whether the memories' projections give the same keys and values when run again in the backward:
         plain linear layers do; adapters may not (dropout draws a new mask)."""
-        return _plain_linears([p for m in range(self.num_states) for p in self._memory(m) if p is not None])
+        return _plain_linears([p for per_memory in self._memory_modules() for p in per_memory])
 
     def _routed_projections(self, x: torch.Tensor, rows: torch.Tensor, memory: torch.Tensor):
         """``k, v, beta, decay`` logits ``(B, slots, C)`` of every row's routed memories (decay ``None``
@@ -295,7 +299,7 @@ class MoMMemoryLayer(nn.Module):
         (a 4-layer decode step at hidden 1024 launched 80 of them). Projections that carry adapters
         (PEFT) run one by one, so the adapters stay in the computation.
         """
-        modules = [[p for p in self._memory(m) if p is not None] for m in range(self.num_states)]
+        modules = self._memory_modules()
         flat = [p for per_memory in modules for p in per_memory]
         sizes = [p.out_features for p in modules[0]]
         if _plain_linears(flat):
@@ -378,12 +382,12 @@ class MoMMemoryLayer(nn.Module):
             # made again in the backward (a gather, a projection) rather than kept (modeling/recompute.py).
             q_lin = self.q_proj(x)  # W_q is shared: project once, then gather
             q = saves.register(plan.gather(q_lin), gathered_rows(q_lin, plan.token_index))
-            k, v, b, a = self._memory_projections(
-                saves.register(plan.gather(x), gathered_rows(x, plan.token_index)), plan)
+            gathered_x = gathered_rows(x, plan.token_index)
+            k, v, b, a = self._memory_projections(saves.register(plan.gather(x), gathered_x), plan)
             if self._projections_recompute_exactly():
                 k, v = k.contiguous(), v.contiguous()
                 redo_k, redo_v = shared_parts(lambda: tuple(
-                    t.contiguous() for t in self._memory_projections(x.index_select(0, plan.token_index), plan)[:2]), 2)
+                    t.contiguous() for t in self._memory_projections(gathered_x(None, None), plan)[:2]), 2)
                 saves.register(k, redo_k)
                 saves.register(v, redo_v)
             q, win_q = self.q_conv1d(q, windows, win_q)
