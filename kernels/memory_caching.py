@@ -41,7 +41,7 @@ from functools import partial
 import torch
 
 from .backend import resolve_backend
-from .chunk_loop import recompute_in_backward, run_chunks, tf32_wanted
+from .chunk_loop import recompute_in_backward, run_chunks, tf32_products, tf32_wanted
 from .titans import (
     TitansMemorySpec,
     TitansState,
@@ -68,6 +68,7 @@ __all__ = [
     "MCState",
     "chunk_mc_titans",
     "log_segments",
+    "mc_gates",
     "mc_read",
     "reference_mc_titans",
     "ssc_select",
@@ -133,6 +134,25 @@ def ssc_select(scores: torch.Tensor, topk: int, dim: int = -1) -> torch.Tensor:
     return scores.masked_fill(scores < kth - slack, float("-inf"))
 
 
+def mc_gates(aggregation: str, ssc_topk: int, u: torch.Tensor, online_summary: torch.Tensor,
+             cached_summary: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The aggregation's weights of the cached memories ``(B, H, T, N)`` and of the online one ``(B, H, T, 1)``
+    for gate projections ``u (B, H, T, d_k)``; ``valid`` (bool, broadcast to ``(B, H, T, N)``) says which
+    cached memory each query may read; ``dtype`` (default ``u``'s) is the fixed weights' dtype."""
+    if aggregation in ("grm", "soup", "ssc"):
+        s_cached = torch.einsum("bhtd,bnhd->bhtn", u, cached_summary).masked_fill(~valid, float("-inf"))
+        s_online = (u * online_summary).sum(-1, keepdim=True)
+        if aggregation == "ssc":
+            s_cached = ssc_select(s_cached, ssc_topk)
+        gates = torch.softmax(torch.cat([s_cached, s_online], dim=-1), dim=-1)
+        return gates[..., :-1], gates[..., -1:]
+    dtype = u.dtype if dtype is None else dtype
+    n = valid.sum(-1, keepdim=True).to(dtype)
+    scale = 1.0 / (1.0 + n) if aggregation == "mean" else torch.ones_like(n)
+    return valid.to(dtype) * scale, scale
+
+
 def mc_read(
     spec: TitansMemorySpec,
     aggregation: str,
@@ -151,19 +171,8 @@ def mc_read(
     (which mixes weights, not reads), the online memory's reads of ``q`` already made; ``cached``
     weights are ``(B, N, H, d_out, d_in)`` with summaries ``(B, N, H, d_k)`` and ``cached_valid (B, N)``.
     """
-    valid = cached_valid[:, None, None, :]  # (B, 1, 1, N)
-    if aggregation in ("grm", "soup", "ssc"):
-        s_cached = torch.einsum("bhtd,bnhd->bhtn", u, cached_summary).masked_fill(~valid, float("-inf"))
-        s_online = (u * online_summary).sum(-1, keepdim=True)
-        if aggregation == "ssc":
-            s_cached = ssc_select(s_cached, ssc_topk)
-        gates = torch.softmax(torch.cat([s_cached, s_online], dim=-1), dim=-1)
-        g_cached, g_online = gates[..., :-1], gates[..., -1:]
-    else:
-        n = cached_valid.sum(-1).to(q.dtype)[:, None, None, None]
-        scale = 1.0 / (1.0 + n) if aggregation == "mean" else torch.ones_like(n)
-        g_cached = valid.to(q.dtype) * scale
-        g_online = scale
+    g_cached, g_online = mc_gates(aggregation, ssc_topk, u, online_summary, cached_summary,
+                                  cached_valid[:, None, None, :], q.dtype)
     if aggregation == "soup":
         if isinstance(online, torch.Tensor):
             raise ValueError("the soup aggregation mixes the online weights themselves: pass them as an apply")
@@ -330,6 +339,32 @@ class MCState:
             self.cached_key_sum, self.cached_key_count, self.key_sum, self.key_count, slot, rows)
         self.num_cached = self.num_cached + rows.long()
 
+    def append(self, closes: torch.Tensor, weights: dict[str, torch.Tensor], key_sum: torch.Tensor,
+               key_count: torch.Tensor) -> None:
+        """Cache ``n`` memories at once: memory ``j`` (``weights (B, n, H, d_out, d_in)``, its segment's keys
+        ``key_sum (B, n, H, d_k)``, ``key_count (B, n)``) for the rows that close segment ``j``
+        (``closes (B, n)``, a prefix of each row's segments), after each row's cached memories. The state
+        ends as ``n`` calls of :meth:`push` leave it, the online segment's keys aside (the caller's),
+        with one copy of the cache instead of one per memory."""
+        B, n = closes.shape
+        N0 = self.cached_key_count.shape[1]
+        count = self.num_cached + closes.long().sum(1)
+        N = max(N0, int(count.max()) if B else 0)
+        slot = torch.arange(N, device=closes.device)[None]
+        new = slot - self.num_cached[:, None]
+        # Each slot takes a new memory, its old content, or (a new slot left empty) the zero entry at N0 + n.
+        source = torch.where((new >= 0) & (slot < count[:, None]), N0 + new, torch.where(slot < N0, slot, N0 + n))
+
+        def place(old: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+            pool = torch.cat([old, fresh.to(old.dtype), old.new_zeros(B, 1, *old.shape[2:])], 1)
+            index = source.reshape(B, N, *([1] * (old.dim() - 2))).expand(B, N, *old.shape[2:])
+            return pool.gather(1, index)
+
+        self.cached = {name: place(c, weights[name]) for name, c in self.cached.items()}
+        self.cached_key_sum = place(self.cached_key_sum, key_sum)
+        self.cached_key_count = place(self.cached_key_count, key_count)
+        self.num_cached = count
+
     def merge_log(self, rows: torch.Tensor, length: torch.Tensor) -> None:
         """Logarithmic segments: keep ``popcount(length) - 1`` cached memories; merge the dropped ones' keys
         into the online segment."""
@@ -487,19 +522,58 @@ def _read_segment(spec: TitansMemorySpec, options: MCOptions, q, u, k, lv, key_s
     return recompute_in_backward(read, (q, u, online, summary, state.cached_summary(), *cached), tf32=tf32)
 
 
+class _CachedReads(torch.autograd.Function):
+    """``y = sum_j g_j M_j(q)`` over each memory's queries ``q[:, :, s_j:]``, ``g_j = g[..., s_j:, j]``.
+
+    Memory by memory, so that each memory's weights get one gradient, and with the hidden layers
+    (a memory's worth of width per query) recomputed in the backward. Autograd over the same loop
+    would add every memory's read into a sequence-sized output by a sequence-sized copy.
+    """
+
+    @staticmethod
+    def forward(ctx, spec: TitansMemorySpec, tf32: bool, starts: tuple[int, ...], q, g, *weights):
+        names = list(spec.shapes)
+        m = len(names)
+        y = q.new_zeros(*q.shape[:-1], spec.d_v)
+        with tf32_products(tf32):
+            for j, s in enumerate(starts):
+                w = dict(zip(names, weights[j * m:(j + 1) * m]))
+                y[:, :, s:] += g[..., s:, j, None] * memory_apply(spec, static_apply(w), q[:, :, s:])
+        ctx.spec, ctx.tf32, ctx.starts = spec, tf32, starts
+        ctx.save_for_backward(q, g, *weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, g, *weights = ctx.saved_tensors
+        spec, names = ctx.spec, list(ctx.spec.shapes)
+        m = len(names)
+        dq, dg, dw = torch.zeros_like(q), torch.zeros_like(g), []
+        for j, s in enumerate(ctx.starts):
+            with torch.enable_grad(), tf32_products(ctx.tf32):
+                qj = q[:, :, s:].detach().requires_grad_()
+                gj = g[..., s:, j].detach().requires_grad_()
+                wj = [w.detach().requires_grad_() for w in weights[j * m:(j + 1) * m]]
+                out = gj[..., None] * memory_apply(spec, static_apply(dict(zip(names, wj))), qj)
+                grads = torch.autograd.grad(out, (qj, gj, *wj), dy[:, :, s:])
+            dq[:, :, s:] += grads[0]
+            dg[..., s:, j] = grads[1]
+            dw.extend(grads[2:])
+        return None, None, None, dq, dg, *dw
+
+
 def _segments_in_one_loop(spec: TitansMemorySpec, options: MCOptions, bufs: dict, live: torch.Tensor,
                           W: dict, M: dict, state: MCState, seg: int, tf32: bool):
     """Whole segments of whole chunks (the training case, ``checkpoint`` caching, fused chunks): the
     online memory runs through every chunk in one loop, whose checkpoints sit at the segments' ends
-    and come back as the memories to cache; then each segment reads its cache (:func:`_read_segment`)
-    and closes. A loop per segment paid the host for each segment's loop and its backward.
-    Returns the outputs (chunk first, per segment) and the final weights and momenta; ``state``
-    ends as the per-segment path leaves it."""
+    and come back as the memories to cache. Then every query reads the cache in one pass over the
+    memories (:class:`_CachedReads`; memory ``j`` is read by the segments after ``j``), with the gates
+    of all segments computed at once, and the cache grows once. Returns the outputs (chunk first,
+    one entry) and the final weights and momenta; ``state`` ends as the per-segment path leaves it."""
     names = list(spec.shapes)
     m, C = len(names), options.chunk_size
-    total = live.shape[1]
-    B = live.shape[0]
-    n = total // C
+    B, total = live.shape
+    n, n_seg = total // C, total // seg
     xs = [_segment_chunks(bufs[name], C) for name in ("q", "k", "v", "alpha", "eta", "theta")]
     live_chunks = live.reshape(B, n, C).movedim(1, 0)
     xs += [live_chunks, torch.zeros(n, B, dtype=torch.bool, device=live.device)]
@@ -508,20 +582,47 @@ def _segments_in_one_loop(spec: TitansMemorySpec, options: MCOptions, bufs: dict
     ys, carry, ends = run_chunks(step, (*(W[n_] for n_ in names), *(M[n_] for n_ in names)), xs, (),
                                  checkpoint_every=seg // C, tf32=tf32, snapshots=True)
     ends.append(carry)
-    online = chunks_last(ys[0])
-    outputs = []
-    key_sum, key_count = state.key_sum.to(online.dtype), state.key_count.to(online.dtype)
-    for i, s0 in enumerate(range(0, total, seg)):
-        s1 = s0 + seg
-        k_seg, lv = bufs["k"][:, :, s0:s1], live[:, s0:s1]
-        y = _read_segment(spec, options, bufs["q"][:, :, s0:s1], bufs["u"][:, :, s0:s1], k_seg, lv, key_sum,
-                          key_count, online[:, :, s0:s1], state, tf32)
-        outputs.append(_segment_chunks(y, C))
-        state.key_sum = key_sum + (k_seg * lv[:, None, :, None]).sum(2)
-        state.key_count = key_count + lv.to(key_count.dtype).sum(1)
-        state.push(live[:, s1 - 1], dict(zip(names, ends[i][:m])))
-        key_sum, key_count = state.key_sum, state.key_count
-    return outputs, dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
+    online = chunks_last(ys[0])  # (B, H, total, d_v)
+    dtype = online.dtype
+    q, u, k = bufs["q"], bufs["u"], bufs["k"]
+    H, d_k = k.shape[1], k.shape[-1]
+
+    # Segment summaries: the keys each segment received, the first one continuing the state's online segment.
+    lv = live.to(dtype)
+    keys = (k * lv[:, None, :, None]).reshape(B, H, n_seg, seg, d_k)
+    seg_sum, seg_count = keys.sum(3), lv.reshape(B, n_seg, seg).sum(2)
+    closes = live[:, seg - 1::seg]  # (B, n_seg)
+    run_sum, run_count = state.key_sum.to(dtype), state.key_count.to(dtype)
+    enter_sum, enter_count, totals, counts = [], [], [], []
+    for i in range(n_seg):
+        enter_sum.append(run_sum)
+        enter_count.append(run_count)
+        totals.append(run_sum + seg_sum[:, :, i])
+        counts.append(run_count + seg_count[:, i])
+        run_sum = torch.where(closes[:, i, None, None], torch.zeros_like(run_sum), totals[-1])
+        run_count = torch.where(closes[:, i], torch.zeros_like(run_count), counts[-1])
+    key_so_far = keys.cumsum(3) + torch.stack(enter_sum, 2)[:, :, :, None]
+    count_so_far = lv.reshape(B, n_seg, seg).cumsum(2) + torch.stack(enter_count, 1)[:, :, None]
+    online_summary = (key_so_far / count_so_far.clamp(min=1)[:, None, :, :, None]).reshape(B, H, total, d_k)
+    new_sum, new_count = torch.stack(totals, 1), torch.stack(counts, 1)  # (B, n_seg, H, d_k), (B, n_seg)
+
+    # Every query's gates over the state's cached memories and the ones this call caches before it.
+    N0 = state.cached_key_count.shape[1]
+    summaries = torch.cat([state.cached_summary().to(dtype), key_mean(new_sum, new_count)], 1)
+    segment_of = torch.arange(total, device=live.device) // seg
+    fresh = (torch.arange(n_seg, device=live.device)[None] < segment_of[:, None])[None] & closes[:, None, :]
+    valid = torch.cat([state.cached_valid[:, None, :].expand(B, total, N0), fresh], 2)[:, None]  # (B, 1, T, N)
+    g_cached, g_online = mc_gates(options.aggregation, options.ssc_topk, u, online_summary, summaries, valid)
+
+    memories = [state.cached[name][:, i].to(dtype) for i in range(N0) for name in names]
+    memories += [end[i] for end in ends[:-1] for i in range(m)]
+    starts = (0,) * N0 + tuple(range(seg, total, seg))
+    y = g_online * online + _CachedReads.apply(spec, tf32, starts, q, g_cached, *memories)
+
+    stacked = {name: torch.stack([end[i] for end in ends], 1) for i, name in enumerate(names)}
+    state.append(closes, stacked, new_sum, new_count)
+    state.key_sum, state.key_count = run_sum, run_count
+    return [_segment_chunks(y, C)], dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
 
 
 def chunk_mc_titans(

@@ -127,6 +127,50 @@ def test_mc_reference_chunk_step_agree(depth, seg, segm, mode, agg):
             torch.testing.assert_close(o[b, :n], ref[b, s:s + n], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("agg", ["residual", "grm", "ssc", "mean"])
+def test_mc_whole_segments_in_one_loop_equal_the_reference(depth, agg, monkeypatch):
+    """The training path: whole segments of whole chunks in one loop, the cache read memory by memory
+    after it. Outputs and gradients equal the reference's, from an empty state and from one holding
+    cached memories, with rows ending at different segments; the state it leaves equals the one-token
+    steps' (same slots)."""
+    import mnemo.kernels.memory_caching as mc
+
+    taken = []
+    one_loop = mc._segments_in_one_loop
+    monkeypatch.setattr(mc, "_segments_in_one_loop", lambda *a, **k: taken.append(1) or one_loop(*a, **k))
+    spec = SPECS["linear" if depth == 1 else "mlp"]
+    opts = MCOptions(segment_size=4, aggregation=agg, ssc_topk=1, chunk_size=2)
+    init, *xs = inputs(spec, seed=5 + depth)
+    xs = [x[:, :20].clone().requires_grad_() for x in xs]
+    init = {n: w.clone().requires_grad_() for n, w in init.items()}
+    lengths = torch.tensor([20, 12, 16])  # the second call closes 3, 1 and 2 segments
+    ref = reference_mc_titans(spec, opts, *xs, init, lengths=lengths)
+    state = MCState.initial(init, B, D)
+    first, state = chunk_mc_titans(spec, opts, *(x[:, :8] for x in xs), init, state)
+    second, state = chunk_mc_titans(spec, opts, *(x[:, 8:] for x in xs), init, state, lengths=lengths - 8)
+    assert len(taken) == 2
+    out = torch.cat([first, second], 1) * (torch.arange(20)[None] < lengths[:, None])[..., None, None]
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    probe = torch.randn_like(ref)
+    leaves = [*xs, *init.values()]
+    grads = torch.autograd.grad((out * probe).sum(), leaves, allow_unused=True)
+    expected = torch.autograd.grad((ref * probe).sum(), leaves, allow_unused=True)
+    for leaf, g, e in zip(leaves, grads, expected):  # the gates' projection u is unused by residual / mean
+        zero = torch.zeros_like(leaf)
+        torch.testing.assert_close(zero if g is None else g, zero if e is None else e, rtol=0, atol=1e-10)
+
+    steps = MCState.initial(init, B, D)
+    for t in range(20):
+        live = t < lengths
+        _, steps = step_mc_titans(spec, opts, *(x[:, t] for x in xs), init, steps, live=live)
+    assert torch.equal(state.num_cached, steps.num_cached) and torch.equal(state.seen, steps.seen)
+    for name in ("key_sum", "key_count", "cached_key_sum", "cached_key_count"):
+        torch.testing.assert_close(getattr(state, name), getattr(steps, name), rtol=0, atol=1e-12)
+    for name, w in state.cached.items():
+        torch.testing.assert_close(w, steps.cached[name], rtol=0, atol=1e-12)
+
+
 def test_logarithmic_segments_are_the_binary_decomposition():
     assert log_segments(37) == [(0, 32), (32, 36), (36, 37)]
     assert log_segments(16) == [(0, 16)]
