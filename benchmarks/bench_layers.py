@@ -3,8 +3,9 @@
 Same work as shared/anchors/bench_anchors.py: hidden 1024, 16,384 tokens per batch
 at T=2048 (B=8) and T=8192 (B=2). Prints one JSON line per measurement and writes
 ``$OUT/bench_layers.json``. Run on the GPU machine with mnemo importable.
-``ONLY=name`` picks layers, ``TF32=1`` lets float32 matmuls use TF32 tensor cores
-(``torch.set_float32_matmul_precision("high")``), ``ITERS=n`` times n steps.
+``ONLY=name[,name]`` picks layers (by substring), ``TF32=1`` lets float32 matmuls use TF32 tensor cores
+(``torch.set_float32_matmul_precision("high")``), ``ITERS=n`` times n steps, ``LENGTHS=2048,8192,32768``
+picks the sequence lengths (batch ``max(1, TOKENS // T)``).
 """
 
 from __future__ import annotations
@@ -88,9 +89,9 @@ class DeepLayer(nn.Module):
         return self.attn(x, positions)
 
 
-def titans_layer(segment_size, heads=4):
+def titans_layer(segment_size, heads=4, **overrides):
     config = MCTitansConfig(hidden_size=D, num_heads=heads, head_dim=D // heads, memory_expansion=4,
-                            inner_chunk_size=64, segment_size=segment_size)
+                            inner_chunk_size=64, segment_size=segment_size, **overrides)
     layer = MCTitansLayer(config, 0)
     for p in layer.memory_init().values():
         nn.init.normal_(p, std=0.02)
@@ -112,6 +113,7 @@ LAYERS = {
     "mnemo_mom_4x2_shared_torch": lambda: MoMMemoryLayer(MoMConfig(hidden_size=D, num_heads=4, head_dim=256), 0),
     "mnemo_titans_4x256_mlp4_c64_torch": lambda: titans_layer(None),
     "mnemo_mc_titans_grm_seg256_4x256_mlp4_c64_torch": lambda: titans_layer(256),
+    "mnemo_mc_titans_ssc2_seg256_4x256_mlp4_c64_torch": lambda: titans_layer(256, aggregation="ssc", ssc_topk=2),
     "mnemo_titans_16x64_mlp4_c64_torch": lambda: titans_layer(None, heads=16),
     "mnemo_atlas_omeganet_gd_16x64_torch": lambda: atlas_layer("omeganet"),
     "mnemo_atlas_momentum_16x64_torch": lambda: atlas_layer("atlas", inner_optimizer="momentum"),
@@ -125,16 +127,16 @@ def record(**row):
 
 
 def main():
-    only = os.environ.get("ONLY")
+    only = [name for name in os.environ.get("ONLY", "").split(",") if name]
     tf32 = os.environ.get("TF32") == "1"
     if tf32:
         torch.set_float32_matmul_precision("high")
     iters = int(os.environ.get("ITERS", 5))
     tokens = int(os.environ.get("TOKENS", TOKENS))
-    for T in (2048, 8192):
+    for T in (int(x) for x in os.environ.get("LENGTHS", "2048,8192").split(",")):
         B = max(1, tokens // T)
         for name, make in LAYERS.items():
-            if only and only not in name:
+            if only and not any(part in name for part in only):
                 continue
             try:
                 torch.cuda.empty_cache()

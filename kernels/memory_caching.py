@@ -528,20 +528,51 @@ class _CachedReads(torch.autograd.Function):
     Memory by memory, so that each memory's weights get one gradient, and with the hidden layers
     (a memory's worth of width per query) recomputed in the backward. Autograd over the same loop
     would add every memory's read into a sequence-sized output by a sequence-sized copy.
+    ``sparse`` (``ssc``, whose gates are zero but for a few memories per query): each memory reads
+    only the queries that selected it, gathered per row and head (padded, with zero gates, to the
+    most any row and head selected: one device-to-host read for all memories).
     """
 
     @staticmethod
-    def forward(ctx, spec: TitansMemorySpec, tf32: bool, starts: tuple[int, ...], q, g, *weights):
+    def forward(ctx, spec: TitansMemorySpec, tf32: bool, sparse: bool, starts: tuple[int, ...], q, g, *weights):
         names = list(spec.shapes)
         m = len(names)
+        picks = _CachedReads._picks(g, starts) if sparse else [None] * len(starts)
         y = q.new_zeros(*q.shape[:-1], spec.d_v)
         with tf32_products(tf32):
-            for j, s in enumerate(starts):
+            for j, (s, pick) in enumerate(zip(starts, picks)):
                 w = dict(zip(names, weights[j * m:(j + 1) * m]))
-                y[:, :, s:] += g[..., s:, j, None] * memory_apply(spec, static_apply(w), q[:, :, s:])
-        ctx.spec, ctx.tf32, ctx.starts = spec, tf32, starts
+                qj, gj = _CachedReads._take(q, g, j, s, pick)
+                if qj is None:
+                    continue
+                out = gj[..., None] * memory_apply(spec, static_apply(w), qj)
+                if pick is None:
+                    y[:, :, s:] += out
+                else:
+                    y.scatter_add_(2, pick[..., None].expand_as(out), out)
+        ctx.spec, ctx.tf32, ctx.starts, ctx.picks = spec, tf32, starts, picks
         ctx.save_for_backward(q, g, *weights)
         return y
+
+    @staticmethod
+    def _picks(g: torch.Tensor, starts: tuple[int, ...]) -> list[torch.Tensor | None]:
+        """Per memory, the positions ``(B, H, width)`` of the queries that read it, those with a gate first."""
+        chosen = g > 0
+        widths = [chosen[..., s:, j].sum(-1).amax() for j, s in enumerate(starts)]
+        widths = torch.stack(widths).tolist() if widths else []
+        picks = []
+        for j, (s, width) in enumerate(zip(starts, widths)):
+            order = torch.argsort((~chosen[..., s:, j]).to(torch.int8), dim=-1, stable=True)
+            picks.append(order[..., :width] + s)
+        return picks
+
+    @staticmethod
+    def _take(q, g, j, s, pick):
+        if pick is None:
+            return q[:, :, s:], g[..., s:, j]
+        if pick.shape[-1] == 0:
+            return None, None
+        return q.gather(2, pick[..., None].expand(*pick.shape, q.shape[-1])), g[..., j].gather(2, pick)
 
     @staticmethod
     def backward(ctx, dy):
@@ -549,17 +580,25 @@ class _CachedReads(torch.autograd.Function):
         spec, names = ctx.spec, list(ctx.spec.shapes)
         m = len(names)
         dq, dg, dw = torch.zeros_like(q), torch.zeros_like(g), []
-        for j, s in enumerate(ctx.starts):
+        for j, (s, pick) in enumerate(zip(ctx.starts, ctx.picks)):
+            wj = [w.detach().requires_grad_() for w in weights[j * m:(j + 1) * m]]
+            qj, gj = _CachedReads._take(q, g, j, s, pick)
+            if qj is None:
+                dw.extend(torch.zeros_like(w) for w in wj)
+                continue
             with torch.enable_grad(), tf32_products(ctx.tf32):
-                qj = q[:, :, s:].detach().requires_grad_()
-                gj = g[..., s:, j].detach().requires_grad_()
-                wj = [w.detach().requires_grad_() for w in weights[j * m:(j + 1) * m]]
+                qj, gj = qj.detach().requires_grad_(), gj.detach().requires_grad_()
                 out = gj[..., None] * memory_apply(spec, static_apply(dict(zip(names, wj))), qj)
-                grads = torch.autograd.grad(out, (qj, gj, *wj), dy[:, :, s:])
-            dq[:, :, s:] += grads[0]
-            dg[..., s:, j] = grads[1]
+                dyj = dy[:, :, s:] if pick is None else dy.gather(2, pick[..., None].expand_as(out))
+                grads = torch.autograd.grad(out, (qj, gj, *wj), dyj)
+            if pick is None:
+                dq[:, :, s:] += grads[0]
+                dg[..., s:, j] = grads[1]
+            else:
+                dq.scatter_add_(2, pick[..., None].expand_as(grads[0]), grads[0])
+                dg[..., j].scatter_add_(2, pick, grads[1])
             dw.extend(grads[2:])
-        return None, None, None, dq, dg, *dw
+        return None, None, None, None, dq, dg, *dw
 
 
 def _segments_in_one_loop(spec: TitansMemorySpec, options: MCOptions, bufs: dict, live: torch.Tensor,
@@ -617,7 +656,8 @@ def _segments_in_one_loop(spec: TitansMemorySpec, options: MCOptions, bufs: dict
     memories = [state.cached[name][:, i].to(dtype) for i in range(N0) for name in names]
     memories += [end[i] for end in ends[:-1] for i in range(m)]
     starts = (0,) * N0 + tuple(range(seg, total, seg))
-    y = g_online * online + _CachedReads.apply(spec, tf32, starts, q, g_cached, *memories)
+    sparse = options.aggregation == "ssc"
+    y = g_online * online + _CachedReads.apply(spec, tf32, sparse, starts, q, g_cached, *memories)
 
     stacked = {name: torch.stack([end[i] for end in ends], 1) for i, name in enumerate(names)}
     state.append(closes, stacked, new_sum, new_count)

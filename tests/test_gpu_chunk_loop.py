@@ -140,9 +140,9 @@ def _real_titans(spec):
     return run
 
 
-def _real_mc(spec):
+def _real_mc(spec, aggregation="grm", segment=128, topk=2):
     def run(init, q, k, v, u, alpha, eta, theta):
-        opts = MCOptions(segment_size=128, aggregation="grm", chunk_size=64)
+        opts = MCOptions(segment_size=segment, aggregation=aggregation, ssc_topk=topk, chunk_size=64)
         return chunk_mc_titans(spec, opts, q, k, v, u, alpha, eta, theta, init,
                                MCState.initial(init, q.shape[0], spec.d_k))[0]
     return run
@@ -164,6 +164,8 @@ NARROW = TitansMemorySpec(depth=2, d_k=64, d_v=64, expansion=4, grad_clip=10.0)
 REAL = {
     "titans_4x256": (WIDE, _real_titans),
     "mc_grm_4x256": (WIDE, _real_mc),
+    # four segments, the top memory of up to three: each cached memory reads the queries that chose it
+    "mc_ssc1_seg64_4x256": (WIDE, lambda s: _real_mc(s, "ssc", 64, 1)),
     "atlas_gd_16x64": (NARROW, lambda s: _real_atlas(s, "gd")),
     "atlas_momentum_16x64": (NARROW, lambda s: _real_atlas(s, "momentum")),
 }
@@ -175,6 +177,8 @@ def test_hand_written_chunks_equal_autograd_over_the_operator_at_real_shapes(nam
     """The fused chunks (kernels/titans_chunk.py, Triton final updates) against autograd over
     ChunkOperator, both graphed, at the benchmark's head shapes. float32 problems: exact products;
     bf16 problems: TF32 products on both sides, summed in other orders."""
+    if "ssc" in name and dtype == torch.bfloat16:
+        pytest.skip("the per-segment path scores under TF32: near ties pick another memory there")
     spec, make = REAL[name]
     heads = 16 if "16x64" in name else 4
     inputs = _real_shape_inputs(dtype, spec, Hn=heads)
