@@ -528,16 +528,16 @@ class _CachedReads(torch.autograd.Function):
     Memory by memory, so that each memory's weights get one gradient, and with the hidden layers
     (a memory's worth of width per query) recomputed in the backward. Autograd over the same loop
     would add every memory's read into a sequence-sized output by a sequence-sized copy.
-    ``sparse`` (``ssc``, whose gates are zero but for a few memories per query): each memory reads
-    only the queries that selected it, gathered per row and head (padded, with zero gates, to the
-    most any row and head selected: one device-to-host read for all memories).
+    ``picks`` (``ssc``, whose gates are zero but for a few memories per query; see :meth:`picks`):
+    a memory reads only the queries that selected it.
     """
 
     @staticmethod
-    def forward(ctx, spec: TitansMemorySpec, tf32: bool, sparse: bool, starts: tuple[int, ...], q, g, *weights):
+    def forward(ctx, spec: TitansMemorySpec, tf32: bool, starts: tuple[int, ...], picks: list | None, q, g,
+                *weights):
         names = list(spec.shapes)
         m = len(names)
-        picks = _CachedReads._picks(g, starts) if sparse else [None] * len(starts)
+        picks = [None] * len(starts) if picks is None else picks
         y = q.new_zeros(*q.shape[:-1], spec.d_v)
         with tf32_products(tf32):
             for j, (s, pick) in enumerate(zip(starts, picks)):
@@ -555,13 +555,18 @@ class _CachedReads(torch.autograd.Function):
         return y
 
     @staticmethod
-    def _picks(g: torch.Tensor, starts: tuple[int, ...]) -> list[torch.Tensor | None]:
-        """Per memory, the positions ``(B, H, width)`` of the queries that read it, those with a gate first."""
+    def picks(g: torch.Tensor, starts: tuple[int, ...]) -> list[torch.Tensor | None]:
+        """Per memory, the positions ``(B, H, width)`` of the queries that read it (a nonzero gate), gathered
+        per row and head and padded with unread ones (zero gates) to the most any row and head reads: one
+        device-to-host read for all memories. ``None`` (read every query) where that is over half of them."""
         chosen = g > 0
         widths = [chosen[..., s:, j].sum(-1).amax() for j, s in enumerate(starts)]
         widths = torch.stack(widths).tolist() if widths else []
         picks = []
         for j, (s, width) in enumerate(zip(starts, widths)):
+            if 2 * width > g.shape[2] - s:
+                picks.append(None)
+                continue
             order = torch.argsort((~chosen[..., s:, j]).to(torch.int8), dim=-1, stable=True)
             picks.append(order[..., :width] + s)
         return picks
@@ -598,7 +603,7 @@ class _CachedReads(torch.autograd.Function):
                 dq.scatter_add_(2, pick[..., None].expand_as(grads[0]), grads[0])
                 dg[..., j].scatter_add_(2, pick, grads[1])
             dw.extend(grads[2:])
-        return None, None, None, None, dq, dg, *dw
+        return None, None, None, None, dq, dg, *dw  # spec, tf32, starts, picks
 
 
 def _segments_in_one_loop(spec: TitansMemorySpec, options: MCOptions, bufs: dict, live: torch.Tensor,
@@ -613,17 +618,8 @@ def _segments_in_one_loop(spec: TitansMemorySpec, options: MCOptions, bufs: dict
     m, C = len(names), options.chunk_size
     B, total = live.shape
     n, n_seg = total // C, total // seg
-    xs = [_segment_chunks(bufs[name], C) for name in ("q", "k", "v", "alpha", "eta", "theta")]
-    live_chunks = live.reshape(B, n, C).movedim(1, 0)
-    xs += [live_chunks, torch.zeros(n, B, dtype=torch.bool, device=live.device)]
-    xs += titans_coefficients(*xs[3:6], live_chunks)
-    step = partial(_titans_step, spec, False, True)
-    ys, carry, ends = run_chunks(step, (*(W[n_] for n_ in names), *(M[n_] for n_ in names)), xs, (),
-                                 checkpoint_every=seg // C, tf32=tf32, snapshots=True)
-    ends.append(carry)
-    online = chunks_last(ys[0])  # (B, H, total, d_v)
-    dtype = online.dtype
     q, u, k = bufs["q"], bufs["u"], bufs["k"]
+    dtype = k.dtype
     H, d_k = k.shape[1], k.shape[-1]
 
     # Segment summaries: the keys each segment received, the first one continuing the state's online segment.
@@ -653,11 +649,22 @@ def _segments_in_one_loop(spec: TitansMemorySpec, options: MCOptions, bufs: dict
     valid = torch.cat([state.cached_valid[:, None, :].expand(B, total, N0), fresh], 2)[:, None]  # (B, 1, T, N)
     g_cached, g_online = mc_gates(options.aggregation, options.ssc_topk, u, online_summary, summaries, valid)
 
+    starts = (0,) * N0 + tuple(range(seg, total, seg))
+    # ssc's selection is known before the online memory runs: its device-to-host read waits for little.
+    picks = _CachedReads.picks(g_cached.detach(), starts) if options.aggregation == "ssc" else None
+
+    xs = [_segment_chunks(bufs[name], C) for name in ("q", "k", "v", "alpha", "eta", "theta")]
+    live_chunks = live.reshape(B, n, C).movedim(1, 0)
+    xs += [live_chunks, torch.zeros(n, B, dtype=torch.bool, device=live.device)]
+    xs += titans_coefficients(*xs[3:6], live_chunks)
+    step = partial(_titans_step, spec, False, True)
+    ys, carry, ends = run_chunks(step, (*(W[n_] for n_ in names), *(M[n_] for n_ in names)), xs, (),
+                                 checkpoint_every=seg // C, tf32=tf32, snapshots=True)
+    ends.append(carry)
+    online = chunks_last(ys[0])  # (B, H, total, d_v)
     memories = [state.cached[name][:, i].to(dtype) for i in range(N0) for name in names]
     memories += [end[i] for end in ends[:-1] for i in range(m)]
-    starts = (0,) * N0 + tuple(range(seg, total, seg))
-    sparse = options.aggregation == "ssc"
-    y = g_online * online + _CachedReads.apply(spec, tf32, sparse, starts, q, g_cached, *memories)
+    y = g_online * online + _CachedReads.apply(spec, tf32, starts, picks, q, g_cached, *memories)
 
     stacked = {name: torch.stack([end[i] for end in ends], 1) for i, name in enumerate(names)}
     state.append(closes, stacked, new_sum, new_count)
