@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from mnemo.kernels.atlas import AtlasState, chunk_atlas, newton_schulz, reference_atlas, step_atlas
+from mnemo.kernels.atlas import NS_COEFFICIENTS, AtlasState, chunk_atlas, newton_schulz, reference_atlas, step_atlas
 from mnemo.kernels.feature_maps import apply_feature_map, initial_coefficients
 from mnemo.kernels.titans import TitansMemorySpec, TitansState, chunk_titans
 
@@ -85,6 +85,33 @@ def test_newton_schulz_pulls_singular_values_towards_one(shape):
     assert (f > 0).all() and (f < 1.2).all() and (f >= relative - 1e-12).all()
     small = newton_schulz(G, steps=0)
     torch.testing.assert_close(small, G / (G.norm(dim=(-2, -1), keepdim=True) + 1e-7), rtol=0, atol=1e-12)
+
+
+def _newton_schulz_iteration(G, steps):
+    """The iteration as Muon writes it, on the matrices themselves."""
+    a, b, c = NS_COEFFICIENTS
+    tall = G.shape[-2] > G.shape[-1]
+    X = G.transpose(-1, -2) if tall else G
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.transpose(-1, -2)
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.transpose(-1, -2) if tall else X
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (6, 16), (16, 6), (3, 5, 32, 12)])
+@pytest.mark.parametrize("steps", [1, 2, 5])
+def test_newton_schulz_on_the_gram_matrix_equals_the_iteration(shape, steps):
+    G = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(steps))
+    G[..., 0, :] *= 1e-3  # a small singular value, which the Gram matrix squares
+    torch.testing.assert_close(newton_schulz(G, steps), _newton_schulz_iteration(G, steps), rtol=0, atol=1e-12)
+    G32 = G.float().requires_grad_()
+    torch.testing.assert_close(newton_schulz(G32, steps), _newton_schulz_iteration(G.float(), steps),
+                               rtol=0, atol=2e-5)
+    newton_schulz(G32, steps).sum().backward()
+    G64 = G.clone().requires_grad_()
+    _newton_schulz_iteration(G64, steps).sum().backward()
+    torch.testing.assert_close(G32.grad.double(), G64.grad, rtol=1e-3, atol=1e-3)
 
 
 def test_window_one_gd_l2_is_titans_without_momentum():
