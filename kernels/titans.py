@@ -243,18 +243,36 @@ def _step_titans(spec, q, k, v, alpha, eta, theta, state, chunk_size, live, use_
     at_start = (state.position == 0)[:, None, None, None]
     start = {n: torch.where(at_start, state.weights[n], state.chunk_start[n]) for n in state.weights}
     factors = grad_factors(spec, start, k[:, :, None], v[:, :, None])
-    on = live[:, None, None, None]
-    a, e, th = (x.to(dtype)[..., None, None] for x in (alpha, eta, theta))
-    weights, momentum = {}, {}
+    a, e, th = (x.to(dtype) for x in (alpha, eta, theta))
+    first = state.position == 0
+    memory = [*state.weights.values(), *state.momentum.values(), *state.chunk_start.values()]
+    # The one-pass kernel has no backward: steps under autograd (logarithmic segments in training) keep torch.
+    kernel = all(t.dtype == torch.float32 for t in memory) and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in (*memory, k, v, a, e, th)))
+    if resolve_backend(q, has_triton_impl=kernel) == "triton":
+        from .titans_step_triton import step_update as update
+    else:
+        update = step_update
+    weights, momentum, chunk_start = {}, {}, {}
     for n, (A, Bf) in factors.items():
-        grad = A[:, :, 0, :, None] * Bf[:, :, 0, None, :]
-        new_s = e * state.momentum[n] - th * grad
-        momentum[n] = torch.where(on, new_s, state.momentum[n])
-        weights[n] = torch.where(on, a * state.weights[n] + new_s, state.weights[n])
+        weights[n], momentum[n], chunk_start[n] = update(
+            state.weights[n], state.momentum[n], state.chunk_start[n], A[:, :, 0], Bf[:, :, 0], a, e, th, live, first)
     y = memory_apply(spec, static_apply(weights), q[:, :, None])[:, :, 0]
     position = torch.where(live, (state.position + 1) % chunk_size, state.position)
-    chunk_start = {n: torch.where(at_start & on, state.weights[n], state.chunk_start[n]) for n in weights}
     return y.to(v.dtype), TitansState(weights, momentum, chunk_start, position)
+
+
+def step_update(W: torch.Tensor, S: torch.Tensor, C: torch.Tensor, A: torch.Tensor, Bf: torch.Tensor,
+                a: torch.Tensor, e: torch.Tensor, th: torch.Tensor, live: torch.Tensor, at_start: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A one-token step's weights, momenta and chunk-start weights (``(B, H, M, N)``) from the token's
+    rank-1 gradient ``A B^T`` (``A (B, H, M)``, ``Bf (B, H, N)``) and gates ``(B, H)``: on ``live``
+    rows ``S' = e S - th A B^T`` and ``W' = a W + S'``; rows ``at_start`` of an inner chunk store ``W``
+    as its start. (:mod:`.titans_step_triton` does the same in one pass.)"""
+    on = live[:, None, None, None]
+    new_s = e[..., None, None] * S - th[..., None, None] * (A[..., :, None] * Bf[..., None, :])
+    return (torch.where(on, a[..., None, None] * W + new_s, W), torch.where(on, new_s, S),
+            torch.where(on & at_start[:, None, None, None], W, C))
 
 
 def reference_titans(

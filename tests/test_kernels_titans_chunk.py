@@ -185,3 +185,25 @@ def test_the_chunk_through_the_triton_ends_equals_autograd_over_the_operator():
         torch.testing.assert_close(x.detach().cpu().double(), y.detach(), rtol=1e-4, atol=1e-4)
     for i, (x, y) in enumerate(zip(g_got, g_want)):
         torch.testing.assert_close(x.cpu().double(), y, rtol=1e-4, atol=1e-4, msg=lambda m: f"gradient {i}: {m}")
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_triton_step_update_equals_the_torch_one(first):
+    """The decode step's one-pass weight update against :func:`~mnemo.kernels.titans.step_update`:
+    a live row, a row that is not (kept as it was) and, ``first``, rows that start an inner chunk."""
+    pytest.importorskip("triton")
+    from mnemo.kernels.titans import step_update
+    from mnemo.kernels.titans_step_triton import step_update as triton_step_update
+
+    gen = torch.Generator().manual_seed(11)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float32).to(DEVICE)  # noqa: E731
+    W, S, C = r(2, 3, 70, 33), r(2, 3, 70, 33), r(2, 3, 70, 33)
+    A, Bf, a, e, th = r(2, 3, 70), r(2, 3, 33), r(2, 3), r(2, 3), r(2, 3)
+    live = torch.tensor([True, False], device=DEVICE)
+    at_start = torch.tensor([first, first], device=DEVICE)
+    got = triton_step_update(W, S, C, A, Bf, a, e, th, live, at_start)
+    want = step_update(W, S, C, A, Bf, a, e, th, live, at_start)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[0][1], W[1]) and torch.equal(got[1][1], S[1]) and torch.equal(got[2][1], C[1])
+    assert torch.equal(got[2][0], W[0] if first else C[0])
