@@ -7,7 +7,15 @@ import itertools
 import pytest
 import torch
 
-from mnemo.kernels.atlas import NS_COEFFICIENTS, AtlasState, chunk_atlas, newton_schulz, reference_atlas, step_atlas
+from mnemo.kernels.atlas import (
+    NS_COEFFICIENTS,
+    AtlasState,
+    chunk_atlas,
+    newton_schulz,
+    newton_schulz_together,
+    reference_atlas,
+    step_atlas,
+)
 from mnemo.kernels.feature_maps import apply_feature_map, initial_coefficients
 from mnemo.kernels.titans import TitansMemorySpec, TitansState, chunk_titans
 
@@ -105,6 +113,11 @@ def test_newton_schulz_on_the_gram_matrix_equals_the_iteration(shape, steps):
     G = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(steps))
     G[..., 0, :] *= 1e-3  # a small singular value, which the Gram matrix squares
     torch.testing.assert_close(newton_schulz(G, steps), _newton_schulz_iteration(G, steps), rtol=0, atol=1e-12)
+    G64 = G.clone().requires_grad_()
+    probe = torch.randn_like(G)
+    (grad,) = torch.autograd.grad((newton_schulz(G64, steps) * probe).sum(), G64)
+    (want,) = torch.autograd.grad((_newton_schulz_iteration(G64, steps) * probe).sum(), G64)
+    torch.testing.assert_close(grad, want, rtol=0, atol=1e-10)
     G32 = G.float().requires_grad_()
     torch.testing.assert_close(newton_schulz(G32, steps), _newton_schulz_iteration(G.float(), steps),
                                rtol=0, atol=2e-5)
@@ -112,6 +125,13 @@ def test_newton_schulz_on_the_gram_matrix_equals_the_iteration(shape, steps):
     G64 = G.clone().requires_grad_()
     _newton_schulz_iteration(G64, steps).sum().backward()
     torch.testing.assert_close(G32.grad.double(), G64.grad, rtol=1e-3, atol=1e-3)
+
+
+def test_newton_schulz_together_equals_one_call_per_matrix():
+    gen = torch.Generator().manual_seed(4)
+    mats = [torch.randn(*shape, dtype=torch.float64, generator=gen) for shape in ((2, 6, 16), (2, 16, 6), (2, 5, 5))]
+    for got, x in zip(newton_schulz_together(mats, 5), mats):
+        torch.testing.assert_close(got, newton_schulz(x, 5), rtol=0, atol=1e-12)
 
 
 def test_window_one_gd_l2_is_titans_without_momentum():
