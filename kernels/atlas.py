@@ -86,10 +86,16 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
 
 
 class _NewtonSchulz(torch.autograd.Function):
-    """:func:`newton_schulz` on ``(n, r, L)`` matrices (``r <= L``), ``steps >= 1``."""
+    """:func:`newton_schulz` on ``(n, r, L)`` matrices (``r <= L``), ``steps >= 1``, in their own dtype:
+    autocast stays out, as for the memories' other products (TF32 where the caller allows it)."""
 
     @staticmethod
     def forward(ctx, S: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
+        with torch.autocast(S.device.type, enabled=False):
+            return _NewtonSchulz._forward(ctx, S, steps, eps)
+
+    @staticmethod
+    def _forward(ctx, S: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
         a, b, c = NS_COEFFICIENTS
         norm = S.norm(dim=(-2, -1), keepdim=True)
         X0 = S / (norm + eps)
@@ -111,9 +117,15 @@ class _NewtonSchulz(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dN: torch.Tensor):
+        with torch.autocast(dN.device.type, enabled=False):
+            return _NewtonSchulz._backward(ctx, dN)
+
+    @staticmethod
+    def _backward(ctx, dN: torch.Tensor):
         a, b, c = NS_COEFFICIENTS
         steps = ctx.steps
         X0, norm, gram, *rest = ctx.saved_tensors
+        dN = dN.to(X0.dtype)
         Ms, As, Ps = rest[:steps], rest[steps:2 * steps - 1], rest[2 * steps - 1:]
         dM = torch.bmm(dN, X0.transpose(1, 2))
         dG = torch.zeros_like(gram)

@@ -127,6 +127,18 @@ def test_newton_schulz_on_the_gram_matrix_equals_the_iteration(shape, steps):
     torch.testing.assert_close(G32.grad.double(), G64.grad, rtol=1e-3, atol=1e-3)
 
 
+def test_newton_schulz_keeps_its_dtype_under_autocast():
+    """The memory's products stay in its own precision: a bf16 autocast region neither lowers the
+    iteration nor breaks its backward when a bf16 gradient comes in."""
+    G = torch.randn(3, 16, 40, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = newton_schulz(G, 5)
+        (y.to(torch.bfloat16) * 2).float().sum().backward()
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, newton_schulz(G.detach(), 5), rtol=0, atol=0)
+    assert G.grad.dtype == torch.float32 and torch.isfinite(G.grad).all()
+
+
 def test_newton_schulz_together_equals_one_call_per_matrix():
     gen = torch.Generator().manual_seed(4)
     mats = [torch.randn(*shape, dtype=torch.float64, generator=gen) for shape in ((2, 6, 16), (2, 16, 6), (2, 5, 5))]
