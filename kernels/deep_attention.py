@@ -45,7 +45,9 @@ from dataclasses import dataclass, fields
 import torch
 from torch.nn import functional as F
 
+from .activations import gelu_derivative
 from .backend import resolve_backend
+from .deep_attention_hebbian import hebbian_deep_attention
 from .norms import clip_scale
 
 __all__ = [
@@ -65,12 +67,6 @@ def _clip_pair(grad_u: torch.Tensor, r: torch.Tensor, sig: torch.Tensor, clip: f
         return grad_u, r
     scale = clip_scale(grad_u.pow(2).sum(-1) + r.pow(2).sum(-1) * sig.pow(2).sum(-1), clip)[..., None]
     return grad_u * scale, r * scale
-
-
-def gelu_derivative(x: torch.Tensor) -> torch.Tensor:
-    """d/dx of the exact (erf) GELU."""
-    cdf = 0.5 * (1.0 + torch.erf(x * 0.7071067811865476))
-    return cdf + x * torch.exp(-0.5 * x * x) * 0.3989422804014327
 
 
 @dataclass
@@ -382,6 +378,27 @@ def _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lea
     return o.to(v.dtype), out_state
 
 
+def _hebbian_torch(q, k, v, eta, gamma, w1_init, chunk_size, scale, grad_clip):
+    """Full rows from an empty state under the Hebbian rule: attention kernels and a chunk recursion
+    over the pairs (:mod:`.deep_attention_hebbian`) instead of the per-chunk weights of every key."""
+    B, T, H, _ = q.shape
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    heads_first = lambda x: x.to(dtype).transpose(1, 2)  # noqa: E731
+    ones = torch.ones(B, H, T, dtype=dtype, device=q.device)
+    eta = ones if eta is None else heads_first(eta)
+    gamma = ones if gamma is None else heads_first(gamma)
+    keys, values = heads_first(k), heads_first(v)
+    w1 = w1_init.to(dtype).expand(B, -1, -1, -1)
+    o, us, w1s = hebbian_deep_attention(heads_first(q), keys, values, eta * gamma, w1, chunk_size=chunk_size,
+                                        scale=scale, grad_clip=grad_clip)
+    count = torch.full((B,), T, dtype=torch.long, device=q.device)
+    start = (T // chunk_size) * chunk_size
+    committed = (torch.arange(T, device=q.device) < start)[None, None, :, None]
+    state = DeepAttentionState(keys=keys, values=values, eta=eta, gamma=gamma, count=count,
+                               start=torch.full_like(count, start), us=us * committed, w1=w1s[T // chunk_size])
+    return o.transpose(1, 2).to(v.dtype), state
+
+
 def _attention_torch(q, k, v, lengths, state, scale):
     """memory_depth 1 with the hebbian rule: exactly causal softmax attention (SDPA)."""
     B, T, H, dk = q.shape
@@ -450,6 +467,10 @@ def chunk_deep_attention(
         return _attention_torch(q, k, v, lengths, initial_state, scale)
     if memory_depth == 2 and w1_init is None:
         raise ValueError("memory_depth=2 needs w1_init, the deep branch's initial W_1 (H, d_v, memory_hidden)")
+    T = q.shape[1]
+    if (memory_depth == 2 and learning_rule == "hebbian" and normalize and initial_state is None and T
+            and (lengths is None or bool((lengths == T).all()))):
+        return _hebbian_torch(q, k, v, eta, gamma, w1_init, chunk_size, scale, grad_clip)
     return _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, initial_state, memory_depth, learning_rule,
                         omega_window, chunk_size, normalize, scale, grad_clip)
 

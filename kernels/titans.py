@@ -33,9 +33,9 @@ from functools import partial
 import torch
 from torch.nn import functional as F
 
+from .activations import gelu_derivative
 from .backend import resolve_backend
 from .chunk_loop import run_chunks, tf32_products, tf32_wanted
-from .deep_attention import gelu_derivative
 from .norms import clip_rank_one
 from .titans_chunk import chunk_memory
 from .titans_chunk import wanted as fused_chunks

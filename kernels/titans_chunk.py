@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn import functional as F
 
+from .activations import gelu_derivative
 from .backend import resolve_backend
-from .deep_attention import gelu_derivative
 from .norms import clip_rank_one
 
 if TYPE_CHECKING:

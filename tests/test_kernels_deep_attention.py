@@ -178,3 +178,52 @@ def test_grad_clip_stops_the_runaway_of_the_hebbian_branch():
     assert torch.isfinite(safe).all()
     # Linear growth at most: each pair adds at most eta * clip to W_1's norm.
     assert float(state.w1.norm()) <= float(w1.norm()) + 0.5 * 10.0 * n
+
+
+HEBBIAN_FULL_ROWS = [
+    dict(chunk_size=4, grad_clip=None),
+    dict(chunk_size=4, grad_clip=0.3),  # the clip acts on most pairs
+    dict(chunk_size=5, grad_clip=10.0),  # T = 14: a partial last chunk
+    dict(chunk_size=1, grad_clip=0.3),
+    dict(chunk_size=16, grad_clip=None),  # one chunk: no key pass read at all
+]
+
+
+def _general_path(q, k, v, eta, gamma, w1, **opts):
+    """The chunk loop with per-chunk weights, which every call with a state or ragged rows takes."""
+    from mnemo.kernels.deep_attention import _chunk_torch
+
+    return _chunk_torch(q, k, v, eta, gamma, w1, None, None, 2, "hebbian", 1, opts["chunk_size"], True,
+                        q.shape[-1] ** -0.5, opts["grad_clip"])
+
+
+@pytest.mark.parametrize("opts", HEBBIAN_FULL_ROWS, ids=name)
+def test_hebbian_full_rows_equal_the_chunk_loop(opts, monkeypatch):
+    """Full rows from an empty state take the key pass and attention reads; outputs, the state
+    and every gradient equal the general chunk loop's, and steps continue from that state."""
+    import mnemo.kernels.deep_attention_hebbian as hebbian
+
+    calls, update = [], hebbian.chunk_update
+    monkeypatch.setattr(hebbian, "chunk_update", lambda *a: calls.append(1) or update(*a))
+    full = dict(memory_depth=2, learning_rule="hebbian", **opts)
+    inputs = [x.clone().requires_grad_() for x in make_inputs(7)]
+    out, state = chunk_deep_attention(*inputs, **full)
+    assert calls, "the whole-row path was not taken"
+    grads = torch.autograd.grad(out.sin().sum(), inputs)
+    ref_out, ref_state = _general_path(*inputs, **opts)
+    ref_grads = torch.autograd.grad(ref_out.sin().sum(), inputs)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    for label, a, b in zip("q k v eta gamma w1".split(), grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=label)
+    got, want = state.tensors(), ref_state.tensors()
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12, msg=key)
+    # Decoding continues from the state: steps equal the reference over the longer sequence.
+    q, k, v, eta, gamma, w1 = (x.detach() for x in inputs)
+    extra = make_inputs(8)
+    longer = [torch.cat([a, b[:, :3]], 1) for a, b in zip((q, k, v, eta, gamma), extra)]
+    ref = reference_deep_attention(*longer, w1, **full)
+    for t in range(T, T + 3):
+        o, state = step_deep_attention(*(x[:, t] for x in longer), w1, state, **full)
+        torch.testing.assert_close(o, ref[:, t], rtol=0, atol=1e-10)

@@ -1,0 +1,169 @@
+"""The Hebbian DeepTransformer memory over whole sequences, with attention kernels (FAMILIES.md §4).
+
+:func:`~.deep_attention.chunk_deep_attention` takes this path for the training case of the
+Hebbian rule (``memory_depth=2``, softmax weights, no initial state, every row full). Where the
+general chunk loop materialises each chunk's weights over every earlier key (``O(T^2)`` memory),
+this path splits the layer into
+
+1. a **key pass**, chunk by chunk: the chunk's keys read the deep values ``U`` of all earlier
+   chunks through one non-causal ``scaled_dot_product_attention`` call, ``A^(s)(k_i)``; the
+   chunk's pairs then get ``u_i = e_i (W_1^(s)T v_i) * sigma'(A^(s)(k_i))`` (clipped) and
+   ``W_1`` its rank-``C`` update (``e = eta gamma``). This recursion is sequential in chunks; it
+   runs in :class:`_KeyPass`, whose backward walks the chunks in reverse and recomputes each
+   chunk's read, so nothing of size ``T^2`` is stored;
+2. **one causal read** of every query over values ``[v | U]``: with the Hebbian rule the pairs
+   of a token's own chunk hold their final ``U`` for every query at or after them, so the whole
+   read is causal softmax attention (flash kernels on the GPU);
+3. the chunk-local term of ``W_1(t) sigma(A_t(q_t))``: ``W_1`` at the chunk start plus the
+   chunk's own rank-1 updates up to ``t``, a causal product within each chunk.
+
+The per-chunk update of step 1 is :func:`chunk_update` here (PyTorch, the definition) and a
+single Triton kernel with a written-out backward on CUDA
+(:mod:`.deep_attention_triton`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from .activations import gelu_derivative
+from .norms import clip_scale
+
+__all__ = ["chunk_update", "hebbian_deep_attention"]
+
+
+def chunk_update(a: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, e: torch.Tensor, clip: float | None):
+    """One chunk's Hebbian write from its keys' reads ``a (..., C, h)`` of the earlier pairs.
+
+    ``v (..., C, d_v)`` values, ``w1 (..., d_v, h)`` ``W_1`` at the chunk start, ``e (..., C)``
+    the pairs' rates. Returns ``(u, sig, er, w1_next)``: the pairs' deep values
+    ``u = e (W_1^T v) * sigma'(a)``, ``sig = sigma(a)``, ``er = e v`` (both ``u`` and ``er`` scaled
+    by the pair's clip) and ``w1_next = w1 + er^T sig``.
+    """
+    sig = F.gelu(a)
+    grad_u = (v @ w1) * gelu_derivative(a)
+    rate = e[..., None]
+    if clip is not None:
+        rate = rate * clip_scale(grad_u.pow(2).sum(-1) + v.pow(2).sum(-1) * sig.pow(2).sum(-1), clip)[..., None]
+    er = rate * v
+    return rate * grad_u, sig, er, w1 + er.transpose(-1, -2) @ sig
+
+
+def _update(a, v, w1, e, clip):
+    """:func:`chunk_update` on the fastest path for these tensors (Triton on CUDA)."""
+    if a.is_cuda:
+        from .deep_attention_triton import chunk_update_triton
+
+        return chunk_update_triton(a, v, w1, e, clip)
+    return chunk_update(a, v, w1, e, clip)
+
+
+def _update_backward(a, v, w1, e, clip, grads):
+    """``(da, dv, dw1, de)`` of :func:`chunk_update` for its outputs' gradients ``grads``."""
+    if a.is_cuda:
+        from .deep_attention_triton import chunk_update_backward_triton
+
+        return chunk_update_backward_triton(a, v, w1, e, clip, *grads)
+    with torch.enable_grad():
+        inputs = [x.detach().requires_grad_() for x in (a, v, w1, e)]
+        outputs = chunk_update(*inputs, clip)
+        return torch.autograd.grad(outputs, inputs, grads)
+
+
+def _read_earlier(kc: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax read of queries ``kc`` over all of ``keys``; 0 where there is no key."""
+    if keys.shape[-2] == 0:
+        return kc.new_zeros(*kc.shape[:-1], values.shape[-1])
+    return F.scaled_dot_product_attention(kc, keys, values, scale=scale)
+
+
+class _KeyPass(torch.autograd.Function):
+    """Step 1 of the module docstring: the chunk recursion of the pairs' deep values and ``W_1``.
+
+    Inputs ``k (B, H, T, d_k)``, ``v (B, H, T, d_v)``, ``e (B, H, T)``, ``w1 (B, H, d_v, h)``, all in
+    the float compute dtype; the reads run in ``read_dtype`` (bf16 under autocast). Outputs
+    ``u, sig (B, H, T, h)``, ``er (B, H, T, d_v)`` and ``w1s (N + 1, B, H, d_v, h)``, ``W_1`` at
+    every chunk start and after the last chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, k, v, e, w1, chunk: int, scale: float, clip: float | None, read_dtype: torch.dtype):
+        B, H, T, _ = k.shape
+        n_chunks = -(-T // chunk)
+        h = w1.shape[-1]
+        keys = k.to(read_dtype)
+        u = k.new_empty(B, H, T, h)
+        sig = k.new_empty(B, H, T, h)
+        er = torch.empty_like(v)
+        u_read = torch.empty_like(u, dtype=read_dtype)
+        w1s = w1.new_empty(n_chunks + 1, *w1.shape)
+        w1s[0] = w1
+        with torch.autocast(k.device.type, enabled=False):
+            for n in range(n_chunks):
+                lo, hi = n * chunk, min((n + 1) * chunk, T)
+                a = _read_earlier(keys[:, :, lo:hi], keys[:, :, :lo], u_read[:, :, :lo], scale).to(k.dtype)
+                u[:, :, lo:hi], sig[:, :, lo:hi], er[:, :, lo:hi], w1s[n + 1] = _update(
+                    a, v[:, :, lo:hi], w1s[n], e[:, :, lo:hi], clip)
+                u_read[:, :, lo:hi] = u[:, :, lo:hi]
+        ctx.save_for_backward(k, v, e, u_read, w1s)
+        ctx.options = chunk, scale, clip, read_dtype
+        return u, sig, er, w1s
+
+    @staticmethod
+    def backward(ctx, du, dsig, der, dw1s):
+        k, v, e, u_read, w1s = ctx.saved_tensors
+        chunk, scale, clip, read_dtype = ctx.options
+        T = k.shape[2]
+        keys = k.to(read_dtype)
+        dk, dv, de = torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(e)
+        du = du.clone()  # gathers the later chunks' reads of each pair's value
+        dw1 = dw1s[-1]
+        with torch.autocast(k.device.type, enabled=False):
+            for n in reversed(range(-(-T // chunk))):
+                lo, hi = n * chunk, min((n + 1) * chunk, T)
+                with torch.enable_grad():
+                    leaves = [x.detach().requires_grad_() for x in (keys[:, :, lo:hi], keys[:, :, :lo], u_read[:, :, :lo])]
+                    a = _read_earlier(*leaves, scale)
+                a_value = a.detach().to(k.dtype)
+                da, dv[:, :, lo:hi], dw1_n, de[:, :, lo:hi] = _update_backward(
+                    a_value, v[:, :, lo:hi], w1s[n], e[:, :, lo:hi], clip,
+                    (du[:, :, lo:hi], dsig[:, :, lo:hi], der[:, :, lo:hi], dw1))
+                dw1 = dw1_n + dw1s[n]
+                if lo == 0:
+                    continue
+                dkc, dkp, dup = torch.autograd.grad(a, leaves, da.to(a.dtype))
+                dk[:, :, lo:hi] += dkc.to(k.dtype)
+                dk[:, :, :lo] += dkp.to(k.dtype)
+                du[:, :, :lo] += dup.to(du.dtype)
+        return dk, dv, de, dw1, None, None, None, None
+
+
+def _read_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def hebbian_deep_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor, w1: torch.Tensor,
+                           *, chunk_size: int, scale: float, grad_clip: float | None):
+    """The Hebbian deep memory over full rows from an empty state.
+
+    ``q, k (B, H, T, d_k)``, ``v (B, H, T, d_v)``, ``e (B, H, T)`` = ``eta gamma``, ``w1 (B, H, d_v, h)``,
+    all float. Returns ``o (B, H, T, d_v)`` and, for the state, ``u (B, H, T, h)`` and ``w1s``.
+    """
+    B, H, T, _ = q.shape
+    C = chunk_size
+    u, sig, er, w1s = _KeyPass.apply(k, v, e, w1, C, scale, grad_clip, _read_dtype(k))
+    dv = v.shape[-1]
+    read = F.scaled_dot_product_attention(q, k, torch.cat([v, u], -1), is_causal=True, scale=scale)
+    lin, s = read[..., :dv].to(v.dtype), F.gelu(read[..., dv:].to(v.dtype))
+    n_chunks = w1s.shape[0] - 1
+    pad = n_chunks * C - T
+    chunked = lambda x: F.pad(x, (0, 0, 0, pad)).unflatten(2, (n_chunks, C))  # noqa: E731  (B, H, N, C, .)
+    s_c, sig_c, er_c = chunked(s), chunked(sig), chunked(er)
+    w1_start = w1s[:-1].permute(1, 2, 0, 3, 4)  # (B, H, N, d_v, h)
+    mine = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    within = (s_c @ sig_c.transpose(-1, -2)).masked_fill(~mine, 0.0)
+    deep = s_c @ w1_start.transpose(-1, -2) + within @ er_c
+    o = lin + deep.flatten(2, 3)[:, :, :T]
+    return o, u, w1s
