@@ -50,25 +50,29 @@ def chunk_update(a: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, e: torch.Te
     return rate * grad_u, sig, er, w1 + er.transpose(-1, -2) @ sig
 
 
-def _update(a, v, w1, e, clip):
-    """:func:`chunk_update` on the fastest path for these tensors (Triton on CUDA)."""
+def _update(a, v, w1, e, clip, out, u_read=None) -> None:
+    """:func:`chunk_update` written into ``out = (u, sig, er, w1_next)`` (and ``u`` into ``u_read``),
+    on the fastest path for these tensors (one Triton kernel on CUDA)."""
     if a.is_cuda:
         from .deep_attention_triton import chunk_update_triton
 
-        return chunk_update_triton(a, v, w1, e, clip)
-    return chunk_update(a, v, w1, e, clip)
+        return chunk_update_triton(a, v, w1, e, clip, out, u_read)
+    for target, value in zip(out, chunk_update(a.to(v.dtype), v, w1, e, clip)):
+        target.copy_(value)
+    if u_read is not None:
+        u_read.copy_(out[0])
 
 
-def _update_backward(a, v, w1, e, clip, grads):
-    """``(da, dv, dw1, de)`` of :func:`chunk_update` for its outputs' gradients ``grads``."""
+def _update_backward(a, v, w1, e, clip, grads, out) -> None:
+    """The gradients ``(da, dv, dw1, de)`` of :func:`chunk_update` for its outputs' ``grads``, into ``out``."""
     if a.is_cuda:
         from .deep_attention_triton import chunk_update_backward_triton
 
-        return chunk_update_backward_triton(a, v, w1, e, clip, *grads)
+        return chunk_update_backward_triton(a, v, w1, e, clip, grads, out)
     with torch.enable_grad():
-        inputs = [x.detach().requires_grad_() for x in (a, v, w1, e)]
-        outputs = chunk_update(*inputs, clip)
-        return torch.autograd.grad(outputs, inputs, grads)
+        inputs = [x.detach().requires_grad_() for x in (a.to(v.dtype), v, w1, e)]
+        for target, value in zip(out, torch.autograd.grad(chunk_update(*inputs, clip), inputs, grads)):
+            target.copy_(value)
 
 
 def _read_earlier(kc: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -91,21 +95,19 @@ class _KeyPass(torch.autograd.Function):
     def forward(ctx, k, v, e, w1, chunk: int, scale: float, clip: float | None, read_dtype: torch.dtype):
         B, H, T, _ = k.shape
         n_chunks = -(-T // chunk)
-        h = w1.shape[-1]
         keys = k.to(read_dtype)
-        u = k.new_empty(B, H, T, h)
-        sig = k.new_empty(B, H, T, h)
-        er = torch.empty_like(v)
-        u_read = torch.empty_like(u, dtype=read_dtype)
+        u = k.new_empty(B, H, T, w1.shape[-1])
+        sig, er = torch.empty_like(u), torch.empty_like(v)
+        u_read = u if read_dtype == u.dtype else torch.empty_like(u, dtype=read_dtype)
         w1s = w1.new_empty(n_chunks + 1, *w1.shape)
         w1s[0] = w1
         with torch.autocast(k.device.type, enabled=False):
             for n in range(n_chunks):
                 lo, hi = n * chunk, min((n + 1) * chunk, T)
-                a = _read_earlier(keys[:, :, lo:hi], keys[:, :, :lo], u_read[:, :, :lo], scale).to(k.dtype)
-                u[:, :, lo:hi], sig[:, :, lo:hi], er[:, :, lo:hi], w1s[n + 1] = _update(
-                    a, v[:, :, lo:hi], w1s[n], e[:, :, lo:hi], clip)
-                u_read[:, :, lo:hi] = u[:, :, lo:hi]
+                a = _read_earlier(keys[:, :, lo:hi], keys[:, :, :lo], u_read[:, :, :lo], scale)
+                _update(a, v[:, :, lo:hi], w1s[n], e[:, :, lo:hi], clip,
+                        (u[:, :, lo:hi], sig[:, :, lo:hi], er[:, :, lo:hi], w1s[n + 1]),
+                        None if u_read is u else u_read[:, :, lo:hi])
         ctx.save_for_backward(k, v, e, u_read, w1s)
         ctx.options = chunk, scale, clip, read_dtype
         return u, sig, er, w1s
@@ -116,8 +118,10 @@ class _KeyPass(torch.autograd.Function):
         chunk, scale, clip, read_dtype = ctx.options
         T = k.shape[2]
         keys = k.to(read_dtype)
-        dk, dv, de = torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(e)
-        du = du.clone()  # gathers the later chunks' reads of each pair's value
+        dk, dv, de = torch.zeros_like(k), torch.empty_like(v), torch.empty_like(e)
+        # ``du`` gathers the later chunks' reads of each pair's value; the kernels need unit strides.
+        du = du.clone(memory_format=torch.contiguous_format)
+        dsig, der, dw1s = (x.contiguous() for x in (dsig, der, dw1s))
         dw1 = dw1s[-1]
         with torch.autocast(k.device.type, enabled=False):
             for n in reversed(range(-(-T // chunk))):
@@ -125,17 +129,17 @@ class _KeyPass(torch.autograd.Function):
                 with torch.enable_grad():
                     leaves = [x.detach().requires_grad_() for x in (keys[:, :, lo:hi], keys[:, :, :lo], u_read[:, :, :lo])]
                     a = _read_earlier(*leaves, scale)
-                a_value = a.detach().to(k.dtype)
-                da, dv[:, :, lo:hi], dw1_n, de[:, :, lo:hi] = _update_backward(
-                    a_value, v[:, :, lo:hi], w1s[n], e[:, :, lo:hi], clip,
-                    (du[:, :, lo:hi], dsig[:, :, lo:hi], der[:, :, lo:hi], dw1))
-                dw1 = dw1_n + dw1s[n]
+                da, dw1_n = torch.empty_like(a), torch.empty_like(dw1)
+                _update_backward(a.detach(), v[:, :, lo:hi], w1s[n], e[:, :, lo:hi], clip,
+                                 (du[:, :, lo:hi], dsig[:, :, lo:hi], der[:, :, lo:hi], dw1),
+                                 (da, dv[:, :, lo:hi], dw1_n, de[:, :, lo:hi]))
+                dw1 = dw1_n.add_(dw1s[n])
                 if lo == 0:
                     continue
-                dkc, dkp, dup = torch.autograd.grad(a, leaves, da.to(a.dtype))
-                dk[:, :, lo:hi] += dkc.to(k.dtype)
-                dk[:, :, :lo] += dkp.to(k.dtype)
-                du[:, :, :lo] += dup.to(du.dtype)
+                dkc, dkp, dup = torch.autograd.grad(a, leaves, da)
+                dk[:, :, lo:hi] += dkc
+                dk[:, :, :lo] += dkp
+                du[:, :, :lo] += dup
         return dk, dv, de, dw1, None, None, None, None
 
 

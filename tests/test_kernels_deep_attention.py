@@ -227,3 +227,41 @@ def test_hebbian_full_rows_equal_the_chunk_loop(opts, monkeypatch):
     for t in range(T, T + 3):
         o, state = step_deep_attention(*(x[:, t] for x in longer), w1, state, **full)
         torch.testing.assert_close(o, ref[:, t], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("clip", [None, 0.3])
+@pytest.mark.parametrize("rows", [4, 3])
+def test_triton_chunk_update_equals_the_torch_one(clip, rows):
+    """The key pass's per-chunk kernels (Triton's interpreter on the CPU) against
+    :func:`chunk_update` and its autograd backward, on slices of larger buffers as the pass uses them."""
+    pytest.importorskip("triton")
+    from mnemo.kernels.deep_attention_hebbian import chunk_update
+    from mnemo.kernels.deep_attention_triton import chunk_update_backward_triton, chunk_update_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=gen).to(device)  # noqa: E731
+    B_, H_, L, dv, hid = 2, 3, 9, 3, 5
+    lo = 2
+    a_all, v_all, e_all = r(B_, H_, L, hid), r(B_, H_, L, dv), torch.rand(B_, H_, L, generator=gen).to(device)
+    w1 = r(B_, H_, dv, hid)
+    a, v, e = a_all[:, :, lo:lo + rows], v_all[:, :, lo:lo + rows], e_all[:, :, lo:lo + rows]
+    leaves = [x.clone().requires_grad_() for x in (a, v, w1, e)]
+    want = chunk_update(*leaves, clip)
+    buffers = [torch.zeros(B_, H_, L, hid, device=device), torch.zeros(B_, H_, L, hid, device=device),
+               torch.zeros(B_, H_, L, dv, device=device), torch.zeros(B_, H_, dv, hid, device=device)]
+    u_read = torch.zeros(B_, H_, L, hid, device=device, dtype=torch.bfloat16)
+    out = [x[:, :, lo:lo + rows] for x in buffers[:3]] + [buffers[3]]
+    chunk_update_triton(a, v, w1, e, clip, out, u_read[:, :, lo:lo + rows])
+    for got, exp in zip(out, want):
+        torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)
+    assert not buffers[0][:, :, :lo].any() and not buffers[0][:, :, lo + rows:].any()
+    torch.testing.assert_close(u_read[:, :, lo:lo + rows], want[0].detach().bfloat16(), rtol=0, atol=0)
+
+    grads = [r(*x.shape) for x in want]
+    exp_grads = torch.autograd.grad(want, leaves, grads)
+    got_grads = [torch.empty_like(x) for x in (a, v, w1, e)]
+    grad_views = [torch.zeros(B_, H_, L, x.shape[-1], device=device)[:, :, lo:lo + rows].copy_(x) for x in grads[:3]]
+    chunk_update_backward_triton(a, v, w1, e, clip, (*grad_views, grads[3]), got_grads)
+    for label, got, exp in zip("a v w1 e".split(), got_grads, exp_grads):
+        torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4, msg=label)
