@@ -47,7 +47,7 @@ from torch.nn import functional as F
 
 from .activations import gelu_derivative
 from .backend import resolve_backend
-from .deep_attention_hebbian import hebbian_deep_attention
+from .deep_attention_hebbian import hebbian_deep_attention, read_dtype
 from .norms import clip_scale
 
 __all__ = [
@@ -390,7 +390,7 @@ def _hebbian_torch(q, k, v, eta, gamma, w1_init, chunk_size, scale, grad_clip):
     keys, values = heads_first(k), heads_first(v)
     w1 = w1_init.to(dtype).expand(B, -1, -1, -1)
     o, us, w1s = hebbian_deep_attention(heads_first(q), keys, values, eta * gamma, w1, chunk_size=chunk_size,
-                                        scale=scale, grad_clip=grad_clip)
+                                        scale=scale, grad_clip=grad_clip, reads=read_dtype(k))
     count = torch.full((B,), T, dtype=torch.long, device=q.device)
     start = (T // chunk_size) * chunk_size
     committed = (torch.arange(T, device=q.device) < start)[None, None, :, None]

@@ -143,31 +143,34 @@ class _KeyPass(torch.autograd.Function):
         return dk, dv, de, dw1, None, None, None, None
 
 
-def _read_dtype(x: torch.Tensor) -> torch.dtype:
+def read_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the attention reads for inputs like ``x``: autocast's where it is on, else ``x``'s
+    own (a bf16 model reads in bf16, through flash kernels, while the recursion runs in float32)."""
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def hebbian_deep_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor, w1: torch.Tensor,
-                           *, chunk_size: int, scale: float, grad_clip: float | None):
+                           *, chunk_size: int, scale: float, grad_clip: float | None, reads: torch.dtype):
     """The Hebbian deep memory over full rows from an empty state.
 
     ``q, k (B, H, T, d_k)``, ``v (B, H, T, d_v)``, ``e (B, H, T)`` = ``eta gamma``, ``w1 (B, H, d_v, h)``,
-    all float. Returns ``o (B, H, T, d_v)`` and, for the state, ``u (B, H, T, h)`` and ``w1s``.
+    all float32 or wider; attention reads run in ``reads``. Returns ``o (B, H, T, d_v)`` and, for
+    the state, ``u (B, H, T, h)`` and ``w1s``.
     """
     B, H, T, _ = q.shape
-    C = chunk_size
-    u, sig, er, w1s = _KeyPass.apply(k, v, e, w1, C, scale, grad_clip, _read_dtype(k))
-    dv = v.shape[-1]
-    read = F.scaled_dot_product_attention(q, k, torch.cat([v, u], -1), is_causal=True, scale=scale)
-    lin, s = read[..., :dv].to(v.dtype), F.gelu(read[..., dv:].to(v.dtype))
-    n_chunks = w1s.shape[0] - 1
-    pad = n_chunks * C - T
-    chunked = lambda x: F.pad(x, (0, 0, 0, pad)).unflatten(2, (n_chunks, C))  # noqa: E731  (B, H, N, C, .)
-    s_c, sig_c, er_c = chunked(s), chunked(sig), chunked(er)
-    w1_start = w1s[:-1].permute(1, 2, 0, 3, 4)  # (B, H, N, d_v, h)
-    mine = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    within = (s_c @ sig_c.transpose(-1, -2)).masked_fill(~mine, 0.0)
-    deep = s_c @ w1_start.transpose(-1, -2) + within @ er_c
-    o = lin + deep.flatten(2, 3)[:, :, :T]
-    return o, u, w1s
+    C, dv = chunk_size, v.shape[-1]
+    u, sig, er, w1s = _KeyPass.apply(k, v, e, w1, C, scale, grad_clip, reads)
+    with torch.autocast(q.device.type, enabled=False):
+        read = F.scaled_dot_product_attention(q.to(reads), k.to(reads), torch.cat([v, u], -1).to(reads),
+                                              is_causal=True, scale=scale).to(v.dtype)
+        lin, s = read[..., :dv], F.gelu(read[..., dv:])
+        n_chunks = w1s.shape[0] - 1
+        pad = n_chunks * C - T
+        chunked = lambda x: F.pad(x, (0, 0, 0, pad)).unflatten(2, (n_chunks, C))  # noqa: E731  (B, H, N, C, .)
+        s_c, sig_c, er_c = chunked(s), chunked(sig), chunked(er)
+        w1_start = w1s[:-1].permute(1, 2, 0, 3, 4)  # (B, H, N, d_v, h)
+        mine = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        within = (s_c @ sig_c.transpose(-1, -2)).masked_fill(~mine, 0.0)
+        deep = s_c @ w1_start.transpose(-1, -2) + within @ er_c
+    return lin + deep.flatten(2, 3)[:, :, :T], u, w1s
