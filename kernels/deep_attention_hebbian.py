@@ -50,25 +50,25 @@ def chunk_update(a: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, e: torch.Te
     return rate * grad_u, sig, er, w1 + er.transpose(-1, -2) @ sig
 
 
-def _update(a, v, w1, e, clip, out, u_read=None) -> None:
+def _update(a, v, w1, e, clip, out, u_read, tf32: bool) -> None:
     """:func:`chunk_update` written into ``out = (u, sig, er, w1_next)`` (and ``u`` into ``u_read``),
     on the fastest path for these tensors (one Triton kernel on CUDA)."""
     if a.is_cuda:
         from .deep_attention_triton import chunk_update_triton
 
-        return chunk_update_triton(a, v, w1, e, clip, out, u_read)
+        return chunk_update_triton(a, v, w1, e, clip, out, u_read, tf32)
     for target, value in zip(out, chunk_update(a.to(v.dtype), v, w1, e, clip)):
         target.copy_(value)
     if u_read is not None:
         u_read.copy_(out[0])
 
 
-def _update_backward(a, v, w1, e, clip, grads, out) -> None:
+def _update_backward(a, v, w1, e, clip, grads, out, tf32: bool) -> None:
     """The gradients ``(da, dv, dw1, de)`` of :func:`chunk_update` for its outputs' ``grads``, into ``out``."""
     if a.is_cuda:
         from .deep_attention_triton import chunk_update_backward_triton
 
-        return chunk_update_backward_triton(a, v, w1, e, clip, grads, out)
+        return chunk_update_backward_triton(a, v, w1, e, clip, grads, out, tf32)
     with torch.enable_grad():
         inputs = [x.detach().requires_grad_() for x in (a.to(v.dtype), v, w1, e)]
         for target, value in zip(out, torch.autograd.grad(chunk_update(*inputs, clip), inputs, grads)):
@@ -89,10 +89,16 @@ class _KeyPass(torch.autograd.Function):
     the float compute dtype; the reads run in ``read_dtype`` (bf16 under autocast). Outputs
     ``u, sig (B, H, T, h)``, ``er (B, H, T, d_v)`` and ``w1s (N + 1, B, H, d_v, h)``, ``W_1`` at
     every chunk start and after the last chunk.
+
+    With ``track``, each chunk's read keeps its own small autograd graph for the backward (the
+    attention saves only its output and log-sum-exp; its inputs are views of the pass's buffers).
+    Those views are taken with ``.data``: later chunks write further rows of the same buffers,
+    which never changes the rows a read saw, and a shared version counter would reject that.
     """
 
     @staticmethod
-    def forward(ctx, k, v, e, w1, chunk: int, scale: float, clip: float | None, read_dtype: torch.dtype):
+    def forward(ctx, k, v, e, w1, chunk: int, scale: float, clip: float | None, read_dtype: torch.dtype,
+                track: bool):
         B, H, T, _ = k.shape
         n_chunks = -(-T // chunk)
         keys = k.to(read_dtype)
@@ -101,38 +107,43 @@ class _KeyPass(torch.autograd.Function):
         u_read = u if read_dtype == u.dtype else torch.empty_like(u, dtype=read_dtype)
         w1s = w1.new_empty(n_chunks + 1, *w1.shape)
         w1s[0] = w1
+        tf32 = read_dtype in (torch.bfloat16, torch.float16)
+        ctx.reads = []
         with torch.autocast(k.device.type, enabled=False):
             for n in range(n_chunks):
                 lo, hi = n * chunk, min((n + 1) * chunk, T)
-                a = _read_earlier(keys[:, :, lo:hi], keys[:, :, :lo], u_read[:, :, :lo], scale)
-                _update(a, v[:, :, lo:hi], w1s[n], e[:, :, lo:hi], clip,
+                with torch.set_grad_enabled(track and lo > 0):
+                    leaves = [x.data.requires_grad_(track and lo > 0)
+                              for x in (keys[:, :, lo:hi], keys[:, :, :lo], u_read[:, :, :lo])]
+                    a = _read_earlier(*leaves, scale)
+                ctx.reads.append((a, leaves))
+                _update(a.detach(), v[:, :, lo:hi], w1s[n], e[:, :, lo:hi], clip,
                         (u[:, :, lo:hi], sig[:, :, lo:hi], er[:, :, lo:hi], w1s[n + 1]),
-                        None if u_read is u else u_read[:, :, lo:hi])
-        ctx.save_for_backward(k, v, e, u_read, w1s)
-        ctx.options = chunk, scale, clip, read_dtype
+                        None if u_read is u else u_read[:, :, lo:hi], tf32)
+        ctx.save_for_backward(v, e, w1s)
+        ctx.options = chunk, clip, tf32
         return u, sig, er, w1s
 
     @staticmethod
     def backward(ctx, du, dsig, der, dw1s):
-        k, v, e, u_read, w1s = ctx.saved_tensors
-        chunk, scale, clip, read_dtype = ctx.options
-        T = k.shape[2]
-        keys = k.to(read_dtype)
-        dk, dv, de = torch.zeros_like(k), torch.empty_like(v), torch.empty_like(e)
+        v, e, w1s = ctx.saved_tensors
+        chunk, clip, tf32 = ctx.options
+        dk, dv, de = None, torch.empty_like(v), torch.empty_like(e)
         # ``du`` gathers the later chunks' reads of each pair's value; the kernels need unit strides.
         du = du.clone(memory_format=torch.contiguous_format)
         dsig, der, dw1s = (x.contiguous() for x in (dsig, der, dw1s))
         dw1 = dw1s[-1]
-        with torch.autocast(k.device.type, enabled=False):
-            for n in reversed(range(-(-T // chunk))):
+        T = v.shape[2]
+        with torch.autocast(v.device.type, enabled=False):
+            for n in reversed(range(len(ctx.reads))):
                 lo, hi = n * chunk, min((n + 1) * chunk, T)
-                with torch.enable_grad():
-                    leaves = [x.detach().requires_grad_() for x in (keys[:, :, lo:hi], keys[:, :, :lo], u_read[:, :, :lo])]
-                    a = _read_earlier(*leaves, scale)
+                a, leaves = ctx.reads[n]
+                if dk is None:
+                    dk = torch.zeros(*v.shape[:3], leaves[0].shape[-1], dtype=v.dtype, device=v.device)
                 da, dw1_n = torch.empty_like(a), torch.empty_like(dw1)
                 _update_backward(a.detach(), v[:, :, lo:hi], w1s[n], e[:, :, lo:hi], clip,
                                  (du[:, :, lo:hi], dsig[:, :, lo:hi], der[:, :, lo:hi], dw1),
-                                 (da, dv[:, :, lo:hi], dw1_n, de[:, :, lo:hi]))
+                                 (da, dv[:, :, lo:hi], dw1_n, de[:, :, lo:hi]), tf32)
                 dw1 = dw1_n.add_(dw1s[n])
                 if lo == 0:
                     continue
@@ -140,7 +151,7 @@ class _KeyPass(torch.autograd.Function):
                 dk[:, :, lo:hi] += dkc
                 dk[:, :, :lo] += dkp
                 du[:, :, :lo] += dup
-        return dk, dv, de, dw1, None, None, None, None
+        return dk, dv, de, dw1, None, None, None, None, None
 
 
 def read_dtype(x: torch.Tensor) -> torch.dtype:
@@ -160,7 +171,8 @@ def hebbian_deep_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e:
     """
     B, H, T, _ = q.shape
     C, dv = chunk_size, v.shape[-1]
-    u, sig, er, w1s = _KeyPass.apply(k, v, e, w1, C, scale, grad_clip, reads)
+    track = torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, e, w1))
+    u, sig, er, w1s = _KeyPass.apply(k, v, e, w1, C, scale, grad_clip, reads, track)
     with torch.autocast(q.device.type, enabled=False):
         read = F.scaled_dot_product_attention(q.to(reads), k.to(reads), torch.cat([v, u], -1).to(reads),
                                               is_causal=True, scale=scale).to(v.dtype)

@@ -4,7 +4,8 @@
 its derivative, the clip's three norms, the scales, the rank-``C`` update of ``W_1``), and the key
 pass runs it once per chunk, in sequence: at 128 chunks the launches alone outweighed the
 attention reads. Here it is one program per ``(batch, head)`` with the chunk in registers, and
-its backward likewise, written out:
+its backward likewise, written out (the chunk is ``C x d_v`` and ``C x h`` tiles; the grid is only
+``batch x heads`` programs, so each must be short):
 
 with ``g = v W_1``, ``d = sigma'(a)``, ``s = sigma(a)``, ``n = |g d|^2 + |v|^2 |s|^2`` per pair, the
 clip ``c = min(1, clip / sqrt(n))`` and ``f = e c``: ``u = f g d``, ``er = f v``, ``W_1' = W_1 + er^T s``;
@@ -14,8 +15,9 @@ so for incoming ``du, ds, der, dW`` (``der`` and ``ds`` first take ``W_1'``'s pa
 gradients of ``g d``, ``v`` and ``s``.
 
 Tensors are ``(B, H, rows, width)`` views with unit stride in ``width`` (slices of the pass's
-buffers: the kernels read and write them in place), ``e`` ``(B, H, rows)``. Products run in
-float32 (TF32 where the caller's matmul precision allows it, as the other memory kernels).
+buffers: the kernels read and write them in place), ``e`` ``(B, H, rows)``. Sums are float32;
+products are TF32 when ``tf32`` (the memories' policy for bf16/fp16 problems, see
+:func:`~.chunk_loop.tf32_wanted`) and ``_FP32_PRODUCTS`` otherwise.
 """
 
 from __future__ import annotations
@@ -24,9 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .titans_chunk_triton import _precision
-
 __all__ = ["chunk_update_backward_triton", "chunk_update_triton"]
+
+_WARPS = 4
+_FP32_PRODUCTS = "ieee"
+
+
+def _precision(tf32: bool) -> str:
+    return "tf32" if tf32 else _FP32_PRODUCTS
 
 @triton.jit
 def _ptrs(X, s0, s1, s2, b, h, rows, cols):
@@ -139,7 +146,8 @@ def _blocks(R: int, DV: int, HID: int) -> dict:
 
 
 def chunk_update_triton(a: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, e: torch.Tensor, clip: float | None,
-                        out: tuple[torch.Tensor, ...], u_read: torch.Tensor | None = None) -> None:
+                        out: tuple[torch.Tensor, ...], u_read: torch.Tensor | None = None, tf32: bool = False
+                        ) -> None:
     """:func:`~.deep_attention_hebbian.chunk_update` written into ``out = (u, sig, er, w1_next)``;
     ``u`` also into ``u_read`` (the reads' dtype) when given."""
     B, H, R, HID = a.shape
@@ -147,13 +155,13 @@ def chunk_update_triton(a: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, e: t
     u, sig, er, w_next = out
     ur = u if u_read is None else u_read
     _update_kernel[(B, H)](*_args(a, v, w1, e, u, sig, er, w_next, ur), R, DV, HID, 0.0 if clip is None else float(clip), CLIP=clip is not None,
-                           WRITE_READ=u_read is not None, PRECISION=_precision(), num_warps=4,
+                           WRITE_READ=u_read is not None, PRECISION=_precision(tf32), num_warps=_WARPS,
                            **_blocks(R, DV, HID))
 
 
 def chunk_update_backward_triton(a: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, e: torch.Tensor,
                                  clip: float | None, grads: tuple[torch.Tensor, ...],
-                                 out: tuple[torch.Tensor, ...]) -> None:
+                                 out: tuple[torch.Tensor, ...], tf32: bool = False) -> None:
     """The gradients of :func:`chunk_update_triton`'s inputs ``(da, dv, dw1, de)`` written into ``out``,
     for its outputs' gradients ``grads = (du, dsig, der, dw1_next)``."""
     B, H, R, HID = a.shape
@@ -161,4 +169,4 @@ def chunk_update_backward_triton(a: torch.Tensor, v: torch.Tensor, w1: torch.Ten
     du, ds, der, dwn = grads
     da, dv, dw, de = out
     _update_backward_kernel[(B, H)](*_args(a, v, w1, e, du, ds, der, dwn, da, dv, dw, de), R, DV, HID, 0.0 if clip is None else float(clip), CLIP=clip is not None,
-                                    PRECISION=_precision(), num_warps=4, **_blocks(R, DV, HID))
+                                    PRECISION=_precision(tf32), num_warps=_WARPS, **_blocks(R, DV, HID))
