@@ -50,25 +50,29 @@ def chunk_update(a: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, e: torch.Te
     return rate * grad_u, sig, er, w1 + er.transpose(-1, -2) @ sig
 
 
-def _update(a, v, w1, e, clip, out, u_read, tf32: bool) -> None:
+def _update(a, v, w1, e, clip, out, u_read, tables: dict) -> None:
     """:func:`chunk_update` written into ``out = (u, sig, er, w1_next)`` (and ``u`` into ``u_read``),
-    on the fastest path for these tensors (one Triton kernel on CUDA)."""
+    on the fastest path for these tensors (one Triton kernel on CUDA; ``tables`` caches its stride
+    tables by the layout of ``a``)."""
     if a.is_cuda:
-        from .deep_attention_triton import chunk_update_triton
+        from .deep_attention_triton import chunk_update_triton, stride_table
 
-        return chunk_update_triton(a, v, w1, e, clip, out, u_read, tf32)
+        extra = () if u_read is None else (u_read,)
+        table = tables.get(a.stride()) or tables.setdefault(a.stride(), stride_table(a, v, w1, e, *out, *extra))
+        return chunk_update_triton(a, v, w1, e, clip, out, u_read, table)
     for target, value in zip(out, chunk_update(a.to(v.dtype), v, w1, e, clip)):
         target.copy_(value)
     if u_read is not None:
         u_read.copy_(out[0])
 
 
-def _update_backward(a, v, w1, e, clip, grads, out, tf32: bool) -> None:
+def _update_backward(a, v, w1, e, clip, grads, out, tables: dict) -> None:
     """The gradients ``(da, dv, dw1, de)`` of :func:`chunk_update` for its outputs' ``grads``, into ``out``."""
     if a.is_cuda:
-        from .deep_attention_triton import chunk_update_backward_triton
+        from .deep_attention_triton import chunk_update_backward_triton, stride_table
 
-        return chunk_update_backward_triton(a, v, w1, e, clip, grads, out, tf32)
+        table = tables.get(a.stride()) or tables.setdefault(a.stride(), stride_table(a, v, w1, e, *grads))
+        return chunk_update_backward_triton(a, v, w1, e, clip, grads, out, table)
     with torch.enable_grad():
         inputs = [x.detach().requires_grad_() for x in (a.to(v.dtype), v, w1, e)]
         for target, value in zip(out, torch.autograd.grad(chunk_update(*inputs, clip), inputs, grads)):
@@ -107,7 +111,7 @@ class _KeyPass(torch.autograd.Function):
         u_read = u if read_dtype == u.dtype else torch.empty_like(u, dtype=read_dtype)
         w1s = w1.new_empty(n_chunks + 1, *w1.shape)
         w1s[0] = w1
-        tf32 = read_dtype in (torch.bfloat16, torch.float16)
+        tables: dict = {}
         ctx.reads = []
         with torch.autocast(k.device.type, enabled=False):
             for n in range(n_chunks):
@@ -119,15 +123,16 @@ class _KeyPass(torch.autograd.Function):
                 ctx.reads.append((a, leaves))
                 _update(a.detach(), v[:, :, lo:hi], w1s[n], e[:, :, lo:hi], clip,
                         (u[:, :, lo:hi], sig[:, :, lo:hi], er[:, :, lo:hi], w1s[n + 1]),
-                        None if u_read is u else u_read[:, :, lo:hi], tf32)
+                        None if u_read is u else u_read[:, :, lo:hi], tables)
         ctx.save_for_backward(v, e, w1s)
-        ctx.options = chunk, clip, tf32
+        ctx.options = chunk, clip
         return u, sig, er, w1s
 
     @staticmethod
     def backward(ctx, du, dsig, der, dw1s):
         v, e, w1s = ctx.saved_tensors
-        chunk, clip, tf32 = ctx.options
+        chunk, clip = ctx.options
+        tables: dict = {}
         dk, dv, de = None, torch.empty_like(v), torch.empty_like(e)
         # ``du`` gathers the later chunks' reads of each pair's value; the kernels need unit strides.
         du = du.clone(memory_format=torch.contiguous_format)
@@ -143,7 +148,7 @@ class _KeyPass(torch.autograd.Function):
                 da, dw1_n = torch.empty_like(a), torch.empty_like(dw1)
                 _update_backward(a.detach(), v[:, :, lo:hi], w1s[n], e[:, :, lo:hi], clip,
                                  (du[:, :, lo:hi], dsig[:, :, lo:hi], der[:, :, lo:hi], dw1),
-                                 (da, dv[:, :, lo:hi], dw1_n, de[:, :, lo:hi]), tf32)
+                                 (da, dv[:, :, lo:hi], dw1_n, de[:, :, lo:hi]), tables)
                 dw1 = dw1_n.add_(dw1s[n])
                 if lo == 0:
                     continue

@@ -15,9 +15,15 @@ so for incoming ``du, ds, der, dW`` (``der`` and ``ds`` first take ``W_1'``'s pa
 gradients of ``g d``, ``v`` and ``s``.
 
 Tensors are ``(B, H, rows, width)`` views with unit stride in ``width`` (slices of the pass's
-buffers: the kernels read and write them in place), ``e`` ``(B, H, rows)``. Sums are float32;
-products are TF32 when ``tf32`` (the memories' policy for bf16/fp16 problems, see
-:func:`~.chunk_loop.tf32_wanted`) and ``_FP32_PRODUCTS`` otherwise.
+buffers: the kernels read and write them in place), ``e`` ``(B, H, rows)``. Their strides travel in
+a small device table (:func:`stride_table`), built once per pass: the chunks' views move, their
+strides do not, and with every stride passed as an integer Triton's launcher took 40 us of host
+time per launch (H100 host), more than the kernel.
+
+Sums are float32 and products 3xTF32 (float32's accuracy). Plain TF32, the memories' policy for
+bf16 problems elsewhere, is not enough here: where the clip acts, its gradient removes the
+component of ``du`` along ``g d``, and TF32's error in ``g`` left 7% of the bf16 ``W_1`` gradient
+(0.2% with 3xTF32, the chunk loop under bf16 autocast 0.4%; T = 1024, clip 0.5).
 """
 
 from __future__ import annotations
@@ -26,38 +32,35 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["chunk_update_backward_triton", "chunk_update_triton"]
+__all__ = ["chunk_update_backward_triton", "chunk_update_triton", "stride_table"]
 
 _WARPS = 4
-# float32 problems: three TF32 products per product, float32's accuracy (2e-7 relative against float64 on an
-# H100) at 36 / 58 us for the update / its backward where Triton's exact float32 dot took 287 / 771 us.
-_FP32_PRODUCTS = "tf32x3"
-
-
-def _precision(tf32: bool) -> str:
-    return "tf32" if tf32 else _FP32_PRODUCTS
-
-@triton.jit
-def _ptrs(X, s0, s1, s2, b, h, rows, cols):
-    """Pointers to ``X[b, h, rows, cols]`` for a 4-d view with strides ``(s0, s1, s2, 1)``."""
-    return X + b * s0 + h * s1 + rows[:, None] * s2 + cols[None, :]
+_PRODUCTS = tl.constexpr("tf32x3")  # 36 / 58 us for the update / its backward where exact float32 dots took 287 / 771 us
 
 
 @triton.jit
-def _tile(X, s0, s1, s2, b, h, rows, cols, R, N):
-    return tl.load(_ptrs(X, s0, s1, s2, b, h, rows, cols), mask=(rows[:, None] < R) & (cols[None, :] < N),
+def _ptrs(X, TAB, i: tl.constexpr, b, h, rows, cols):
+    """Pointers to ``X[b, h, rows, cols]``, ``X`` the ``i``-th operand of the stride table ``TAB``."""
+    return X + b * tl.load(TAB + 3 * i) + h * tl.load(TAB + 3 * i + 1) + rows[:, None] * tl.load(TAB + 3 * i + 2) \
+        + cols[None, :]
+
+
+@triton.jit
+def _tile(X, TAB, i: tl.constexpr, b, h, rows, cols, R, N):
+    return tl.load(_ptrs(X, TAB, i, b, h, rows, cols), mask=(rows[:, None] < R) & (cols[None, :] < N),
                    other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _forward_parts(A, sa0, sa1, sa2, V, sv0, sv1, sv2, W, sw0, sw1, sw2, E, se0, se1, se2, b, h, rc, rv, rh, R,
-                   DV, HID, clip, CLIP: tl.constexpr, PRECISION: tl.constexpr):
-    """Everything the forward and the backward share: the chunk's loads, ``g d``, ``s``, ``d`` and the clip."""
-    a = _tile(A, sa0, sa1, sa2, b, h, rc, rh, R, HID)
-    v = _tile(V, sv0, sv1, sv2, b, h, rc, rv, R, DV)
-    w = _tile(W, sw0, sw1, sw2, b, h, rv, rh, DV, HID)
-    e = tl.load(E + b * se0 + h * se1 + rc * se2, mask=rc < R, other=0.0).to(tl.float32)
-    g = tl.dot(v, w, input_precision=PRECISION)
+def _forward_parts(A, V, W, E, TAB, b, h, rc, rv, rh, R, DV, HID, clip, CLIP: tl.constexpr):
+    """Everything the forward and the backward share: the chunk's loads (operands 0-3 of the table:
+    ``a, v, w1, e``), ``g``, ``d``, ``s``, ``g d``, the GELU's density and the clip."""
+    a = _tile(A, TAB, 0, b, h, rc, rh, R, HID)
+    v = _tile(V, TAB, 1, b, h, rc, rv, R, DV)
+    w = _tile(W, TAB, 2, b, h, rv, rh, DV, HID)
+    e = tl.load(E + b * tl.load(TAB + 9) + h * tl.load(TAB + 10) + rc * tl.load(TAB + 11), mask=rc < R, other=0.0)
+    e = e.to(tl.float32)
+    g = tl.dot(v, w, input_precision=_PRODUCTS)
     cdf = 0.5 * (1.0 + tl.math.erf(a * 0.7071067811865476))
     pdf = tl.exp(-0.5 * a * a) * 0.3989422804014327
     d = cdf + a * pdf
@@ -72,44 +75,37 @@ def _forward_parts(A, sa0, sa1, sa2, V, sv0, sv1, sv2, W, sw0, sw1, sw2, E, se0,
 
 
 @triton.jit
-def _update_kernel(A, sa0, sa1, sa2, V, sv0, sv1, sv2, W, sw0, sw1, sw2, E, se0, se1, se2,
-                   U, su0, su1, su2, S, ss0, ss1, ss2, ER, sr0, sr1, sr2, WN, sn0, sn1, sn2, UR, sq0, sq1, sq2,
-                   R, DV, HID, clip, CLIP: tl.constexpr, WRITE_READ: tl.constexpr, BC: tl.constexpr,
-                   BV: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr):
+def _update_kernel(A, V, W, E, U, S, ER, WN, UR, TAB, R, DV, HID, clip, CLIP: tl.constexpr,
+                   WRITE_READ: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
     rc, rv, rh = tl.arange(0, BC), tl.arange(0, BV), tl.arange(0, BH)
-    a, v, w, e, g, d, s, gd, pdf, n, scale = _forward_parts(A, sa0, sa1, sa2, V, sv0, sv1, sv2, W, sw0, sw1, sw2,
-                                                             E, se0, se1, se2, b, h, rc, rv, rh, R, DV, HID, clip,
-                                                             CLIP, PRECISION)
+    a, v, w, e, g, d, s, gd, pdf, n, scale = _forward_parts(A, V, W, E, TAB, b, h, rc, rv, rh, R, DV, HID, clip,
+                                                             CLIP)
     rate = (e * scale)[:, None]
     u = rate * gd
     er = rate * v
-    w_next = w + tl.dot(tl.trans(er), s, input_precision=PRECISION)
+    w_next = w + tl.dot(tl.trans(er), s, input_precision=_PRODUCTS)
     m_ch = (rc[:, None] < R) & (rh[None, :] < HID)
-    tl.store(_ptrs(U, su0, su1, su2, b, h, rc, rh), u, mask=m_ch)
-    tl.store(_ptrs(S, ss0, ss1, ss2, b, h, rc, rh), s, mask=m_ch)
-    tl.store(_ptrs(ER, sr0, sr1, sr2, b, h, rc, rv), er, mask=(rc[:, None] < R) & (rv[None, :] < DV))
-    tl.store(_ptrs(WN, sn0, sn1, sn2, b, h, rv, rh), w_next, mask=(rv[:, None] < DV) & (rh[None, :] < HID))
+    tl.store(_ptrs(U, TAB, 4, b, h, rc, rh), u, mask=m_ch)
+    tl.store(_ptrs(S, TAB, 5, b, h, rc, rh), s, mask=m_ch)
+    tl.store(_ptrs(ER, TAB, 6, b, h, rc, rv), er, mask=(rc[:, None] < R) & (rv[None, :] < DV))
+    tl.store(_ptrs(WN, TAB, 7, b, h, rv, rh), w_next, mask=(rv[:, None] < DV) & (rh[None, :] < HID))
     if WRITE_READ:
-        tl.store(_ptrs(UR, sq0, sq1, sq2, b, h, rc, rh), u.to(UR.dtype.element_ty), mask=m_ch)
+        tl.store(_ptrs(UR, TAB, 8, b, h, rc, rh), u.to(UR.dtype.element_ty), mask=m_ch)
 
 
 @triton.jit
-def _update_backward_kernel(A, sa0, sa1, sa2, V, sv0, sv1, sv2, W, sw0, sw1, sw2, E, se0, se1, se2,
-                            DU, su0, su1, su2, DS, ss0, ss1, ss2, DER, sr0, sr1, sr2, DWN, sn0, sn1, sn2,
-                            DA, sd0, sd1, sd2, DVO, so0, so1, so2, DW, sg0, sg1, sg2, DE, sx0, sx1, sx2,
-                            R, DV, HID, clip, CLIP: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
-                            BH: tl.constexpr, PRECISION: tl.constexpr):
+def _update_backward_kernel(A, V, W, E, DU, DS, DER, DWN, DA, DVO, DW, DE, TAB, R, DV, HID, clip,
+                            CLIP: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
     rc, rv, rh = tl.arange(0, BC), tl.arange(0, BV), tl.arange(0, BH)
-    a, v, w, e, g, d, s, gd, pdf, n, scale = _forward_parts(A, sa0, sa1, sa2, V, sv0, sv1, sv2, W, sw0, sw1, sw2,
-                                                             E, se0, se1, se2, b, h, rc, rv, rh, R, DV, HID, clip,
-                                                             CLIP, PRECISION)
+    a, v, w, e, g, d, s, gd, pdf, n, scale = _forward_parts(A, V, W, E, TAB, b, h, rc, rv, rh, R, DV, HID, clip,
+                                                             CLIP)
     rate = e * scale
-    dwn = _tile(DWN, sn0, sn1, sn2, b, h, rv, rh, DV, HID)
-    du = _tile(DU, su0, su1, su2, b, h, rc, rh, R, HID)
-    der = _tile(DER, sr0, sr1, sr2, b, h, rc, rv, R, DV) + tl.dot(s, tl.trans(dwn), input_precision=PRECISION)
-    ds = _tile(DS, ss0, ss1, ss2, b, h, rc, rh, R, HID) + tl.dot(rate[:, None] * v, dwn, input_precision=PRECISION)
+    dwn = _tile(DWN, TAB, 7, b, h, rv, rh, DV, HID)
+    du = _tile(DU, TAB, 4, b, h, rc, rh, R, HID)
+    der = _tile(DER, TAB, 6, b, h, rc, rv, R, DV) + tl.dot(s, tl.trans(dwn), input_precision=_PRODUCTS)
+    ds = _tile(DS, TAB, 5, b, h, rc, rh, R, HID) + tl.dot(rate[:, None] * v, dwn, input_precision=_PRODUCTS)
     df = tl.sum(du * gd, 1) + tl.sum(der * v, 1)
     dv = rate[:, None] * der
     dgd = rate[:, None] * du
@@ -122,24 +118,26 @@ def _update_backward_kernel(A, sa0, sa1, sa2, V, sv0, sv1, sv2, W, sw0, sw1, sw2
         dv += (2.0 * dn * tl.sum(s * s, 1))[:, None] * v
         ds += (2.0 * dn * tl.sum(v * v, 1))[:, None] * s
     dg = dgd * d
-    dv += tl.dot(dg, tl.trans(w), input_precision=PRECISION)
-    dw = dwn + tl.dot(tl.trans(v), dg, input_precision=PRECISION)
+    dv += tl.dot(dg, tl.trans(w), input_precision=_PRODUCTS)
+    dw = dwn + tl.dot(tl.trans(v), dg, input_precision=_PRODUCTS)
     da = dgd * g * pdf * (2.0 - a * a) + ds * d
     m_ch, m_cv = (rc[:, None] < R) & (rh[None, :] < HID), (rc[:, None] < R) & (rv[None, :] < DV)
-    tl.store(_ptrs(DA, sd0, sd1, sd2, b, h, rc, rh), da.to(DA.dtype.element_ty), mask=m_ch)
-    tl.store(_ptrs(DVO, so0, so1, so2, b, h, rc, rv), dv, mask=m_cv)
-    tl.store(_ptrs(DW, sg0, sg1, sg2, b, h, rv, rh), dw, mask=(rv[:, None] < DV) & (rh[None, :] < HID))
-    tl.store(DE + b * sx0 + h * sx1 + rc * sx2, de, mask=rc < R)
+    tl.store(_ptrs(DA, TAB, 0, b, h, rc, rh), da.to(DA.dtype.element_ty), mask=m_ch)
+    tl.store(_ptrs(DVO, TAB, 1, b, h, rc, rv), dv, mask=m_cv)
+    tl.store(_ptrs(DW, TAB, 2, b, h, rv, rh), dw, mask=(rv[:, None] < DV) & (rh[None, :] < HID))
+    tl.store(DE + b * tl.load(TAB + 9) + h * tl.load(TAB + 10) + rc * tl.load(TAB + 11), de, mask=rc < R)
 
 
-def _args(*tensors: torch.Tensor) -> list:
-    """Each tensor followed by its batch, head and row strides (the kernels' pointer arguments)."""
-    args = []
-    for x in tensors:
+def stride_table(*operands: torch.Tensor) -> torch.Tensor:
+    """The batch, head and row strides of ``(a, v, w1, e, u, sig, er, w1_next[, u_read])`` (the update)
+    or of ``(a, v, w1, e, du, dsig, der, dw1_next)`` (its backward: ``da`` shares ``a``'s, ``dv`` ``v``'s,
+    ``dw1`` ``w1``'s and ``de`` ``e``'s) as one device tensor."""
+    strides = []
+    for x in operands:
         if x.dim() == 4 and x.stride(3) != 1:
             raise ValueError("the chunk update needs unit stride in the last dimension")
-        args += [x, *x.stride()[:3]]
-    return args
+        strides += x.stride()[:3]
+    return torch.tensor(strides, dtype=torch.int64).to(operands[0].device, non_blocking=True)
 
 
 def _blocks(R: int, DV: int, HID: int) -> dict:
@@ -148,27 +146,31 @@ def _blocks(R: int, DV: int, HID: int) -> dict:
 
 
 def chunk_update_triton(a: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, e: torch.Tensor, clip: float | None,
-                        out: tuple[torch.Tensor, ...], u_read: torch.Tensor | None = None, tf32: bool = False
-                        ) -> None:
+                        out: tuple[torch.Tensor, ...], u_read: torch.Tensor | None = None,
+                        table: torch.Tensor | None = None) -> None:
     """:func:`~.deep_attention_hebbian.chunk_update` written into ``out = (u, sig, er, w1_next)``;
-    ``u`` also into ``u_read`` (the reads' dtype) when given."""
+    ``u`` also into ``u_read`` (the reads' dtype) when given. ``table``: :func:`stride_table` of these
+    operands, or of any with the same strides (the caller's cache)."""
     B, H, R, HID = a.shape
     DV = v.shape[-1]
-    u, sig, er, w_next = out
-    ur = u if u_read is None else u_read
-    _update_kernel[(B, H)](*_args(a, v, w1, e, u, sig, er, w_next, ur), R, DV, HID, 0.0 if clip is None else float(clip), CLIP=clip is not None,
-                           WRITE_READ=u_read is not None, PRECISION=_precision(tf32), num_warps=_WARPS,
-                           **_blocks(R, DV, HID))
+    extra = () if u_read is None else (u_read,)
+    table = stride_table(a, v, w1, e, *out, *extra) if table is None else table
+    _update_kernel[(B, H)](a, v, w1, e, *out, out[0] if u_read is None else u_read, table, R, DV, HID,
+                           0.0 if clip is None else float(clip), CLIP=clip is not None,
+                           WRITE_READ=u_read is not None, num_warps=_WARPS, **_blocks(R, DV, HID))
 
 
 def chunk_update_backward_triton(a: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, e: torch.Tensor,
                                  clip: float | None, grads: tuple[torch.Tensor, ...],
-                                 out: tuple[torch.Tensor, ...], tf32: bool = False) -> None:
-    """The gradients of :func:`chunk_update_triton`'s inputs ``(da, dv, dw1, de)`` written into ``out``,
-    for its outputs' gradients ``grads = (du, dsig, der, dw1_next)``."""
+                                 out: tuple[torch.Tensor, ...], table: torch.Tensor | None = None) -> None:
+    """The gradients of :func:`chunk_update_triton`'s inputs ``(da, dv, dw1, de)`` written into ``out``
+    (with the strides of ``(a, v, w1, e)``), for its outputs' gradients ``grads = (du, dsig, der, dw1_next)``."""
     B, H, R, HID = a.shape
     DV = v.shape[-1]
-    du, ds, der, dwn = grads
-    da, dv, dw, de = out
-    _update_backward_kernel[(B, H)](*_args(a, v, w1, e, du, ds, der, dwn, da, dv, dw, de), R, DV, HID, 0.0 if clip is None else float(clip), CLIP=clip is not None,
-                                    PRECISION=_precision(tf32), num_warps=_WARPS, **_blocks(R, DV, HID))
+    for x, y in zip(out, (a, v, w1, e)):
+        if x.stride() != y.stride():
+            raise ValueError("each gradient must have its input's strides")
+    table = stride_table(a, v, w1, e, *grads) if table is None else table
+    _update_backward_kernel[(B, H)](a, v, w1, e, *grads, *out, table, R, DV, HID,
+                                    0.0 if clip is None else float(clip), CLIP=clip is not None, num_warps=_WARPS,
+                                    **_blocks(R, DV, HID))

@@ -252,7 +252,7 @@ def test_triton_chunk_update_equals_the_torch_one(clip, rows):
                torch.zeros(B_, H_, L, dv, device=device), torch.zeros(B_, H_, dv, hid, device=device)]
     u_read = torch.zeros(B_, H_, L, hid, device=device, dtype=torch.bfloat16)
     out = [x[:, :, lo:lo + rows] for x in buffers[:3]] + [buffers[3]]
-    chunk_update_triton(a, v, w1, e, clip, out, u_read[:, :, lo:lo + rows], tf32=False)
+    chunk_update_triton(a, v, w1, e, clip, out, u_read[:, :, lo:lo + rows])
     for got, exp in zip(out, want):
         torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)
     assert not buffers[0][:, :, :lo].any() and not buffers[0][:, :, lo + rows:].any()
@@ -260,8 +260,9 @@ def test_triton_chunk_update_equals_the_torch_one(clip, rows):
 
     grads = [r(*x.shape) for x in want]
     exp_grads = torch.autograd.grad(want, leaves, grads)
-    got_grads = [torch.empty_like(x) for x in (a, v, w1, e)]
+    got_grads = [torch.zeros_like(a_all)[:, :, lo:lo + rows], torch.zeros_like(v_all)[:, :, lo:lo + rows],
+                 torch.empty_like(w1), torch.zeros_like(e_all)[:, :, lo:lo + rows]]
     grad_views = [torch.zeros(B_, H_, L, x.shape[-1], device=device)[:, :, lo:lo + rows].copy_(x) for x in grads[:3]]
-    chunk_update_backward_triton(a, v, w1, e, clip, (*grad_views, grads[3]), got_grads, tf32=False)
+    chunk_update_backward_triton(a, v, w1, e, clip, (*grad_views, grads[3]), got_grads)
     for label, got, exp in zip("a v w1 e".split(), got_grads, exp_grads):
         torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4, msg=label)
