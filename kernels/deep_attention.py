@@ -378,7 +378,7 @@ def _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lea
     return o.to(v.dtype), out_state
 
 
-def _hebbian_torch(q, k, v, eta, gamma, w1_init, chunk_size, scale, grad_clip):
+def _hebbian_rows(q, k, v, eta, gamma, w1_init, chunk_size, scale, grad_clip, triton):
     """Full rows from an empty state under the Hebbian rule: attention kernels and a chunk recursion
     over the pairs (:mod:`.deep_attention_hebbian`) instead of the per-chunk weights of every key."""
     B, T, H, _ = q.shape
@@ -390,7 +390,7 @@ def _hebbian_torch(q, k, v, eta, gamma, w1_init, chunk_size, scale, grad_clip):
     keys, values = heads_first(k), heads_first(v)
     w1 = w1_init.to(dtype).expand(B, -1, -1, -1)
     o, us, w1s = hebbian_deep_attention(heads_first(q), keys, values, eta * gamma, w1, chunk_size=chunk_size,
-                                        scale=scale, grad_clip=grad_clip, reads=read_dtype(k))
+                                        scale=scale, grad_clip=grad_clip, reads=read_dtype(k), triton=triton)
     count = torch.full((B,), T, dtype=torch.long, device=q.device)
     start = (T // chunk_size) * chunk_size
     committed = (torch.arange(T, device=q.device) < start)[None, None, :, None]
@@ -456,10 +456,16 @@ def chunk_deep_attention(
     """Chunked deep attention over ``T`` new tokens per row; returns ``(o, state)``.
 
     ``memory_depth=1`` with the hebbian rule is causal softmax attention and runs
-    through ``scaled_dot_product_attention`` (flash kernels on GPU).
+    through ``scaled_dot_product_attention`` (flash kernels on GPU). ``memory_depth=2`` with the
+    hebbian rule, softmax reads, no state and full rows (training, a prompt's prefill) takes
+    :mod:`.deep_attention_hebbian` (attention kernels, Triton chunk updates on CUDA); everything else
+    the chunk loop here.
     """
     _check(memory_depth, learning_rule, omega_window, chunk_size)
-    resolve_backend(q, has_triton_impl=False)
+    T = q.shape[1]
+    whole_rows = (memory_depth == 2 and learning_rule == "hebbian" and normalize and initial_state is None and T > 0
+                  and w1_init is not None and (lengths is None or bool((lengths == T).all())))
+    backend = resolve_backend(q, has_triton_impl=whole_rows)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if memory_depth == 1 and learning_rule == "hebbian":
         if not normalize:
@@ -467,10 +473,8 @@ def chunk_deep_attention(
         return _attention_torch(q, k, v, lengths, initial_state, scale)
     if memory_depth == 2 and w1_init is None:
         raise ValueError("memory_depth=2 needs w1_init, the deep branch's initial W_1 (H, d_v, memory_hidden)")
-    T = q.shape[1]
-    if (memory_depth == 2 and learning_rule == "hebbian" and normalize and initial_state is None and T
-            and (lengths is None or bool((lengths == T).all()))):
-        return _hebbian_torch(q, k, v, eta, gamma, w1_init, chunk_size, scale, grad_clip)
+    if whole_rows:
+        return _hebbian_rows(q, k, v, eta, gamma, w1_init, chunk_size, scale, grad_clip, backend == "triton")
     return _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, initial_state, memory_depth, learning_rule,
                         omega_window, chunk_size, normalize, scale, grad_clip)
 

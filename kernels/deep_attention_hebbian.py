@@ -50,29 +50,32 @@ def chunk_update(a: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, e: torch.Te
     return rate * grad_u, sig, er, w1 + er.transpose(-1, -2) @ sig
 
 
-def _update(a, v, w1, e, clip, out, u_read, tables: dict) -> None:
-    """:func:`chunk_update` written into ``out = (u, sig, er, w1_next)`` (and ``u`` into ``u_read``),
-    on the fastest path for these tensors (one Triton kernel on CUDA; ``tables`` caches its stride
-    tables by the layout of ``a``)."""
-    if a.is_cuda:
+def _update(a, v, w1, e, clip, out, u_read, tables: dict | None) -> None:
+    """:func:`chunk_update` written into ``out = (u, sig, er, w1_next)`` (and ``u`` into ``u_read``):
+    one Triton kernel when ``tables`` is given (it caches the kernel's stride tables by the layout
+    of ``a``), PyTorch otherwise."""
+    if tables is not None:
         from .deep_attention_triton import chunk_update_triton, stride_table
 
         extra = () if u_read is None else (u_read,)
-        table = tables.get(a.stride()) or tables.setdefault(a.stride(), stride_table(a, v, w1, e, *out, *extra))
-        return chunk_update_triton(a, v, w1, e, clip, out, u_read, table)
+        if a.stride() not in tables:
+            tables[a.stride()] = stride_table(a, v, w1, e, *out, *extra)
+        return chunk_update_triton(a, v, w1, e, clip, out, u_read, tables[a.stride()])
     for target, value in zip(out, chunk_update(a.to(v.dtype), v, w1, e, clip)):
         target.copy_(value)
     if u_read is not None:
         u_read.copy_(out[0])
 
 
-def _update_backward(a, v, w1, e, clip, grads, out, tables: dict) -> None:
-    """The gradients ``(da, dv, dw1, de)`` of :func:`chunk_update` for its outputs' ``grads``, into ``out``."""
-    if a.is_cuda:
+def _update_backward(a, v, w1, e, clip, grads, out, tables: dict | None) -> None:
+    """The gradients ``(da, dv, dw1, de)`` of :func:`chunk_update` for its outputs' ``grads``, into ``out``
+    (Triton when ``tables`` is given, as :func:`_update`)."""
+    if tables is not None:
         from .deep_attention_triton import chunk_update_backward_triton, stride_table
 
-        table = tables.get(a.stride()) or tables.setdefault(a.stride(), stride_table(a, v, w1, e, *grads))
-        return chunk_update_backward_triton(a, v, w1, e, clip, grads, out, table)
+        if a.stride() not in tables:
+            tables[a.stride()] = stride_table(a, v, w1, e, *grads)
+        return chunk_update_backward_triton(a, v, w1, e, clip, grads, out, tables[a.stride()])
     with torch.enable_grad():
         inputs = [x.detach().requires_grad_() for x in (a.to(v.dtype), v, w1, e)]
         for target, value in zip(out, torch.autograd.grad(chunk_update(*inputs, clip), inputs, grads)):
@@ -102,7 +105,7 @@ class _KeyPass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, k, v, e, w1, chunk: int, scale: float, clip: float | None, read_dtype: torch.dtype,
-                track: bool):
+                track: bool, triton: bool):
         B, H, T, _ = k.shape
         n_chunks = -(-T // chunk)
         keys = k.to(read_dtype)
@@ -111,7 +114,7 @@ class _KeyPass(torch.autograd.Function):
         u_read = u if read_dtype == u.dtype else torch.empty_like(u, dtype=read_dtype)
         w1s = w1.new_empty(n_chunks + 1, *w1.shape)
         w1s[0] = w1
-        tables: dict = {}
+        tables = {} if triton else None
         ctx.reads = []
         with torch.autocast(k.device.type, enabled=False):
             for n in range(n_chunks):
@@ -125,14 +128,14 @@ class _KeyPass(torch.autograd.Function):
                         (u[:, :, lo:hi], sig[:, :, lo:hi], er[:, :, lo:hi], w1s[n + 1]),
                         None if u_read is u else u_read[:, :, lo:hi], tables)
         ctx.save_for_backward(v, e, w1s)
-        ctx.options = chunk, clip
+        ctx.options = chunk, clip, triton
         return u, sig, er, w1s
 
     @staticmethod
     def backward(ctx, du, dsig, der, dw1s):
         v, e, w1s = ctx.saved_tensors
-        chunk, clip = ctx.options
-        tables: dict = {}
+        chunk, clip, triton = ctx.options
+        tables = {} if triton else None
         dk, dv, de = None, torch.empty_like(v), torch.empty_like(e)
         # ``du`` gathers the later chunks' reads of each pair's value; the kernels need unit strides.
         du = du.clone(memory_format=torch.contiguous_format)
@@ -156,7 +159,7 @@ class _KeyPass(torch.autograd.Function):
                 dk[:, :, lo:hi] += dkc
                 dk[:, :, :lo] += dkp
                 du[:, :, :lo] += dup
-        return dk, dv, de, dw1, None, None, None, None, None
+        return dk, dv, de, dw1, None, None, None, None, None, None
 
 
 def read_dtype(x: torch.Tensor) -> torch.dtype:
@@ -167,17 +170,19 @@ def read_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def hebbian_deep_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor, w1: torch.Tensor,
-                           *, chunk_size: int, scale: float, grad_clip: float | None, reads: torch.dtype):
+                           *, chunk_size: int, scale: float, grad_clip: float | None, reads: torch.dtype,
+                           triton: bool = False):
     """The Hebbian deep memory over full rows from an empty state.
 
     ``q, k (B, H, T, d_k)``, ``v (B, H, T, d_v)``, ``e (B, H, T)`` = ``eta gamma``, ``w1 (B, H, d_v, h)``,
-    all float32 or wider; attention reads run in ``reads``. Returns ``o (B, H, T, d_v)`` and, for
+    all float32 or wider; attention reads run in ``reads``, the chunk updates in Triton with
+    ``triton``. Returns ``o (B, H, T, d_v)`` and, for
     the state, ``u (B, H, T, h)`` and ``w1s``.
     """
     B, H, T, _ = q.shape
     C, dv = chunk_size, v.shape[-1]
     track = torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, e, w1))
-    u, sig, er, w1s = _KeyPass.apply(k, v, e, w1, C, scale, grad_clip, reads, track)
+    u, sig, er, w1s = _KeyPass.apply(k, v, e, w1, C, scale, grad_clip, reads, track, triton)
     with torch.autocast(q.device.type, enabled=False):
         read = F.scaled_dot_product_attention(q.to(reads), k.to(reads), torch.cat([v, u], -1).to(reads),
                                               is_causal=True, scale=scale).to(v.dtype)

@@ -266,3 +266,24 @@ def test_triton_chunk_update_equals_the_torch_one(clip, rows):
     chunk_update_backward_triton(a, v, w1, e, clip, (*grad_views, grads[3]), got_grads)
     for label, got, exp in zip("a v w1 e".split(), got_grads, exp_grads):
         torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4, msg=label)
+
+
+@pytest.mark.parametrize("opts", HEBBIAN_FULL_ROWS[1:3], ids=name)
+def test_hebbian_full_rows_with_triton_chunk_updates(opts):
+    """The whole-row path with its chunk updates in Triton (the interpreter on the CPU), float32:
+    outputs, state and gradients against the chunk loop."""
+    pytest.importorskip("triton")
+    from mnemo.kernels.backend import use_backend
+
+    full = dict(memory_depth=2, learning_rule="hebbian", **opts)
+    inputs = [x.float().requires_grad_() for x in make_inputs(9)]
+    with use_backend("triton"):
+        out, state = chunk_deep_attention(*inputs, **full)
+    grads = torch.autograd.grad(out.sin().sum(), inputs)
+    ref_out, ref_state = _general_path(*inputs, **opts)
+    ref_grads = torch.autograd.grad(ref_out.sin().sum(), inputs)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    for label, a, b in zip("q k v eta gamma w1".split(), grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=label)
+    for key, want in ref_state.tensors().items():
+        torch.testing.assert_close(state.tensors()[key], want, rtol=1e-5, atol=1e-5, msg=key)
