@@ -275,8 +275,9 @@ def test_hebbian_full_rows_with_triton_chunk_updates(opts):
     pytest.importorskip("triton")
     from mnemo.kernels.backend import use_backend
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     full = dict(memory_depth=2, learning_rule="hebbian", **opts)
-    inputs = [x.float().requires_grad_() for x in make_inputs(9)]
+    inputs = [x.float().to(device).requires_grad_() for x in make_inputs(9)]
     with use_backend("triton"):
         out, state = chunk_deep_attention(*inputs, **full)
     grads = torch.autograd.grad(out.sin().sum(), inputs)
