@@ -9,16 +9,16 @@ this path splits the layer into
    chunks through one non-causal ``scaled_dot_product_attention`` call, ``A^(s)(k_i)``; the
    chunk's pairs then get ``u_i = e_i (W_1^(s)T v_i) * sigma'(A^(s)(k_i))`` (clipped) and
    ``W_1`` its rank-``C`` update (``e = eta gamma``). This recursion is sequential in chunks; it
-   runs in :class:`_KeyPass`, whose backward walks the chunks in reverse and recomputes each
-   chunk's read, so nothing of size ``T^2`` is stored;
+   runs in :class:`_KeyPass`, whose backward walks the chunks in reverse through each read's own
+   small graph, so nothing of size ``T^2`` is stored;
 2. **one causal read** of every query over values ``[v | U]``: with the Hebbian rule the pairs
    of a token's own chunk hold their final ``U`` for every query at or after them, so the whole
    read is causal softmax attention (flash kernels on the GPU);
 3. the chunk-local term of ``W_1(t) sigma(A_t(q_t))``: ``W_1`` at the chunk start plus the
    chunk's own rank-1 updates up to ``t``, a causal product within each chunk.
 
-The per-chunk update of step 1 is :func:`chunk_update` here (PyTorch, the definition) and a
-single Triton kernel with a written-out backward on CUDA
+The per-chunk update of step 1 is :func:`chunk_update` here (PyTorch, the definition) and, on
+the Triton backend (CUDA by default), a single kernel with a written-out backward
 (:mod:`.deep_attention_triton`).
 """
 
@@ -128,15 +128,15 @@ class _KeyPass(torch.autograd.Function):
                         (u[:, :, lo:hi], sig[:, :, lo:hi], er[:, :, lo:hi], w1s[n + 1]),
                         None if u_read is u else u_read[:, :, lo:hi], tables)
         ctx.save_for_backward(v, e, w1s)
-        ctx.options = chunk, clip, triton
+        ctx.options = chunk, clip, triton, k.shape
         return u, sig, er, w1s
 
     @staticmethod
     def backward(ctx, du, dsig, der, dw1s):
         v, e, w1s = ctx.saved_tensors
-        chunk, clip, triton = ctx.options
+        chunk, clip, triton, key_shape = ctx.options
         tables = {} if triton else None
-        dk, dv, de = None, torch.empty_like(v), torch.empty_like(e)
+        dk, dv, de = v.new_zeros(key_shape), torch.empty_like(v), torch.empty_like(e)
         # ``du`` gathers the later chunks' reads of each pair's value; the kernels need unit strides.
         du = du.clone(memory_format=torch.contiguous_format)
         dsig, der, dw1s = (x.contiguous() for x in (dsig, der, dw1s))
@@ -146,8 +146,6 @@ class _KeyPass(torch.autograd.Function):
             for n in reversed(range(len(ctx.reads))):
                 lo, hi = n * chunk, min((n + 1) * chunk, T)
                 a, leaves = ctx.reads[n]
-                if dk is None:
-                    dk = torch.zeros(*v.shape[:3], leaves[0].shape[-1], dtype=v.dtype, device=v.device)
                 da, dw1_n = torch.empty_like(a), torch.empty_like(dw1)
                 _update_backward(a.detach(), v[:, :, lo:hi], w1s[n], e[:, :, lo:hi], clip,
                                  (du[:, :, lo:hi], dsig[:, :, lo:hi], der[:, :, lo:hi], dw1),
@@ -176,8 +174,7 @@ def hebbian_deep_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e:
 
     ``q, k (B, H, T, d_k)``, ``v (B, H, T, d_v)``, ``e (B, H, T)`` = ``eta gamma``, ``w1 (B, H, d_v, h)``,
     all float32 or wider; attention reads run in ``reads``, the chunk updates in Triton with
-    ``triton``. Returns ``o (B, H, T, d_v)`` and, for
-    the state, ``u (B, H, T, h)`` and ``w1s``.
+    ``triton``. Returns ``o (B, H, T, d_v)`` and, for the state, ``u (B, H, T, h)`` and ``w1s``.
     """
     B, H, T, _ = q.shape
     C, dv = chunk_size, v.shape[-1]
