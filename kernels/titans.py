@@ -240,11 +240,10 @@ def _step_titans(spec, q, k, v, alpha, eta, theta, state, chunk_size, live, use_
     v = v.to(dtype)
     B = q.shape[0]
     live = torch.ones(B, dtype=torch.bool, device=q.device) if live is None else live.bool()
-    at_start = (state.position == 0)[:, None, None, None]
-    start = {n: torch.where(at_start, state.weights[n], state.chunk_start[n]) for n in state.weights}
+    first = state.position == 0
+    start = {n: torch.where(first[:, None, None, None], state.weights[n], state.chunk_start[n]) for n in state.weights}
     factors = grad_factors(spec, start, k[:, :, None], v[:, :, None])
     a, e, th = (x.to(dtype) for x in (alpha, eta, theta))
-    first = state.position == 0
     memory = [*state.weights.values(), *state.momentum.values(), *state.chunk_start.values()]
     # The one-pass kernel has no backward: steps under autograd (logarithmic segments in training) keep torch.
     kernel = all(t.dtype == torch.float32 for t in memory) and not (
