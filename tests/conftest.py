@@ -61,9 +61,39 @@ def _round_triton_interpreter_bf16() -> None:
     builder.cast_impl = cast_impl
 
 
+def _widen_triton_interpreter_bf16_dots() -> None:
+    """Triton's interpreter multiplies bf16 operands as their raw 16-bit patterns (it keeps bf16 as
+    uint16 and widens only 8-bit floats before ``np.matmul``): a bf16 ``tl.dot`` returns numbers of
+    order 1e10. Widen them to float32 first, which is what the GPU's bf16 products with float32
+    sums compute."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "widens_bf16", False):
+        return
+
+    def widen(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        wide = (handle.data.astype(np.uint32) << 16).view(np.float32)
+        return interpreter.TensorHandle(wide, tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot.widens_bf16 = True
+    builder.create_dot = create_dot
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_triton_interpreter_scalars()
     _round_triton_interpreter_bf16()
+    _widen_triton_interpreter_bf16_dots()
 
 from mnemo import (
     AtlasConfig,
