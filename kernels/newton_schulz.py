@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .backend import resolve_backend
+from .backend import requested_backend, resolve_backend
 
 __all__ = ["NS_COEFFICIENTS", "newton_schulz", "newton_schulz_together"]
 
@@ -27,7 +27,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     weight matrix, where those passes were most of its time. The backward is written out
     (:class:`_NewtonSchulz`): autograd over the same products took four times the forward.
     On CUDA, matrices whose short side is at most 64 run one Triton program each, forward
-    and backward (:mod:`.newton_schulz_triton`).
+    and backward (:mod:`.newton_schulz_triton`), unless the products are exact float32.
     """
     tall = G.shape[-2] > G.shape[-1]
     X = G.transpose(-1, -2) if tall else G
@@ -44,10 +44,12 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
 def _triton_wanted(X: torch.Tensor) -> bool:
     """Whether ``(..., r, L)`` matrices (``r <= L``) take the Triton kernels: the backend switch, and their limits."""
     try:
-        from .newton_schulz_triton import supported  # noqa: PLC0415  (Triton may be absent)
+        from .newton_schulz_triton import faster, supported  # noqa: PLC0415  (Triton may be absent)
     except ImportError:
         return resolve_backend(X, has_triton_impl=False) == "triton"
-    return resolve_backend(X, has_triton_impl=supported(X)) == "triton"
+    if resolve_backend(X, has_triton_impl=supported(X)) != "triton":
+        return False
+    return requested_backend() == "triton" or faster(X.dtype)
 
 
 class _NewtonSchulz(torch.autograd.Function):
