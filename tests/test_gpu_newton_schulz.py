@@ -20,12 +20,16 @@ if not torch.cuda.is_available():
 
 
 def _momenta(n: int, rank: int | None, seed: int) -> torch.Tensor:
-    """``n`` matrices of 64 x 256: dense, or of low rank plus float32 noise, like a window's momenta."""
+    """``n`` matrices of 64 x 256: dense, or of rank ``rank`` plus 1% noise, like a window's momenta (the
+    noise keeps the small singular values above rounding: on exactly rank-deficient bf16 matrices both
+    paths return rounding noise, relative errors above 1)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
+    noise = torch.randn(n, 64, 256, generator=gen, device="cuda")
     if rank is None:
-        return torch.randn(n, 64, 256, generator=gen, device="cuda")
-    return torch.randn(n, 64, rank, generator=gen, device="cuda") @ torch.randn(n, rank, 256, generator=gen,
-                                                                                 device="cuda")
+        return noise
+    low = torch.randn(n, 64, rank, generator=gen, device="cuda") @ torch.randn(n, rank, 256, generator=gen,
+                                                                                device="cuda")
+    return low + 0.01 * noise * low.std()
 
 
 def _both(S: torch.Tensor, dN: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
