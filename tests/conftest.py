@@ -34,22 +34,29 @@ def _fix_triton_interpreter_scalars() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-def _round_triton_interpreter_bf16() -> None:
-    """Triton's interpreter converts float32 to bf16 by dropping the low bits (rounding toward zero,
-    with or without ``fp_downcast_rounding``); CUDA rounds to nearest even. Truncation is biased, so
-    sums of truncated values drift: one build of the gated delta rule read dk 1.9e-2 relative RMS
-    against float64 truncating and 1.15e-2 rounding (its bf16 test, d_k = 130). Round as CUDA does, so
-    that the bf16 bounds checked here are the ones the GPU is held to."""
+def _patch_interpreter(method: str, wrap) -> None:
+    """Replace Triton's ``InterpreterBuilder.<method>`` by ``wrap(original, np, tl, interpreter)``, once
+    (nothing without Triton)."""
     try:
         import numpy as np
         import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
         return
-    builder = interpreter.InterpreterBuilder
-    original = builder.cast_impl
-    if getattr(original, "rounds_bf16", False):
+    original = getattr(interpreter.InterpreterBuilder, method)
+    if getattr(original, "patched_here", False):
         return
+    patched = wrap(original, np, tl, interpreter)
+    patched.patched_here = True
+    setattr(interpreter.InterpreterBuilder, method, patched)
+
+
+def _round_bf16_casts(original, np, tl, interpreter):
+    """Triton's interpreter converts float32 to bf16 by dropping the low bits (rounding toward zero,
+    with or without ``fp_downcast_rounding``); CUDA rounds to nearest even. Truncation is biased, so
+    sums of truncated values drift: one build of the gated delta rule read dk 1.9e-2 relative RMS
+    against float64 truncating and 1.15e-2 rounding (its bf16 test, d_k = 130). Round as CUDA does, so
+    that the bf16 bounds checked here are the ones the GPU is held to."""
 
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
@@ -57,43 +64,30 @@ def _round_triton_interpreter_bf16() -> None:
             return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
         return original(self, src, dst_type)
 
-    cast_impl.rounds_bf16 = True
-    builder.cast_impl = cast_impl
+    return cast_impl
 
 
-def _widen_triton_interpreter_bf16_dots() -> None:
+def _widen_bf16_dots(original, np, tl, interpreter):
     """Triton's interpreter multiplies bf16 operands as their raw 16-bit patterns (it keeps bf16 as
     uint16 and widens only 8-bit floats before ``np.matmul``): a bf16 ``tl.dot`` returns numbers of
     order 1e10. Widen them to float32 first, which is what the GPU's bf16 products with float32
     sums compute."""
-    try:
-        import numpy as np
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    builder = interpreter.InterpreterBuilder
-    original = builder.create_dot
-    if getattr(original, "widens_bf16", False):
-        return
 
     def widen(handle):
         if handle.dtype.scalar != tl.bfloat16:
             return handle
-        wide = (handle.data.astype(np.uint32) << 16).view(np.float32)
-        return interpreter.TensorHandle(wide, tl.float32)
+        return interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
-    create_dot.widens_bf16 = True
-    builder.create_dot = create_dot
+    return create_dot
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_triton_interpreter_scalars()
-    _round_triton_interpreter_bf16()
-    _widen_triton_interpreter_bf16_dots()
+    _patch_interpreter("cast_impl", _round_bf16_casts)
+    _patch_interpreter("create_dot", _widen_bf16_dots)
 
 from mnemo import (
     AtlasConfig,
