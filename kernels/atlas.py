@@ -30,7 +30,7 @@ import torch
 
 from .backend import resolve_backend
 from .chunk_loop import tf32_products, tf32_wanted
-from .newton_schulz import NS_COEFFICIENTS, newton_schulz, newton_schulz_together
+from .newton_schulz import NS_COEFFICIENTS, newton_schulz, newton_schulz_together, triton_wanted
 from .titans import (
     ChunkOperator,
     TitansMemorySpec,
@@ -199,19 +199,28 @@ def _step_atlas(spec, q, k, v, alpha, lr, momentum, gamma, state, *, optimizer, 
     wg = torch.cat([state.window_gamma, gamma.to(dtype)[:, None]], 1) * valid[..., None]
     factors = grad_factors(spec, start, wk.transpose(1, 2), wv.transpose(1, 2))  # (B, H, c, .)
     g = {n: torch.einsum("bhc,bhco,bhci->bhoi", wg.transpose(1, 2), A, Bf) for n, (A, Bf) in factors.items()}
-    mom = None if momentum is None else momentum.to(dtype)[..., None, None]
-    W, S = _update(optimizer, ns_steps, state.weights, state.momentum, g, alpha.to(dtype)[..., None, None],
-                   lr.to(dtype)[..., None, None], mom)
-    on = live[:, None, None, None]
-    W = {n: torch.where(on, W[n], state.weights[n]) for n in W}
-    if S is not None:
-        S = {n: torch.where(on, S[n], state.momentum[n]) for n in S}
+    if optimizer == "muon" and _fused_muon_step(state, (q, k, v, alpha, lr, momentum, gamma)):
+        from .newton_schulz_triton import muon_step_triton  # noqa: PLC0415
+
+        W, S, C = {}, {}, {}
+        for n in state.weights:
+            W[n], S[n], C[n] = muon_step_triton(state.weights[n], state.momentum[n], state.chunk_start[n], g[n],
+                                                alpha, lr, momentum, live, state.position == 0, ns_steps)
+    else:
+        mom = None if momentum is None else momentum.to(dtype)[..., None, None]
+        W, S = _update(optimizer, ns_steps, state.weights, state.momentum, g, alpha.to(dtype)[..., None, None],
+                       lr.to(dtype)[..., None, None], mom)
+        on = live[:, None, None, None]
+        W = {n: torch.where(on, W[n], state.weights[n]) for n in W}
+        if S is not None:
+            S = {n: torch.where(on, S[n], state.momentum[n]) for n in S}
+        C = {n: torch.where(at_start & on, state.weights[n], state.chunk_start[n]) for n in W}
     y = memory_apply(spec, static_apply(W), q.to(dtype)[:, :, None])[:, :, 0]
     shift = live[:, None, None]
     new_state = AtlasState(
         weights=W,
         momentum=S,
-        chunk_start={n: torch.where(at_start & on, state.weights[n], state.chunk_start[n]) for n in W},
+        chunk_start=C,
         position=torch.where(live, (state.position + 1) % chunk_size, state.position),
         window_k=torch.where(shift[..., None], wk[:, 1:], state.window_k),
         window_v=torch.where(shift[..., None], wv[:, 1:], state.window_v),
@@ -219,6 +228,18 @@ def _step_atlas(spec, q, k, v, alpha, lr, momentum, gamma, state, *, optimizer, 
         window_count=torch.where(live, (state.window_count + 1).clamp(max=c - 1), state.window_count),
     )
     return y.to(v.dtype), new_state
+
+
+def _fused_muon_step(state: AtlasState, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether a Muon decode step takes :func:`~.newton_schulz_triton.muon_step_triton`: float32 memory
+    whose momenta the Newton-Schulz kernels take, and no gradient wanted (the kernel has no backward:
+    steps under autograd keep the PyTorch path)."""
+    memory = [*state.weights.values(), *state.momentum.values(), *state.chunk_start.values()]
+    if any(t.dtype != torch.float32 for t in memory) or (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*memory, *inputs))):
+        return False
+    wide = [w.transpose(-1, -2) if w.shape[-2] > w.shape[-1] else w for w in state.weights.values()]
+    return all(triton_wanted(w) for w in wide)
 
 
 # --------------------------------------------------------------------------- chunked

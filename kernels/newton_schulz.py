@@ -9,7 +9,7 @@ import torch
 
 from .backend import requested_backend, resolve_backend
 
-__all__ = ["NS_COEFFICIENTS", "newton_schulz", "newton_schulz_together"]
+__all__ = ["NS_COEFFICIENTS", "newton_schulz", "newton_schulz_together", "triton_wanted"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -36,12 +36,12 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     else:
         shape = X.shape
         flat = X.reshape(-1, *shape[-2:])
-        iteration = _NewtonSchulzTriton if _triton_wanted(flat) else _NewtonSchulz
+        iteration = _NewtonSchulzTriton if triton_wanted(flat) else _NewtonSchulz
         X = iteration.apply(flat, steps, eps).reshape(shape)
     return X.transpose(-1, -2) if tall else X
 
 
-def _triton_wanted(X: torch.Tensor) -> bool:
+def triton_wanted(X: torch.Tensor) -> bool:
     """Whether ``(..., r, L)`` matrices (``r <= L``) take the Triton kernels: the backend switch, and their limits."""
     try:
         from .newton_schulz_triton import faster, supported  # noqa: PLC0415  (Triton may be absent)
@@ -126,7 +126,7 @@ def newton_schulz_together(matrices: Sequence[torch.Tensor], steps: int = 5) -> 
     for members in groups.values():
         first = matrices[members[0]]
         # The Triton kernels read strided views: a launch per matrix beats stacking them first.
-        if len(members) == 1 or _triton_wanted(first.transpose(-1, -2) if first.shape[-2] > first.shape[-1] else first):
+        if len(members) == 1 or triton_wanted(first.transpose(-1, -2) if first.shape[-2] > first.shape[-1] else first):
             for i in members:
                 out[i] = newton_schulz(matrices[i], steps)
             continue

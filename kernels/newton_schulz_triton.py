@@ -25,6 +25,10 @@ Products run in the input's dtype (bf16 or fp16 operands), or for float32 in TF3
 float32 as ``torch.get_float32_matmul_precision()`` asks, as the PyTorch path's matmuls do;
 sums and the iterates stay float32. Matrices are ``(n, r, L)`` views with ``r <= L`` and
 ``r <= 64`` (:func:`supported`); the output is contiguous.
+
+:func:`muon_step_triton` is Atlas' whole Muon decode step on a weight in one launch (the momentum's
+update, its Newton-Schulz, the weight's update and the row selects), where the PyTorch path runs
+some thirty kernels per weight: a decode step is a string of small launches.
 """
 
 from __future__ import annotations
@@ -35,7 +39,14 @@ import triton.language as tl
 
 from .newton_schulz import NS_COEFFICIENTS
 
-__all__ = ["faster", "newton_schulz_backward_triton", "newton_schulz_forward_triton", "products", "supported"]
+__all__ = [
+    "faster",
+    "muon_step_triton",
+    "newton_schulz_backward_triton",
+    "newton_schulz_forward_triton",
+    "products",
+    "supported",
+]
 
 MAX_ROWS = 64
 _BL = 64  # columns per block of the passes over the long side
@@ -231,6 +242,66 @@ def _backward_kernel(S, NORM, DN, DS, CACHE, n, s_n, s_r, s_l, d_n, d_r, d_l, r,
             tl.store(Z + rr[:, None] * L + cols[None, :], z.to(DS.dtype.element_ty),
                      mask=(rr[:, None] < r) & (cols[None, :] < L))
         tl.debug_barrier()  # the cache is the next matrix's
+
+
+@triton.jit
+def _muon_step_kernel(W, S, C, GRAD, GATES, FLAGS, W_OUT, S_OUT, C_OUT, s_r, s_l, r, L, eps, a, b, c,
+                      STEPS: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, DT: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    """One decode step of Muon on one ``(row, head)`` matrix (contiguous ``(G, rows, cols)`` tensors read
+    through the wide view's strides ``s_r, s_l``): ``S' = m S + g``, ``W' = alpha W - lr NS(S')`` on live
+    rows, ``C' = W`` on live rows that start an inner chunk. ``GATES (G, 3)``: ``alpha, lr, m``;
+    ``FLAGS (G, 2)``: live, at start."""
+    i = tl.program_id(0).to(tl.int64)
+    base = i * r * L
+    rr = tl.arange(0, R)
+    alpha, lr, mom = tl.load(GATES + 3 * i), tl.load(GATES + 3 * i + 1), tl.load(GATES + 3 * i + 2)
+    live = tl.load(FLAGS + 2 * i) != 0
+    starts = live & (tl.load(FLAGS + 2 * i + 1) != 0)
+    gram = tl.zeros((R, R), tl.float32)
+    squares = tl.zeros((R, BL), tl.float32)
+    for l0 in range(0, L, BL):
+        cols = l0 + tl.arange(0, BL)
+        x = mom * _block(S + base, s_r, s_l, rr, cols, r, L) + _block(GRAD + base, s_r, s_l, rr, cols, r, L)
+        xt = mom * _block_t(S + base, s_r, s_l, rr, cols, r, L) + _block_t(GRAD + base, s_r, s_l, rr, cols, r, L)
+        gram += _mm(x, xt, DT, PRECISION)
+        squares += x * x
+    norm = tl.sqrt(tl.sum(squares))
+    d = norm + eps
+    G = _rnd(gram / (d * d), DT, PRECISION)
+    eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
+    M = _iterate(G, eye, STEPS, W_OUT + base, rr, r, a, b, c, DT, PRECISION) / d
+    for l0 in range(0, L, BL):
+        cols = l0 + tl.arange(0, BL)
+        offs = rr[:, None] * s_r + cols[None, :] * s_l
+        mask = (rr[:, None] < r) & (cols[None, :] < L)
+        s_old = tl.load(S + base + offs, mask=mask, other=0.0)
+        x = mom * s_old + tl.load(GRAD + base + offs, mask=mask, other=0.0)
+        w = tl.load(W + base + offs, mask=mask, other=0.0)
+        tl.store(S_OUT + base + offs, tl.where(live, x, s_old), mask=mask)
+        tl.store(W_OUT + base + offs, tl.where(live, alpha * w - lr * _mm(M, x, DT, PRECISION), w), mask=mask)
+        tl.store(C_OUT + base + offs, tl.where(starts, w, tl.load(C + base + offs, mask=mask, other=0.0)),
+                 mask=mask)
+
+
+def muon_step_triton(W: torch.Tensor, S: torch.Tensor, C: torch.Tensor, grad: torch.Tensor, alpha: torch.Tensor,
+                     lr: torch.Tensor, momentum: torch.Tensor, live: torch.Tensor, at_start: torch.Tensor,
+                     steps: int, eps: float = 1e-7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(W', S', C')`` of a Muon decode step (see :func:`~.atlas.muon_step`) in one launch: weights, momenta,
+    chunk-start weights and gradients ``(B, H, rows, cols)`` float32, gates ``(B, H)``, row flags ``(B,)``.
+    The momentum's Newton-Schulz runs on its wide view (tall matrices through their transposed strides)."""
+    B, H, rows, cols = W.shape
+    W, S, C, grad = (x.contiguous() for x in (W, S, C, grad))
+    tall = rows > cols
+    r, L = (cols, rows) if tall else (rows, cols)
+    s_r, s_l = (1, cols) if tall else (cols, 1)
+    gates = torch.stack([alpha, lr, momentum], -1).to(torch.float32).reshape(B * H, 3)
+    flags = torch.stack([live, at_start], -1)[:, None].expand(B, H, 2).reshape(B * H, 2).to(torch.int8)
+    W_out, S_out, C_out = torch.empty_like(W), torch.empty_like(W), torch.empty_like(W)
+    _muon_step_kernel[(B * H,)](W, S, C, grad, gates, flags, W_out, S_out, C_out, s_r, s_l, r, L, eps,
+                                *NS_COEFFICIENTS, STEPS=steps, R=_rows(r), BL=_BL, DT=tl.float32,
+                                PRECISION=products(torch.float32), num_warps=_FORWARD_WARPS)
+    return W_out, S_out, C_out
 
 
 def _rows(r: int) -> int:

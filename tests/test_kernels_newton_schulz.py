@@ -150,7 +150,7 @@ def test_newton_schulz_keeps_the_torch_path_past_the_kernels_limits(monkeypatch)
 
     with use_backend("triton"), pytest.raises(NotImplementedError):
         newton_schulz(torch.randn(2, 65, 70, device=DEVICE), 5)
-    assert not ns_module._triton_wanted(torch.randn(2, 8, 20, dtype=torch.float64))
+    assert not ns_module.triton_wanted(torch.randn(2, 8, 20, dtype=torch.float64))
 
 
 def test_atlas_muon_with_triton_newton_schulz(monkeypatch):
@@ -169,7 +169,7 @@ def test_atlas_muon_with_triton_newton_schulz(monkeypatch):
     ref = reference_atlas(spec, *xs, init, **opts)
 
     def run(triton: bool):
-        monkeypatch.setattr(ns_module, "_triton_wanted", supported if triton else lambda X: False)
+        monkeypatch.setattr(ns_module, "triton_wanted", supported if triton else lambda X: False)
         init32 = {n: w.float().to(DEVICE).requires_grad_() for n, w in init.items()}
         xs32 = [x.float().to(DEVICE).requires_grad_() for x in xs]
         out, _ = chunk_atlas(spec, *xs32, AtlasState.initial(spec, init32, B, H, 3, "muon"), **opts)
@@ -187,10 +187,56 @@ def test_atlas_muon_with_triton_newton_schulz(monkeypatch):
     for got, ours in ((out, torch_out), (stepped, torch_stepped)):
         bound = 3 * (ours.double().cpu() - ref).abs().max().item()
         torch.testing.assert_close(got.double().cpu(), ref, rtol=0, atol=max(bound, 1e-6))
-    monkeypatch.setattr(ns_module, "_triton_wanted", lambda X: False)
+    monkeypatch.setattr(ns_module, "triton_wanted", lambda X: False)
     init64 = {n: w.clone().requires_grad_() for n, w in init.items()}
     xs64 = [x.clone().requires_grad_() for x in xs]
     out64, _ = chunk_atlas(spec, *xs64, AtlasState.initial(spec, init64, B, H, 3, "muon"), **opts)
     for got, ours, want in zip(grads, torch_grads, torch.autograd.grad(out64.sin().sum(), [*xs64, *init64.values()])):
         error = (got.double().cpu() - want).abs().max().item()
         assert error <= max(3 * (ours.double().cpu() - want).abs().max().item(), 1e-6)
+
+
+@pytest.mark.parametrize("live", [[True, True], [True, False]])
+@pytest.mark.parametrize("position", [[0, 3], [5, 0]])
+def test_fused_muon_decode_step_equals_the_torch_step(monkeypatch, live, position):
+    """Atlas' Muon decode step with the weight-sized work in one launch per weight (``muon_step_triton``)
+    against the PyTorch step: rows not live stay as they were, rows starting an inner chunk store
+    their weights; the wide ``w1`` and tall ``w2`` of a memory whose short side is 6. Against the step in
+    float64, within 3x the PyTorch step's float32 error (measured 0.75-1.7x: Newton-Schulz amplifies
+    float32 rounding to ~1e-4 here in both)."""
+    from mnemo.kernels.atlas import AtlasState, step_atlas
+    from mnemo.kernels.backend import use_backend
+    from mnemo.kernels.newton_schulz_triton import muon_step_triton
+    from mnemo.kernels.titans import TitansMemorySpec
+
+    calls = []
+    monkeypatch.setattr("mnemo.kernels.newton_schulz_triton.muon_step_triton",
+                        lambda *a, **k: calls.append(1) or muon_step_triton(*a, **k))
+    spec = TitansMemorySpec(depth=2, d_k=6, d_v=6, expansion=3)
+    B, H, window = 2, 3, 4
+    gen = torch.Generator().manual_seed(5)
+    r = lambda *shape: torch.randn(*shape, generator=gen).to(DEVICE)  # noqa: E731
+    init = {n: r(H, *shape) * 0.5 for n, shape in spec.shapes.items()}
+    state = AtlasState.initial(spec, init, B, H, window, "muon")
+    state.momentum = {n: r(*m.shape) for n, m in state.momentum.items()}
+    state.chunk_start = {n: r(*m.shape) for n, m in state.chunk_start.items()}
+    state.window_k, state.window_v = r(*state.window_k.shape), r(*state.window_v.shape)
+    state.window_gamma, state.window_count = torch.rand(state.window_gamma.shape, generator=gen).to(DEVICE), \
+        torch.tensor([window - 1, 1], device=DEVICE)
+    state.position = torch.tensor(position, device=DEVICE)
+    token = [r(B, H, 6), r(B, H, 6), r(B, H, 6)] + [torch.rand(B, H, generator=gen).to(DEVICE) for _ in range(4)]
+    opts = dict(optimizer="muon", omega_window=window, chunk_size=8, ns_steps=5,
+                live=torch.tensor(live, device=DEVICE))
+    with use_backend("triton"):
+        y, got = step_atlas(spec, *token, state, **opts)
+    assert len(calls) == len(spec.shapes)
+    with use_backend("torch"):
+        y_want, want = step_atlas(spec, *token, state, **opts)
+        as64 = lambda x: x.double() if x.is_floating_point() else x  # noqa: E731
+        state64 = AtlasState.from_tensors({key: as64(t) for key, t in state.tensors().items()})
+        y64, want64 = step_atlas(spec, *(as64(t) for t in token), state64, **opts)
+    pairs = [("y", y, y_want, y64)] + [(key, got.tensors()[key], want.tensors()[key], t)
+                                        for key, t in want64.tensors().items()]
+    for key, ours, theirs, exact in pairs:
+        error = (ours.double() - exact).abs().max().item()
+        assert error <= max(3 * (theirs.double() - exact).abs().max().item(), 1e-6), key
