@@ -8,23 +8,26 @@ and fifty backward. Here a program holds one matrix's ``r x r`` iterates in regi
 the long side only in passes over column blocks:
 
 - forward: one pass for ``||S||`` and the Gram matrix ``S S^T``, the iteration
-  (``M_1 = a I + b G + c G^2``, ``M_{k+1} = a M_k + (b A_k + c A_k^2) M_k``, ``A_k = M_k G M_k``),
+  (``M_1 = a I + b G + c G^2``, ``M_{k+1} = a M_k + (b A_k + c A_k^2) M_k``, ``A_k = M_k G M_k^T``),
   one pass for ``N = M S / (||S|| + eps)``;
-- backward: one pass for ``G``, ``dM = dN X_0^T`` and its transpose, the iteration's backward over
-  the ``r x r`` iterates (each recomputed from ``M_1``: the chain is short and a program has no
-  room to keep it), one pass for ``dS``.
+- backward: one pass for ``G`` and ``dN X_0^T``, the iteration again (its iterates kept in the
+  program's slice of a scratch buffer; the programs are persistent, so the buffer is a few MiB),
+  the PyTorch path's backward over them in reverse, one pass for ``dS``. The scalar
+  ``<dX_0, X_0>`` comes from ``r x r`` quantities (``<dN X_0^T, M> + <dG + dG^T, G>``), so ``dS`` is
+  written in that one pass.
 
-Every iterate is a polynomial in ``G``, hence symmetric and commuting with ``G``: the kernels use
-``M`` for ``M^T`` and ``G M`` for ``M G`` (the same numbers in exact arithmetic as the PyTorch
-path's transposes), and carry ``dM`` and ``dM^T`` side by side rather than transposing a product,
-which Triton 3.4-3.7.0 miscompiles on Hopper when the result feeds another product. The
-backward's scalar ``<dX_0, X_0>`` comes from ``r x r`` quantities (``<dN X_0^T, M> + <dG_s, G>``),
-so ``dS`` is written in one pass.
+The iterates are polynomials in ``G`` (symmetric in exact arithmetic), but the kernels transpose
+them where the PyTorch path does: ``A = M G M^T`` is the Gram matrix of the iterate actually held,
+and with ``M`` in its place float32 gradients of near-singular momenta lost one to two digits.
+Transposes go through memory (:func:`_transpose`), never ``tl.trans`` of a product, which Triton
+3.4-3.7.0 miscompiles on Hopper when the result feeds another product.
 
 Products run in the input's dtype (bf16 or fp16 operands), or for float32 in TF32 or exact
-float32 as ``torch.get_float32_matmul_precision()`` asks, as the PyTorch path's matmuls do;
-sums and the iterates stay float32. Matrices are ``(n, r, L)`` views with ``r <= L`` and
-``r <= 64`` (:func:`supported`); the output is contiguous.
+float32 as ``torch.get_float32_matmul_precision()`` asks, as the PyTorch path's matmuls do (TF32
+operands rounded to nearest first: :func:`_mm`); each iterate is rounded to the products'
+precision when formed (:func:`_rnd`), sums stay float32. Matrices are ``(n, r, L)`` views with
+``r <= L`` and ``r <= 64`` (:func:`supported`); the output is contiguous. Exact float32 products
+are slower here than in cuBLAS (:func:`faster`).
 
 :func:`muon_step_triton` is Atlas' whole Muon decode step on a weight in one launch (the momentum's
 update, its Newton-Schulz, the weight's update and the row selects), where the PyTorch path runs
