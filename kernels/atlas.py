@@ -30,7 +30,7 @@ import torch
 
 from .backend import resolve_backend
 from .chunk_loop import tf32_products, tf32_wanted
-from .newton_schulz import NS_COEFFICIENTS, newton_schulz, newton_schulz_together, triton_wanted
+from .newton_schulz import NS_COEFFICIENTS, newton_schulz, newton_schulz_together, triton_wanted, wide
 from .titans import (
     ChunkOperator,
     TitansMemorySpec,
@@ -202,10 +202,8 @@ def _step_atlas(spec, q, k, v, alpha, lr, momentum, gamma, state, *, optimizer, 
     if optimizer == "muon" and _fused_muon_step(state, (q, k, v, alpha, lr, momentum, gamma)):
         from .newton_schulz_triton import muon_step_triton  # noqa: PLC0415
 
-        W, S, C = {}, {}, {}
-        for n in state.weights:
-            W[n], S[n], C[n] = muon_step_triton(state.weights[n], state.momentum[n], state.chunk_start[n], g[n],
-                                                alpha, lr, momentum, live, state.position == 0, ns_steps)
+        W, S, C = muon_step_triton(state.weights, state.momentum, state.chunk_start, g, alpha, lr, momentum, live,
+                                   state.position == 0, ns_steps)
     else:
         mom = None if momentum is None else momentum.to(dtype)[..., None, None]
         W, S = _update(optimizer, ns_steps, state.weights, state.momentum, g, alpha.to(dtype)[..., None, None],
@@ -238,8 +236,7 @@ def _fused_muon_step(state: AtlasState, inputs: Sequence[torch.Tensor]) -> bool:
     if any(t.dtype != torch.float32 for t in memory) or (
             torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*memory, *inputs))):
         return False
-    wide = [w.transpose(-1, -2) if w.shape[-2] > w.shape[-1] else w for w in state.weights.values()]
-    return all(triton_wanted(w) for w in wide)
+    return all(triton_wanted(wide(w)) for w in state.weights.values())
 
 
 # --------------------------------------------------------------------------- chunked

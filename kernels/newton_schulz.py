@@ -9,7 +9,7 @@ import torch
 
 from .backend import requested_backend, resolve_backend
 
-__all__ = ["NS_COEFFICIENTS", "newton_schulz", "newton_schulz_together", "triton_wanted"]
+__all__ = ["NS_COEFFICIENTS", "newton_schulz", "newton_schulz_together", "triton_wanted", "wide"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -39,6 +39,11 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
         iteration = _NewtonSchulzTriton if triton_wanted(flat) else _NewtonSchulz
         X = iteration.apply(flat, steps, eps).reshape(shape)
     return X.transpose(-1, -2) if tall else X
+
+
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its last two dims ordered short side first (tall matrices transposed, as a view)."""
+    return x.transpose(-1, -2) if x.shape[-2] > x.shape[-1] else x
 
 
 def triton_wanted(X: torch.Tensor) -> bool:
@@ -120,20 +125,17 @@ def newton_schulz_together(matrices: Sequence[torch.Tensor], steps: int = 5) -> 
     launches (the Triton kernel is one, and takes each matrix as it is)."""
     groups: dict[tuple, list[int]] = {}
     for i, x in enumerate(matrices):
-        wide = x.transpose(-1, -2) if x.shape[-2] > x.shape[-1] else x
-        groups.setdefault((wide.shape, wide.dtype), []).append(i)
+        groups.setdefault((wide(x).shape, x.dtype), []).append(i)
     out: list[torch.Tensor] = [None] * len(matrices)  # type: ignore[list-item]
     for members in groups.values():
-        first = matrices[members[0]]
         # The Triton kernels read strided views: a launch per matrix beats stacking them first.
-        if len(members) == 1 or triton_wanted(first.transpose(-1, -2) if first.shape[-2] > first.shape[-1] else first):
+        if len(members) == 1 or triton_wanted(wide(matrices[members[0]])):
             for i in members:
                 out[i] = newton_schulz(matrices[i], steps)
             continue
-        tall = [matrices[i].shape[-2] > matrices[i].shape[-1] for i in members]
-        stacked = torch.stack([matrices[i].transpose(-1, -2) if t else matrices[i] for i, t in zip(members, tall)])
-        for i, t, x in zip(members, tall, newton_schulz(stacked, steps).unbind(0)):
-            out[i] = x.transpose(-1, -2) if t else x
+        stacked = torch.stack([wide(matrices[i]) for i in members])
+        for i, x in zip(members, newton_schulz(stacked, steps).unbind(0)):
+            out[i] = x.transpose(-1, -2) if x.shape != matrices[i].shape else x
     return out
 
 

@@ -287,24 +287,31 @@ def _muon_step_kernel(W, S, C, GRAD, GATES, FLAGS, W_OUT, S_OUT, C_OUT, s_r, s_l
                  mask=mask)
 
 
-def muon_step_triton(W: torch.Tensor, S: torch.Tensor, C: torch.Tensor, grad: torch.Tensor, alpha: torch.Tensor,
+def muon_step_triton(weights: dict[str, torch.Tensor], momenta: dict[str, torch.Tensor],
+                     chunk_start: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], alpha: torch.Tensor,
                      lr: torch.Tensor, momentum: torch.Tensor, live: torch.Tensor, at_start: torch.Tensor,
-                     steps: int, eps: float = 1e-7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(W', S', C')`` of a Muon decode step (see :func:`~.atlas.muon_step`) in one launch: weights, momenta,
-    chunk-start weights and gradients ``(B, H, rows, cols)`` float32, gates ``(B, H)``, row flags ``(B,)``.
-    The momentum's Newton-Schulz runs on its wide view (tall matrices through their transposed strides)."""
-    B, H, rows, cols = W.shape
-    W, S, C, grad = (x.contiguous() for x in (W, S, C, grad))
-    tall = rows > cols
-    r, L = (cols, rows) if tall else (rows, cols)
-    s_r, s_l = (1, cols) if tall else (cols, 1)
+                     steps: int, eps: float = 1e-7) -> tuple[dict, dict, dict]:
+    """A Muon decode step of every weight of a memory (see :func:`~.atlas.step_atlas`), one launch per
+    weight: new weights, momenta and chunk-start weights from the old ones and the window gradients
+    (dicts of ``(B, H, rows, cols)`` float32), gates ``(B, H)`` and row flags ``(B,)``. A momentum's
+    Newton-Schulz runs on its wide view (tall matrices through their transposed strides)."""
+    B, H = alpha.shape
     gates = torch.stack([alpha, lr, momentum], -1).to(torch.float32).reshape(B * H, 3)
     flags = torch.stack([live, at_start], -1)[:, None].expand(B, H, 2).reshape(B * H, 2).to(torch.int8)
-    W_out, S_out, C_out = torch.empty_like(W), torch.empty_like(W), torch.empty_like(W)
-    _muon_step_kernel[(B * H,)](W, S, C, grad, gates, flags, W_out, S_out, C_out, s_r, s_l, r, L, eps,
-                                *NS_COEFFICIENTS, STEPS=steps, R=_rows(r), BL=_BL, DT=tl.float32,
-                                PRECISION=products(torch.float32), num_warps=_FORWARD_WARPS)
-    return W_out, S_out, C_out
+    out: tuple[dict, dict, dict] = ({}, {}, {})
+    for name in weights:
+        W, S, C, grad = (x[name].contiguous() for x in (weights, momenta, chunk_start, grads))
+        rows, cols = W.shape[-2:]
+        tall = rows > cols
+        r, L = (cols, rows) if tall else (rows, cols)
+        s_r, s_l = (1, cols) if tall else (cols, 1)
+        W_out, S_out, C_out = torch.empty_like(W), torch.empty_like(W), torch.empty_like(W)
+        _muon_step_kernel[(B * H,)](W, S, C, grad, gates, flags, W_out, S_out, C_out, s_r, s_l, r, L, eps,
+                                    *NS_COEFFICIENTS, STEPS=steps, R=_rows(r), BL=_BL, DT=tl.float32,
+                                    PRECISION=products(torch.float32), num_warps=_FORWARD_WARPS)
+        for new, tensor in zip(out, (W_out, S_out, C_out)):
+            new[name] = tensor
+    return out
 
 
 def _rows(r: int) -> int:

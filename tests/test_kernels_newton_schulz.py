@@ -211,7 +211,7 @@ def test_fused_muon_decode_step_equals_the_torch_step(monkeypatch, live, positio
 
     calls = []
     monkeypatch.setattr("mnemo.kernels.newton_schulz_triton.muon_step_triton",
-                        lambda *a, **k: calls.append(1) or muon_step_triton(*a, **k))
+                        lambda weights, *a, **k: calls.extend(weights) or muon_step_triton(weights, *a, **k))
     spec = TitansMemorySpec(depth=2, d_k=6, d_v=6, expansion=3)
     B, H, window = 2, 3, 4
     gen = torch.Generator().manual_seed(5)
