@@ -54,8 +54,10 @@ def test_repo_root_on_sys_path_is_harmless():
         "is_kernels_available()\n"
         "import kernels\n"
         "import mnemo\n"
+        "torch.manual_seed(0)\n"
+        # no end-of-sequence id: an unseeded random model may emit the default one and stop early
         "m = mnemo.MoMForCausalLM(mnemo.MoMConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_heads=2, "
-        "head_dim=4, intermediate_size=32))\n"
+        "head_dim=4, intermediate_size=32, eos_token_id=None))\n"
         "print(m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False).shape)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
