@@ -147,8 +147,8 @@ class _NewtonSchulzTriton(torch.autograd.Function):
         from .newton_schulz_triton import newton_schulz_forward_triton, products  # noqa: PLC0415
 
         ctx.products = products(S.dtype)
-        N, norms = newton_schulz_forward_triton(S, steps, eps, ctx.products)
-        ctx.save_for_backward(S, norms)
+        N, norms, kept = newton_schulz_forward_triton(S, steps, eps, ctx.products, keep=ctx.needs_input_grad[0])
+        ctx.save_for_backward(S, norms, kept)
         ctx.steps, ctx.eps = steps, eps
         return N
 
@@ -157,5 +157,5 @@ class _NewtonSchulzTriton(torch.autograd.Function):
     def backward(ctx, dN: torch.Tensor):
         from .newton_schulz_triton import newton_schulz_backward_triton  # noqa: PLC0415
 
-        S, norms = ctx.saved_tensors
-        return newton_schulz_backward_triton(S, norms, dN, ctx.steps, ctx.eps, ctx.products), None, None
+        S, norms, kept = ctx.saved_tensors
+        return newton_schulz_backward_triton(S, norms, kept, dN, ctx.steps, ctx.eps, ctx.products), None, None

@@ -9,12 +9,14 @@ the long side only in passes over column blocks:
 
 - forward: one pass for ``||S||`` and the Gram matrix ``S S^T``, the iteration
   (``M_1 = a I + b G + c G^2``, ``M_{k+1} = a M_k + (b A_k + c A_k^2) M_k``, ``A_k = M_k G M_k^T``),
-  one pass for ``N = M S / (||S|| + eps)``;
-- backward: one pass for ``G`` and ``dN X_0^T``, the iteration again (its iterates kept in the
-  program's slice of a scratch buffer; the programs are persistent, so the buffer is a few MiB),
-  the PyTorch path's backward over them in reverse, one pass for ``dS``. The scalar
-  ``<dX_0, X_0>`` comes from ``r x r`` quantities (``<dN X_0^T, M> + <dG + dG^T, G>``), so ``dS`` is
-  written in that one pass.
+  one pass for ``N = M S / (||S|| + eps)``. When a gradient is wanted it keeps ``G`` and the iterates
+  ``M_1 .. M_steps`` (``r x r`` each, exact in the input's dtype: 1.5x the size of a 64 x 256 input);
+- backward: one pass for ``dN X_0^T``, the PyTorch path's backward over the kept iterates in reverse
+  (``A_k``, ``P_k`` recomputed from ``M_k``), one pass for ``dS``. The scalar ``<dX_0, X_0>`` comes from
+  ``r x r`` quantities (``<dN X_0^T, M> + <dG + dG^T, G>``), so ``dS`` is written in that one pass.
+  Re-running the iteration here instead, in a per-program cache, made the backward 83 dependent
+  ``r x r x r`` products per matrix against 58 now, and it took 2.0 ms against 1.07 ms (H100, bf16,
+  8,192 momenta of 64 x 256; RESULTS.md): the programs are latency-bound, so products saved are time saved.
 
 The iterates are polynomials in ``G`` (symmetric in exact arithmetic), but the kernels transpose
 them where the PyTorch path does: ``A = M G M^T`` is the Gram matrix of the iterate actually held,
@@ -53,10 +55,10 @@ __all__ = [
 
 MAX_ROWS = 64
 _BL = 64  # columns per block of the passes over the long side
-# Swept on an H100 (RESULTS.md), bf16, 8,192 momenta of 64 x 256: four warps, forward 0.45 ms (eight: 0.94) and
-# backward 2.0 ms (eight: 3.7); the backward's persistent grid at 1 / 2 / 4 programs per SM: 2.9 / 2.05 / 2.0 ms.
+# Swept on an H100 (RESULTS.md), bf16, 8,192 momenta of 64 x 256: four warps both ways, forward 0.50 ms with the
+# iterates kept (eight: 0.98) and forward+backward 1.57 ms (backward on eight: 3.05); blocks of 128 columns:
+# 1.61 ms.
 _FORWARD_WARPS, _BACKWARD_WARPS = 4, 4
-_BACKWARD_PROGRAMS_PER_SM = 4
 
 
 def supported(S: torch.Tensor) -> bool:
@@ -68,8 +70,8 @@ def supported(S: torch.Tensor) -> bool:
 
 def faster(dtype: torch.dtype) -> bool:
     """Whether the kernels beat the PyTorch path for ``dtype`` now: not with exact float32 products, where
-    Triton's float32 dots ran 2-5x slower than cuBLAS (H100: 13.1 / 102.9 ms forward / both for 8,192
-    momenta of 64 x 256, against 5.8 / 19.9 ms)."""
+    Triton's float32 dots are slower than cuBLAS (H100: 15.1 / 390 ms forward / both for 8,192 momenta of
+    64 x 256, against 5.8 / 20.0 ms)."""
     return products(dtype) != "ieee" or dtype != torch.float32
 
 
@@ -151,17 +153,46 @@ def _step(M, G, BUF, rr, r, a, b, c, DT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _iterate(G, eye, steps, BUF, rr, r, a, b, c, DT: tl.constexpr, PRECISION: tl.constexpr):
-    """``M_steps`` (``steps >= 1``)."""
+def _iterate(G, eye, steps, BUF, rr, r, a, b, c, DT: tl.constexpr, PRECISION: tl.constexpr,
+             KEEP: tl.constexpr):
+    """``M_steps`` (``steps >= 1``). ``KEEP``: ``BUF`` holds ``steps`` tiles of ``r x r`` and ``M_k`` is left in
+    tile ``k - 1`` (the transpose of each step stores it there anyway); otherwise one tile of scratch."""
     M = _first(G, eye, a, b, c, DT, PRECISION)
-    for _ in range(steps - 1):
-        _, _, M = _step(M, G, BUF, rr, r, a, b, c, DT, PRECISION)
+    for k in range(steps - 1):
+        if KEEP:
+            _, _, M = _step(M, G, BUF + k * r * r, rr, r, a, b, c, DT, PRECISION)
+        else:
+            _, _, M = _step(M, G, BUF, rr, r, a, b, c, DT, PRECISION)
+    if KEEP:
+        _store_square(BUF + (steps - 1) * r * r, M, rr, r)
     return M
 
 
 @triton.jit
-def _forward_kernel(S, N, NORM, s_n, s_r, s_l, r, L, eps, a, b, c, STEPS: tl.constexpr, R: tl.constexpr,
-                    BL: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr):
+def _store_square(BUF, x, rr, r):
+    tl.store(BUF + rr[:, None] * r + rr[None, :], x, mask=(rr[:, None] < r) & (rr[None, :] < r))
+
+
+@triton.jit
+def _square(BUF, rr, r):
+    """The ``r x r`` tile at ``BUF`` (row-major), as float32 zero-padded to ``R x R``."""
+    return tl.load(BUF + rr[:, None] * r + rr[None, :], mask=(rr[:, None] < r) & (rr[None, :] < r),
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _square_t(BUF, rr, r):
+    """The transpose of :func:`_square`, loaded transposed."""
+    return tl.load(BUF + rr[None, :] * r + rr[:, None], mask=(rr[:, None] < r) & (rr[None, :] < r),
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _forward_kernel(S, N, NORM, KEPT, s_n, s_r, s_l, r, L, eps, a, b, c, STEPS: tl.constexpr, R: tl.constexpr,
+                    BL: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr, KEEP: tl.constexpr):
+    """``KEEP``: the iterates ``M_1 .. M_STEPS`` and ``G`` go to ``KEPT`` (``STEPS + 1`` tiles of ``r x r`` per
+    matrix, in the input's dtype: each was rounded to the products' precision when formed, so the copy is
+    exact) for the backward."""
     i = tl.program_id(0).to(tl.int64)
     X = S + i * s_n
     Y = N + i * r * L
@@ -177,7 +208,13 @@ def _forward_kernel(S, N, NORM, s_n, s_r, s_l, r, L, eps, a, b, c, STEPS: tl.con
     d = norm + eps
     G = _rnd(gram / (d * d), DT, PRECISION)
     eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
-    M = _iterate(G, eye, STEPS, Y, rr, r, a, b, c, DT, PRECISION) / d  # N = M X_0 = (M / d) S
+    if KEEP:
+        kept = KEPT + i * (STEPS + 1) * r * r
+        _store_square(kept + STEPS * r * r, G, rr, r)
+        M = _iterate(G, eye, STEPS, kept, rr, r, a, b, c, DT, PRECISION, True)
+    else:
+        M = _iterate(G, eye, STEPS, Y, rr, r, a, b, c, DT, PRECISION, False)
+    M = M / d  # N = M X_0 = (M / d) S
     tl.store(NORM + i, norm)
     for l0 in range(0, L, BL):
         cols = l0 + tl.arange(0, BL)
@@ -187,64 +224,53 @@ def _forward_kernel(S, N, NORM, s_n, s_r, s_l, r, L, eps, a, b, c, STEPS: tl.con
 
 
 @triton.jit
-def _backward_kernel(S, NORM, DN, DS, CACHE, n, s_n, s_r, s_l, d_n, d_r, d_l, r, L, eps, tiny, a, b, c,
+def _backward_kernel(S, NORM, KEPT, DN, DS, s_n, s_r, s_l, d_n, d_r, d_l, r, L, eps, tiny, a, b, c,
                      STEPS: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, DT: tl.constexpr,
                      PRECISION: tl.constexpr):
-    """Persistent: each program takes every ``num_programs``-th matrix and keeps the iterates
-    ``M_1 .. M_{STEPS-1}`` of the one at hand in its own slice of ``CACHE`` (``STEPS - 1`` tiles of
-    ``R x R`` floats; a few MiB for the grid, which stay in L2) for the steps in reverse."""
-    program = tl.program_id(0)
-    cache = CACHE + program.to(tl.int64) * (STEPS - 1) * R * R
+    """From the forward's kept ``G`` and iterates: one pass for ``dN X_0^T``, the PyTorch path's backward over
+    the steps in reverse (``A_k``, ``P_k`` recomputed from ``M_k``), one pass for ``dS``."""
+    i = tl.program_id(0).to(tl.int64)
+    X = S + i * s_n
+    Y = DN + i * d_n
+    Z = DS + i * r * L  # also the transposes' scratch, before the last pass writes it
+    kept = KEPT + i * (STEPS + 1) * r * r
     rr = tl.arange(0, R)
-    tile = rr[:, None] * R + rr[None, :]
     eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
-    for matrix in range(program, n, tl.num_programs(0)):
-        i = tl.cast(matrix, tl.int64)
-        X = S + i * s_n
-        Y = DN + i * d_n
-        Z = DS + i * r * L
-        gram = tl.zeros((R, R), tl.float32)
-        dM = tl.zeros((R, R), tl.float32)
-        for l0 in range(0, L, BL):
-            cols = l0 + tl.arange(0, BL)
-            xt = _block_t(X, s_r, s_l, rr, cols, r, L)
-            gram += _mm(_block(X, s_r, s_l, rr, cols, r, L), xt, DT, PRECISION)
-            dM += _mm(_block(Y, d_r, d_l, rr, cols, r, L), xt, DT, PRECISION)
-        norm = tl.load(NORM + i)
-        d = norm + eps
-        G = _rnd(gram / (d * d), DT, PRECISION)
-        dM = _rnd(dM / d, DT, PRECISION)  # dN X_0^T
-        M_last = _first(G, eye, a, b, c, DT, PRECISION)
-        for k in range(STEPS - 1):
-            tl.store(cache + k * R * R + tile, M_last)
-            _, _, M_last = _step(M_last, G, Z, rr, r, a, b, c, DT, PRECISION)
-        tl.debug_barrier()
-        inner = tl.sum(dM * M_last)  # <M^T dN, X_0>
-        dG = tl.zeros((R, R), tl.float32)
-        for back in range(STEPS - 1):  # the PyTorch path's backward, its step k = STEPS - 2 - back
-            M = tl.load(cache + (STEPS - 2 - back) * R * R + tile)
-            A, P, _ = _step(M, G, Z, rr, r, a, b, c, DT, PRECISION)
-            Mt = _transpose(M, Z, rr, r)
-            dP = _rnd(_mm(dM, Mt, DT, PRECISION), DT, PRECISION)
-            dA = _rnd(b * dP + c * (_mm(dP, A, DT, PRECISION) + _mm(A, dP, DT, PRECISION)), DT, PRECISION)
-            dA_sym = _rnd(dA + _transpose(dA, Z, rr, r), DT, PRECISION)
-            MG = _rnd(_mm(M, G, DT, PRECISION), DT, PRECISION)
-            dM = _rnd(a * dM + _mm(P, dM, DT, PRECISION) + _mm(dA_sym, MG, DT, PRECISION), DT, PRECISION)
-            dG += _mm(Mt, _rnd(_mm(dA, M, DT, PRECISION), DT, PRECISION), DT, PRECISION)
-        dG += b * dM + c * (_mm(dM, G, DT, PRECISION) + _mm(G, dM, DT, PRECISION))  # M_1 = a I + b G + c G^2
-        dG += _transpose(dG, Z, rr, r)
-        inner += tl.sum(dG * G)  # + <(dG + dG^T) X_0, X_0>
-        along = inner * d / tl.maximum(norm, tiny)
-        # dS = (dX_0 - along X_0) / d with dX_0 = M^T dN + (dG + dG^T) X_0 and X_0 = S / d
-        M_last = _transpose(M_last, Z, rr, r) / d
-        C = (dG - along * eye) / (d * d)
-        for l0 in range(0, L, BL):
-            cols = l0 + tl.arange(0, BL)
-            z = _mm(M_last, _block(Y, d_r, d_l, rr, cols, r, L), DT, PRECISION) \
-                + _mm(C, _block(X, s_r, s_l, rr, cols, r, L), DT, PRECISION)
-            tl.store(Z + rr[:, None] * L + cols[None, :], z.to(DS.dtype.element_ty),
-                     mask=(rr[:, None] < r) & (cols[None, :] < L))
-        tl.debug_barrier()  # the cache is the next matrix's
+    G = _square(kept + STEPS * r * r, rr, r)
+    dM = tl.zeros((R, R), tl.float32)
+    for l0 in range(0, L, BL):
+        cols = l0 + tl.arange(0, BL)
+        dM += _mm(_block(Y, d_r, d_l, rr, cols, r, L), _block_t(X, s_r, s_l, rr, cols, r, L), DT, PRECISION)
+    norm = tl.load(NORM + i)
+    d = norm + eps
+    dM = _rnd(dM / d, DT, PRECISION)  # dN X_0^T
+    inner = tl.sum(dM * _square(kept + (STEPS - 1) * r * r, rr, r))  # <M^T dN, X_0>
+    dG = tl.zeros((R, R), tl.float32)
+    for back in range(STEPS - 1):  # the PyTorch path's backward, its step k = STEPS - 2 - back
+        slot = kept + (STEPS - 2 - back) * r * r
+        M = _square(slot, rr, r)
+        Mt = _square_t(slot, rr, r)
+        A = _rnd(_mm(M, _rnd(_mm(G, Mt, DT, PRECISION), DT, PRECISION), DT, PRECISION), DT, PRECISION)
+        P = _rnd(b * A + c * _mm(A, A, DT, PRECISION), DT, PRECISION)
+        dP = _rnd(_mm(dM, Mt, DT, PRECISION), DT, PRECISION)
+        dA = _rnd(b * dP + c * (_mm(dP, A, DT, PRECISION) + _mm(A, dP, DT, PRECISION)), DT, PRECISION)
+        dA_sym = _rnd(dA + _transpose(dA, Z, rr, r), DT, PRECISION)
+        MG = _rnd(_mm(M, G, DT, PRECISION), DT, PRECISION)
+        dM = _rnd(a * dM + _mm(P, dM, DT, PRECISION) + _mm(dA_sym, MG, DT, PRECISION), DT, PRECISION)
+        dG += _mm(Mt, _rnd(_mm(dA, M, DT, PRECISION), DT, PRECISION), DT, PRECISION)
+    dG += b * dM + c * (_mm(dM, G, DT, PRECISION) + _mm(G, dM, DT, PRECISION))  # M_1 = a I + b G + c G^2
+    dG += _transpose(dG, Z, rr, r)
+    inner += tl.sum(dG * G)  # + <(dG + dG^T) X_0, X_0>
+    along = inner * d / tl.maximum(norm, tiny)
+    # dS = (dX_0 - along X_0) / d with dX_0 = M^T dN + (dG + dG^T) X_0 and X_0 = S / d
+    Mt_last = _square_t(kept + (STEPS - 1) * r * r, rr, r) / d
+    C = (dG - along * eye) / (d * d)
+    for l0 in range(0, L, BL):
+        cols = l0 + tl.arange(0, BL)
+        z = _mm(Mt_last, _block(Y, d_r, d_l, rr, cols, r, L), DT, PRECISION) \
+            + _mm(C, _block(X, s_r, s_l, rr, cols, r, L), DT, PRECISION)
+        tl.store(Z + rr[:, None] * L + cols[None, :], z.to(DS.dtype.element_ty),
+                 mask=(rr[:, None] < r) & (cols[None, :] < L))
 
 
 @triton.jit
@@ -273,7 +299,7 @@ def _muon_step_kernel(W, S, C, GRAD, GATES, FLAGS, W_OUT, S_OUT, C_OUT, s_r, s_l
     d = norm + eps
     G = _rnd(gram / (d * d), DT, PRECISION)
     eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
-    M = _iterate(G, eye, STEPS, W_OUT + base, rr, r, a, b, c, DT, PRECISION) / d
+    M = _iterate(G, eye, STEPS, W_OUT + base, rr, r, a, b, c, DT, PRECISION, False) / d
     for l0 in range(0, L, BL):
         cols = l0 + tl.arange(0, BL)
         offs = rr[:, None] * s_r + cols[None, :] * s_l
@@ -318,40 +344,33 @@ def _rows(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; on the CPU (Triton's interpreter) a small number, so
-    that tests see programs take several matrices."""
-    if device.type != "cuda":
-        return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def newton_schulz_forward_triton(S: torch.Tensor, steps: int, eps: float, precision: str | None = None
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(N, norms)`` for ``(n, r, L)`` matrices ``S`` (:func:`supported`), ``steps >= 1``: ``N`` contiguous
-    in ``S``'s dtype, ``norms`` ``(n,)`` float32 (the backward's input). ``precision``: the products'
+def newton_schulz_forward_triton(S: torch.Tensor, steps: int, eps: float, precision: str | None = None,
+                                 keep: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(N, norms, kept)`` for ``(n, r, L)`` matrices ``S`` (:func:`supported`), ``steps >= 1``: ``N``
+    contiguous in ``S``'s dtype, ``norms`` ``(n,)`` float32 and, with ``keep``, the Gram matrices and
+    iterates ``(n, steps + 1, r, r)`` in ``S``'s dtype (``1 + 1 / steps`` times the size of ``S`` for
+    ``L = 4r``, five steps: 1.5x); the last two are the backward's inputs. ``precision``: the products'
     ``input_precision`` (default :func:`products`)."""
     n, r, L = S.shape
     N = torch.empty(n, r, L, device=S.device, dtype=S.dtype)
     norms = torch.empty(n, device=S.device, dtype=torch.float32)
+    kept = torch.empty(n, steps + 1, r, r, device=S.device, dtype=S.dtype) if keep else None
     if n:
-        _forward_kernel[(n,)](S, N, norms, *S.stride(), r, L, eps, *NS_COEFFICIENTS, STEPS=steps, R=_rows(r),
-                              BL=_BL, DT=_OPERANDS[S.dtype], PRECISION=precision or products(S.dtype),
-                              num_warps=_FORWARD_WARPS)
-    return N, norms
+        _forward_kernel[(n,)](S, N, norms, N if kept is None else kept, *S.stride(), r, L, eps, *NS_COEFFICIENTS,
+                              STEPS=steps, R=_rows(r), BL=_BL, DT=_OPERANDS[S.dtype],
+                              PRECISION=precision or products(S.dtype), KEEP=keep, num_warps=_FORWARD_WARPS)
+    return N, norms, kept
 
 
-def newton_schulz_backward_triton(S: torch.Tensor, norms: torch.Tensor, dN: torch.Tensor, steps: int,
-                                  eps: float, precision: str | None = None) -> torch.Tensor:
-    """``dS`` (contiguous, ``S``'s dtype) for the forward's ``S``, its ``norms`` and ``dN`` (``(n, r, L)``)."""
+def newton_schulz_backward_triton(S: torch.Tensor, norms: torch.Tensor, kept: torch.Tensor, dN: torch.Tensor,
+                                  steps: int, eps: float, precision: str | None = None) -> torch.Tensor:
+    """``dS`` (contiguous, ``S``'s dtype) for the forward's ``S``, its ``norms`` and ``kept`` iterates, and
+    ``dN`` (``(n, r, L)``)."""
     n, r, L = S.shape
     dS = torch.empty(n, r, L, device=S.device, dtype=S.dtype)
     if n:
-        R = _rows(r)
-        grid = min(n, _BACKWARD_PROGRAMS_PER_SM * _sm_count(S.device))
-        cache = torch.empty(grid, max(steps - 1, 1), R, R, device=S.device, dtype=torch.float32)
-        _backward_kernel[(grid,)](S, norms, dN, dS, cache, n, *S.stride(), *dN.stride(), r, L, eps,
-                               torch.finfo(torch.float32).tiny, *NS_COEFFICIENTS, STEPS=steps, R=R,
+        _backward_kernel[(n,)](S, norms, kept, dN, dS, *S.stride(), *dN.stride(), r, L, eps,
+                               torch.finfo(torch.float32).tiny, *NS_COEFFICIENTS, STEPS=steps, R=_rows(r),
                                BL=_BL, DT=_OPERANDS[S.dtype], PRECISION=precision or products(S.dtype),
                                num_warps=_BACKWARD_WARPS)
     return dS

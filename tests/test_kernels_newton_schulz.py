@@ -27,8 +27,9 @@ def _reference(S: torch.Tensor, dN: torch.Tensor, steps: int) -> tuple[torch.Ten
 def _kernels(S: torch.Tensor, dN: torch.Tensor, steps: int, precision: str | None = None):
     from mnemo.kernels.newton_schulz_triton import newton_schulz_backward_triton, newton_schulz_forward_triton
 
-    N, norms = newton_schulz_forward_triton(S, steps, 1e-7, precision)
-    return N, newton_schulz_backward_triton(S, norms, dN, steps, 1e-7, precision)
+    N, norms, kept = newton_schulz_forward_triton(S, steps, 1e-7, precision)
+    assert torch.equal(newton_schulz_forward_triton(S, steps, 1e-7, precision, keep=False)[0], N)
+    return N, newton_schulz_backward_triton(S, norms, kept, dN, steps, 1e-7, precision)
 
 
 @pytest.mark.parametrize("n,r,L,steps", CASES)
@@ -142,6 +143,31 @@ def test_newton_schulz_takes_the_triton_kernels_when_asked(monkeypatch):
     for a, b in zip((*got, *got_grads), (*want, *want_grads)):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+
+
+def test_triton_forward_keeps_iterates_only_for_a_gradient(monkeypatch):
+    """The forward keeps ``G`` and the iterates (``(n, steps + 1, r, r)`` in the input's dtype) when the input
+    wants a gradient, and nothing without one (a decode step's Newton-Schulz)."""
+    from mnemo.kernels import newton_schulz_triton
+    from mnemo.kernels.backend import use_backend
+
+    kept = []
+    original = newton_schulz_triton.newton_schulz_forward_triton
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        kept.append(out[2])
+        return out
+
+    monkeypatch.setattr(newton_schulz_triton, "newton_schulz_forward_triton", spy)
+    S = torch.randn(3, 8, 20, device=DEVICE, dtype=torch.bfloat16)
+    with use_backend("triton"):
+        newton_schulz(S, 4)
+        newton_schulz(S.requires_grad_(), 4)
+    assert kept[0] is None
+    assert kept[1].shape == (3, 5, 8, 8) and kept[1].dtype == torch.bfloat16
+    G = S.float() @ S.float().transpose(1, 2) / S.float().norm(dim=(1, 2), keepdim=True) ** 2
+    torch.testing.assert_close(kept[1][:, -1].float(), G, rtol=1e-2, atol=1e-2)
 
 
 def test_newton_schulz_keeps_the_torch_path_past_the_kernels_limits(monkeypatch):
