@@ -19,7 +19,10 @@ this path splits the layer into
 
 The per-chunk update of step 1 is :func:`chunk_update` here (PyTorch, the definition) and, on
 the Triton backend (CUDA by default), a single kernel with a written-out backward
-(:mod:`.deep_attention_triton`).
+(:mod:`.deep_attention_triton`). When Triton is asked for explicitly (``use_backend("triton")``),
+the whole of step 1 runs as a wavefront of Triton launches instead, its reads split into blocks
+per earlier chunk (:class:`_KeyPassTriton`, :mod:`.deep_attention_key_pass_triton`); automatic
+selection does not take it yet.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from .activations import gelu_derivative
+from .backend import requested_backend
 from .norms import clip_scale
 
 __all__ = ["chunk_update", "hebbian_deep_attention"]
@@ -160,6 +164,47 @@ class _KeyPass(torch.autograd.Function):
         return dk, dv, de, dw1, None, None, None, None, None, None
 
 
+class _KeyPassTriton(torch.autograd.Function):
+    """:class:`_KeyPass` (same inputs and outputs, float32) through the wavefront kernels of
+    :mod:`.deep_attention_key_pass_triton`, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, k, v, e, w1, chunk: int, scale: float, clip: float | None, read_dtype: torch.dtype):
+        from .deep_attention_key_pass_triton import key_pass_forward_triton  # noqa: PLC0415
+
+        B, H, T, _ = k.shape
+        flat = lambda x, dtype=torch.float32: x.to(dtype).reshape(B * H, *x.shape[2:]).contiguous()  # noqa: E731
+        keys, v, e, w1 = flat(k, read_dtype), flat(v), flat(e), flat(w1)
+        with torch.autocast(k.device.type, enabled=False):
+            u, sig, er, w1s, u_read, a, lse = key_pass_forward_triton(keys, v, e, w1, chunk, scale, clip)
+        ctx.save_for_backward(keys, v, e, w1s, u_read, a, lse)
+        ctx.options = chunk, scale, clip, (B, H)
+        heads = lambda x: x.unflatten(0, (B, H))  # noqa: E731
+        return heads(u), heads(sig), heads(er), w1s.unflatten(1, (B, H))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, du, dsig, der, dw1s):
+        from .deep_attention_key_pass_triton import key_pass_backward_triton  # noqa: PLC0415
+
+        chunk, scale, clip, (B, H) = ctx.options
+        flat = lambda x: x.flatten(0, 1)  # noqa: E731
+        with torch.autocast(du.device.type, enabled=False):
+            grads = key_pass_backward_triton(*ctx.saved_tensors, flat(du), flat(dsig), flat(der), dw1s.flatten(1, 2),
+                                             chunk, scale, clip)
+        return (*(x.unflatten(0, (B, H)) for x in grads), None, None, None, None)
+
+
+def triton_key_pass_wanted(k: torch.Tensor, chunk: int, reads: torch.dtype, w1: torch.Tensor) -> bool:
+    """Whether :func:`hebbian_deep_attention` runs its key pass through :class:`_KeyPassTriton`: only when
+    Triton is asked for explicitly, for float32 recursions with reads in float32, bf16 or fp16, chunks a
+    power of two from 16 to 128 and widths up to 128."""
+    widths = (k.shape[-1], *w1.shape[-2:])
+    return (requested_backend() == "triton" and k.dtype == torch.float32
+            and reads in (torch.float32, torch.bfloat16, torch.float16)
+            and 16 <= chunk <= 128 and chunk & (chunk - 1) == 0 and max(widths) <= 128)
+
+
 def read_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype of the attention reads for inputs like ``x``: autocast's where it is on, else ``x``'s
     own (a bf16 model reads in bf16, through flash kernels, while the recursion runs in float32)."""
@@ -179,7 +224,10 @@ def hebbian_deep_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e:
     B, H, T, _ = q.shape
     C, dv = chunk_size, v.shape[-1]
     track = torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, e, w1))
-    u, sig, er, w1s = _KeyPass.apply(k, v, e, w1, C, scale, grad_clip, reads, track, triton)
+    if triton and triton_key_pass_wanted(k, C, reads, w1):
+        u, sig, er, w1s = _KeyPassTriton.apply(k, v, e, w1, C, scale, grad_clip, reads)
+    else:
+        u, sig, er, w1s = _KeyPass.apply(k, v, e, w1, C, scale, grad_clip, reads, track, triton)
     with torch.autocast(q.device.type, enabled=False):
         read = F.scaled_dot_product_attention(q.to(reads), k.to(reads), torch.cat([v, u], -1).to(reads),
                                               is_causal=True, scale=scale).to(v.dtype)

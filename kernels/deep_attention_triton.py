@@ -52,14 +52,10 @@ def _tile(X, TAB, i: tl.constexpr, b, h, rows, cols, R, N):
 
 
 @triton.jit
-def _forward_parts(A, V, W, E, TAB, b, h, rc, rv, rh, R, DV, HID, clip, CLIP: tl.constexpr):
-    """Everything the forward and the backward share: the chunk's loads (operands 0-3 of the table:
-    ``a, v, w1, e``), ``g``, ``d``, ``s``, ``g d``, the GELU's density and the clip."""
-    a = _tile(A, TAB, 0, b, h, rc, rh, R, HID)
-    v = _tile(V, TAB, 1, b, h, rc, rv, R, DV)
-    w = _tile(W, TAB, 2, b, h, rv, rh, DV, HID)
-    e = tl.load(E + b * tl.load(TAB + 9) + h * tl.load(TAB + 10) + rc * tl.load(TAB + 11), mask=rc < R, other=0.0)
-    e = e.to(tl.float32)
+def _update_parts(a, v, w, e, clip, CLIP: tl.constexpr):
+    """What the update and its backward share, from the chunk's ``a (C, h)``, ``v (C, d_v)``, ``w1 (d_v, h)``
+    and ``e (C,)`` (float32 tiles, zero outside the chunk): ``g``, ``d``, ``s``, ``g d``, the GELU's density
+    and the clip's ``n`` and scale."""
     g = tl.dot(v, w, input_precision=_PRODUCTS)
     cdf = 0.5 * (1.0 + tl.math.erf(a * 0.7071067811865476))
     pdf = tl.exp(-0.5 * a * a) * 0.3989422804014327
@@ -71,41 +67,25 @@ def _forward_parts(A, V, W, E, TAB, b, h, rc, rv, rh, R, DV, HID, clip, CLIP: tl
     if CLIP:
         n = tl.sum(gd * gd, 1) + tl.sum(v * v, 1) * tl.sum(s * s, 1)
         scale = tl.minimum(clip / tl.sqrt(tl.maximum(n, 1e-30)), 1.0)
-    return a, v, w, e, g, d, s, gd, pdf, n, scale
+    return g, d, s, gd, pdf, n, scale
 
 
 @triton.jit
-def _update_kernel(A, V, W, E, U, S, ER, WN, UR, TAB, R, DV, HID, clip, CLIP: tl.constexpr,
-                   WRITE_READ: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr):
-    b, h = tl.program_id(0), tl.program_id(1)
-    rc, rv, rh = tl.arange(0, BC), tl.arange(0, BV), tl.arange(0, BH)
-    a, v, w, e, g, d, s, gd, pdf, n, scale = _forward_parts(A, V, W, E, TAB, b, h, rc, rv, rh, R, DV, HID, clip,
-                                                             CLIP)
+def update_tiles(a, v, w, e, clip, CLIP: tl.constexpr):
+    """The chunk's write ``(u, sig, er, w1_next)`` from its tiles (see :func:`_update_parts`)."""
+    g, d, s, gd, pdf, n, scale = _update_parts(a, v, w, e, clip, CLIP)
     rate = (e * scale)[:, None]
-    u = rate * gd
     er = rate * v
-    w_next = w + tl.dot(tl.trans(er), s, input_precision=_PRODUCTS)
-    m_ch = (rc[:, None] < R) & (rh[None, :] < HID)
-    tl.store(_ptrs(U, TAB, 4, b, h, rc, rh), u, mask=m_ch)
-    tl.store(_ptrs(S, TAB, 5, b, h, rc, rh), s, mask=m_ch)
-    tl.store(_ptrs(ER, TAB, 6, b, h, rc, rv), er, mask=(rc[:, None] < R) & (rv[None, :] < DV))
-    tl.store(_ptrs(WN, TAB, 7, b, h, rv, rh), w_next, mask=(rv[:, None] < DV) & (rh[None, :] < HID))
-    if WRITE_READ:
-        tl.store(_ptrs(UR, TAB, 8, b, h, rc, rh), u.to(UR.dtype.element_ty), mask=m_ch)
+    return rate * gd, s, er, w + tl.dot(tl.trans(er), s, input_precision=_PRODUCTS)
 
 
 @triton.jit
-def _update_backward_kernel(A, V, W, E, DU, DS, DER, DWN, DA, DVO, DW, DE, TAB, R, DV, HID, clip,
-                            CLIP: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr):
-    b, h = tl.program_id(0), tl.program_id(1)
-    rc, rv, rh = tl.arange(0, BC), tl.arange(0, BV), tl.arange(0, BH)
-    a, v, w, e, g, d, s, gd, pdf, n, scale = _forward_parts(A, V, W, E, TAB, b, h, rc, rv, rh, R, DV, HID, clip,
-                                                             CLIP)
+def update_backward_tiles(a, v, w, e, du, ds, der, dwn, clip, CLIP: tl.constexpr):
+    """The gradients ``(da, dv, dw1, de)`` of :func:`update_tiles` for its outputs' ``(du, dsig, der, dw1_next)``."""
+    g, d, s, gd, pdf, n, scale = _update_parts(a, v, w, e, clip, CLIP)
     rate = e * scale
-    dwn = _tile(DWN, TAB, 7, b, h, rv, rh, DV, HID)
-    du = _tile(DU, TAB, 4, b, h, rc, rh, R, HID)
-    der = _tile(DER, TAB, 6, b, h, rc, rv, R, DV) + tl.dot(s, tl.trans(dwn), input_precision=_PRODUCTS)
-    ds = _tile(DS, TAB, 5, b, h, rc, rh, R, HID) + tl.dot(rate[:, None] * v, dwn, input_precision=_PRODUCTS)
+    der = der + tl.dot(s, tl.trans(dwn), input_precision=_PRODUCTS)
+    ds = ds + tl.dot(rate[:, None] * v, dwn, input_precision=_PRODUCTS)
     df = tl.sum(du * gd, 1) + tl.sum(der * v, 1)
     dv = rate[:, None] * der
     dgd = rate[:, None] * du
@@ -121,6 +101,44 @@ def _update_backward_kernel(A, V, W, E, DU, DS, DER, DWN, DA, DVO, DW, DE, TAB, 
     dv += tl.dot(dg, tl.trans(w), input_precision=_PRODUCTS)
     dw = dwn + tl.dot(tl.trans(v), dg, input_precision=_PRODUCTS)
     da = dgd * g * pdf * (2.0 - a * a) + ds * d
+    return da, dv, dw, de
+
+
+@triton.jit
+def _loads(A, V, W, E, TAB, b, h, rc, rv, rh, R, DV, HID):
+    """The chunk's ``a, v, w1, e`` (operands 0-3 of the table) as float32 tiles."""
+    a = _tile(A, TAB, 0, b, h, rc, rh, R, HID)
+    v = _tile(V, TAB, 1, b, h, rc, rv, R, DV)
+    w = _tile(W, TAB, 2, b, h, rv, rh, DV, HID)
+    e = tl.load(E + b * tl.load(TAB + 9) + h * tl.load(TAB + 10) + rc * tl.load(TAB + 11), mask=rc < R, other=0.0)
+    return a, v, w, e.to(tl.float32)
+
+
+@triton.jit
+def _update_kernel(A, V, W, E, U, S, ER, WN, UR, TAB, R, DV, HID, clip, CLIP: tl.constexpr,
+                   WRITE_READ: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    rc, rv, rh = tl.arange(0, BC), tl.arange(0, BV), tl.arange(0, BH)
+    a, v, w, e = _loads(A, V, W, E, TAB, b, h, rc, rv, rh, R, DV, HID)
+    u, s, er, w_next = update_tiles(a, v, w, e, clip, CLIP)
+    m_ch = (rc[:, None] < R) & (rh[None, :] < HID)
+    tl.store(_ptrs(U, TAB, 4, b, h, rc, rh), u, mask=m_ch)
+    tl.store(_ptrs(S, TAB, 5, b, h, rc, rh), s, mask=m_ch)
+    tl.store(_ptrs(ER, TAB, 6, b, h, rc, rv), er, mask=(rc[:, None] < R) & (rv[None, :] < DV))
+    tl.store(_ptrs(WN, TAB, 7, b, h, rv, rh), w_next, mask=(rv[:, None] < DV) & (rh[None, :] < HID))
+    if WRITE_READ:
+        tl.store(_ptrs(UR, TAB, 8, b, h, rc, rh), u.to(UR.dtype.element_ty), mask=m_ch)
+
+
+@triton.jit
+def _update_backward_kernel(A, V, W, E, DU, DS, DER, DWN, DA, DVO, DW, DE, TAB, R, DV, HID, clip,
+                            CLIP: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    rc, rv, rh = tl.arange(0, BC), tl.arange(0, BV), tl.arange(0, BH)
+    a, v, w, e = _loads(A, V, W, E, TAB, b, h, rc, rv, rh, R, DV, HID)
+    da, dv, dw, de = update_backward_tiles(
+        a, v, w, e, _tile(DU, TAB, 4, b, h, rc, rh, R, HID), _tile(DS, TAB, 5, b, h, rc, rh, R, HID),
+        _tile(DER, TAB, 6, b, h, rc, rv, R, DV), _tile(DWN, TAB, 7, b, h, rv, rh, DV, HID), clip, CLIP)
     m_ch, m_cv = (rc[:, None] < R) & (rh[None, :] < HID), (rc[:, None] < R) & (rv[None, :] < DV)
     tl.store(_ptrs(DA, TAB, 0, b, h, rc, rh), da.to(DA.dtype.element_ty), mask=m_ch)
     tl.store(_ptrs(DVO, TAB, 1, b, h, rc, rv), dv, mask=m_cv)

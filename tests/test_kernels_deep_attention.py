@@ -288,3 +288,70 @@ def test_hebbian_full_rows_with_triton_chunk_updates(opts):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=label)
     for key, want in ref_state.tensors().items():
         torch.testing.assert_close(state.tensors()[key], want, rtol=1e-5, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("T_,clip,reads", [(53, None, torch.float32), (53, 0.5, torch.float32), (48, 2.0, torch.float32),
+                                           (16, None, torch.float32), (53, 0.5, torch.bfloat16)])
+def test_triton_key_pass_equals_the_torch_one(T_, clip, reads):
+    """The wavefront key pass (:mod:`mnemo.kernels.deep_attention_key_pass_triton`; the interpreter on the
+    CPU) against the PyTorch pass, float32: ``u, sig, er, W_1`` at every chunk start and the gradients of
+    ``k, v, e, W_1``, with a partial last chunk, one chunk only, with and without the clip acting. With bf16
+    reads both round the reads and their gradients to bf16 at different points: relative 2e-2."""
+    pytest.importorskip("triton")
+    from mnemo.kernels.deep_attention_hebbian import _KeyPass, _KeyPassTriton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(T_)
+    B_, H_, DK_, DV_, HID_, C = 2, 2, 8, 8, 12, 16
+    k = torch.randn(B_, H_, T_, DK_, generator=gen)
+    v = torch.randn(B_, H_, T_, DV_, generator=gen)
+    e = torch.rand(B_, H_, T_, generator=gen)
+    w1 = torch.randn(B_, H_, DV_, HID_, generator=gen) * 0.5
+    inputs = [x.to(device) for x in (k, v, e, w1)]
+
+    def run(triton: bool):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        if triton:
+            outs = _KeyPassTriton.apply(*leaves, C, 0.35, clip, reads)
+        else:
+            outs = _KeyPass.apply(*leaves, C, 0.35, clip, reads, True, False)
+        probes = [torch.randn(x.shape, generator=torch.Generator().manual_seed(i)).to(device) for i, x in enumerate(outs)]
+        return outs, torch.autograd.grad(outs, leaves, probes)
+
+    (got, got_grads), (want, want_grads) = run(True), run(False)
+    for label, a, b in zip(["u", "sig", "er", "w1s", "dk", "dv", "de", "dw1"], [*got, *got_grads], [*want, *want_grads]):
+        assert a.shape == b.shape and a.dtype == b.dtype, label
+        if reads == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=label)
+        else:
+            assert (a - b).norm() <= 2e-2 * b.norm(), (label, float((a - b).norm() / b.norm()))
+
+
+@pytest.mark.parametrize("grad_clip", [None, 0.3])
+def test_hebbian_full_rows_with_the_triton_key_pass(grad_clip, monkeypatch):
+    """``use_backend("triton")`` with chunks of 16 takes the wavefront key pass: the layer's outputs, state and
+    gradients against the general chunk loop in float32 (T = 40: three chunks, the last partial)."""
+    pytest.importorskip("triton")
+    import mnemo.kernels.deep_attention_hebbian as hebbian
+    from mnemo.kernels.backend import use_backend
+
+    calls, original = [], hebbian._KeyPassTriton.apply
+    monkeypatch.setattr(hebbian._KeyPassTriton, "apply", lambda *a: calls.append(1) or original(*a))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(2, 40, 2, 8), (2, 40, 2, 8), (2, 40, 2, 8), (2, 40, 2), (2, 40, 2), (2, 8, 12)]
+    inputs = [torch.randn(s, generator=gen) for s in shapes]
+    inputs[3], inputs[4], inputs[5] = inputs[3].sigmoid(), inputs[4].sigmoid(), inputs[5] * 0.5
+    inputs = [x.to(device).requires_grad_() for x in inputs]
+    opts = dict(chunk_size=16, grad_clip=grad_clip)
+    with use_backend("triton"):
+        out, state = chunk_deep_attention(*inputs, memory_depth=2, learning_rule="hebbian", **opts)
+    assert calls == [1]
+    grads = torch.autograd.grad(out.sin().sum(), inputs)
+    ref_out, ref_state = _general_path(*inputs, **opts)
+    ref_grads = torch.autograd.grad(ref_out.sin().sum(), inputs)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    for label, a, b in zip("q k v eta gamma w1".split(), grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=label)
+    for key, want in ref_state.tensors().items():
+        torch.testing.assert_close(state.tensors()[key], want, rtol=1e-5, atol=1e-5, msg=key)

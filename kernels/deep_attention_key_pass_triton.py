@@ -1,0 +1,228 @@
+"""The Hebbian DeepTransformer's key pass (:class:`~.deep_attention_hebbian._KeyPass`) as a wavefront of
+Triton launches, forward and backward.
+
+The pass is sequential in chunks: chunk ``n``'s keys read the deep values ``U`` of every earlier chunk,
+and its own ``U`` comes from that read. The PyTorch pass makes, per chunk, one attention call over the
+whole prefix and one update kernel, and its backward an autograd call per chunk and a gradient add over
+the prefix: at 128 chunks the host, not the GPU, set the time. Here a read is split into blocks, one
+per earlier chunk, and a block ``(n, j)`` can run as soon as chunk ``j`` is written:
+
+- forward launch ``m`` (``m = 0 .. N-1``): a program per chunk ``n >= m`` adds the block ``(n, m - 1)`` to
+  chunk ``n``'s online-softmax accumulators (running max, sum, weighted sum of ``U``); the program of
+  chunk ``m`` then finishes its read ``a_m`` and runs the chunk's update (:func:`.update_tiles`). A launch's
+  critical path is one block and one update, and the ``N - m`` programs run side by side;
+- backward launch ``m`` (``m = N-1 .. 0``): a program per chunk ``j <= m`` takes the block ``(m + 1, j)``
+  of the softmax backward (``dU_j``, ``dk_j`` as a key, chunk ``m + 1``'s ``dk`` as a query), and the
+  program of chunk ``m``, whose ``dU`` is then complete, runs the update's backward
+  (:func:`.update_backward_tiles`) for ``da_m``, which the next launch reads. Gradients of a chunk's rows
+  as keys are added by the one program that owns them; those of its rows as queries come from every
+  program of a launch, by atomic adds (their order, and so the last bits, vary from run to run). Each
+  block computes its scores in both orientations from loads rather than transposing a product, which
+  Triton 3.4-3.7.0 miscompiles on Hopper when it feeds another product.
+
+The reads are in the reads' dtype (bf16 under autocast, as the SDPA reads were: ``a`` and ``da`` are
+rounded to it), with float32 sums; the updates are those of :mod:`.deep_attention_triton`.
+Tensors are ``(B * H, T, width)`` contiguous, ``e`` ``(B * H, T)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .deep_attention_triton import update_backward_tiles, update_tiles
+
+__all__ = ["key_pass_backward_triton", "key_pass_forward_triton"]
+
+_WARPS = 4
+
+
+@triton.jit
+def _rows(X, bh, rows, cols, T, W):
+    """``X[bh, rows, cols]`` of a ``(BH, T, W)`` tensor as float32, zero outside it."""
+    return tl.load(X + bh * T * W + rows[:, None] * W + cols[None, :], mask=(rows[:, None] < T) & (cols[None, :] < W),
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rows_t(X, bh, rows, cols, T, W):
+    """The transpose of :func:`_rows`, loaded transposed."""
+    return tl.load(X + bh * T * W + rows[None, :] * W + cols[:, None], mask=(rows[None, :] < T) & (cols[:, None] < W),
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _mm(x, y, RD: tl.constexpr, PRECISION: tl.constexpr):
+    """``x @ y`` with operands in the reads' dtype, float32 sums."""
+    return tl.dot(x.to(RD), y.to(RD), input_precision=PRECISION)
+
+
+@triton.jit
+def _put(X, bh, rows, cols, T, W, x):
+    tl.store(X + bh * T * W + rows[:, None] * W + cols[None, :], x.to(X.dtype.element_ty),
+             mask=(rows[:, None] < T) & (cols[None, :] < W))
+
+
+@triton.jit
+def _add(X, bh, rows, cols, T, W, x):
+    """``X[bh, rows, cols] += x``; the caller is the only program writing these rows."""
+    _put(X, bh, rows, cols, T, W, _rows(X, bh, rows, cols, T, W) + x)
+
+
+@triton.jit
+def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, T, BH, DK, DV, HID, scale, clip,
+                  CLIP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BHID: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    n = m + tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    RD = K.dtype.element_ty
+    rc, rk, rv, rh = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
+    rows = n * C + rc
+    live = rows < T
+    stats = bh * T + rows
+    mx = tl.load(MX + stats, mask=live, other=float("-inf"))
+    total = tl.load(SUM + stats, mask=live, other=0.0)
+    acc = _rows(ACC, bh, rows, rh, T, HID)
+    if m > 0:  # the block of chunk m - 1, whose U the previous launch wrote
+        keys = (m - 1) * C + rc
+        s = _mm(_rows(K, bh, rows, rk, T, DK), _rows_t(K, bh, keys, rk, T, DK), RD, PRECISION) * scale
+        new = tl.maximum(mx, tl.max(s, 1))
+        p = tl.exp(s - new[:, None])
+        fade = tl.exp(mx - new)
+        total = total * fade + tl.sum(p, 1)
+        acc = acc * fade[:, None] + _mm(p, _rows(UR, bh, keys, rh, T, HID), RD, PRECISION)
+        mx = new
+    if n == m:  # the chunk's read is complete: its write
+        if m > 0:
+            a = (acc / total[:, None]).to(RD).to(tl.float32)
+            tl.store(LSE + stats, mx + tl.log(total), mask=live)
+        else:  # no earlier key: the read is 0
+            a = tl.zeros((C, BHID), tl.float32)
+        _put(A, bh, rows, rh, T, HID, a)
+        v = _rows(V, bh, rows, rv, T, DV)
+        e = tl.load(E + stats, mask=live, other=0.0).to(tl.float32)
+        wb = W1S + (m * BH + bh) * DV * HID
+        w = tl.load(wb + rv[:, None] * HID + rh[None, :], mask=(rv[:, None] < DV) & (rh[None, :] < HID), other=0.0)
+        u, sig, er, w_next = update_tiles(a, v, w, e, clip, CLIP)
+        _put(U, bh, rows, rh, T, HID, u)
+        _put(UR, bh, rows, rh, T, HID, u)
+        _put(SIG, bh, rows, rh, T, HID, sig)
+        _put(ER, bh, rows, rv, T, DV, er)
+        tl.store(wb + BH * DV * HID + rv[:, None] * HID + rh[None, :], w_next,
+                 mask=(rv[:, None] < DV) & (rh[None, :] < HID))
+    else:
+        tl.store(MX + stats, mx, mask=live)
+        tl.store(SUM + stats, total, mask=live)
+        _put(ACC, bh, rows, rh, T, HID, acc)
+
+
+@triton.jit
+def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DK, DU, DSIG, DER, DW1S, DWC, DV_OUT, DE, m, N, T, BH, DK_W,
+                   DV, HID, scale, clip, CLIP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   BHID: tl.constexpr, PRECISION: tl.constexpr):
+    j = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    RD = K.dtype.element_ty
+    rc, rk, rv, rh = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
+    keys = j * C + rc
+    du = _rows(DU, bh, keys, rh, T, HID)
+    if m + 1 < N:  # the block (m + 1, j) of chunk m + 1's read, whose da the previous launch wrote
+        # Both orientations are computed from loads (s^T for the key side, s for the query side): a
+        # transposed product fed to another product is what Triton 3.4-3.7.0 miscompiles on Hopper.
+        rows = (m + 1) * C + rc
+        live = rows < T
+        stats = bh * T + rows
+        lse = tl.load(LSE + stats, mask=live, other=float("inf"))
+        dd = tl.load(DD + stats, mask=live, other=0.0)
+        q = _rows(K, bh, rows, rk, T, DK_W)
+        k = _rows(K, bh, keys, rk, T, DK_W)
+        da = _rows(DA, bh, rows, rh, T, HID)
+        p_t = tl.exp(_mm(k, _rows_t(K, bh, rows, rk, T, DK_W), RD, PRECISION) * scale - lse[None, :])
+        dp_t = _mm(_rows(UR, bh, keys, rh, T, HID), _rows_t(DA, bh, rows, rh, T, HID), RD, PRECISION)
+        du += _mm(p_t, da, RD, PRECISION)
+        _add(DK, bh, keys, rk, T, DK_W, _mm(p_t * (dp_t - dd[None, :]) * scale, q, RD, PRECISION))
+        p = tl.exp(_mm(q, _rows_t(K, bh, keys, rk, T, DK_W), RD, PRECISION) * scale - lse[:, None])
+        dp = _mm(da, _rows_t(UR, bh, keys, rh, T, HID), RD, PRECISION)
+        tl.atomic_add(DK + bh * T * DK_W + rows[:, None] * DK_W + rk[None, :],
+                      _mm(p * (dp - dd[:, None]) * scale, k, RD, PRECISION), mask=live[:, None] & (rk[None, :] < DK_W))
+    if j == m:  # every later read of this chunk's U is in: its write's backward
+        live = keys < T
+        stats = bh * T + keys
+        a = _rows(A, bh, keys, rh, T, HID)
+        v = _rows(V, bh, keys, rv, T, DV)
+        e = tl.load(E + stats, mask=live, other=0.0).to(tl.float32)
+        square = rv[:, None] * HID + rh[None, :]
+        in_square = (rv[:, None] < DV) & (rh[None, :] < HID)
+        w = tl.load(W1S + (m * BH + bh) * DV * HID + square, mask=in_square, other=0.0)
+        dwn = tl.load(DWC + bh * DV * HID + square, mask=in_square, other=0.0)
+        da, dv, dw, de = update_backward_tiles(a, v, w, e, du, _rows(DSIG, bh, keys, rh, T, HID),
+                                               _rows(DER, bh, keys, rv, T, DV), dwn, clip, CLIP)
+        da = da.to(RD).to(tl.float32)
+        _put(DA, bh, keys, rh, T, HID, da)
+        tl.store(DD + stats, tl.sum(da * a, 1), mask=live)
+        _put(DV_OUT, bh, keys, rv, T, DV, dv)
+        tl.store(DE + stats, de, mask=live)
+        dw += tl.load(DW1S + (m * BH + bh) * DV * HID + square, mask=in_square, other=0.0)
+        tl.store(DWC + bh * DV * HID + square, dw, mask=in_square)
+    else:
+        _put(DU, bh, keys, rh, T, HID, du)
+
+
+def _precision(reads: torch.dtype) -> str:
+    """The reads' products: their dtype's for bf16 / fp16; for float32 reads 3xTF32 (float32's accuracy, as
+    the updates use), not Triton's default TF32."""
+    return "tf32x3" if reads == torch.float32 else "ieee"
+
+
+def _blocks(DK: int, DV: int, HID: int) -> dict:
+    p = lambda n: max(16, triton.next_power_of_2(n))  # noqa: E731  (tl.dot needs 16 or more)
+    return dict(BK=p(DK), BV=p(DV), BHID=p(HID))
+
+
+def key_pass_forward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tensor, w1: torch.Tensor, chunk: int,
+                            scale: float, clip: float | None):
+    """The pass's forward on ``keys (BH, T, d_k)`` in the reads' dtype, ``v (BH, T, d_v)``, ``e (BH, T)``,
+    ``w1 (BH, d_v, h)`` (float32, contiguous). Returns ``u, sig (BH, T, h)``, ``er (BH, T, d_v)``,
+    ``w1s (N + 1, BH, d_v, h)`` and, for the backward, ``u_read`` (``u`` in the reads' dtype), the reads
+    ``a`` (reads' dtype) and their log-sum-exps ``(BH, T)``."""
+    BH, T, DK = keys.shape
+    DV, HID = w1.shape[-2:]
+    N = -(-T // chunk)
+    f32 = dict(device=v.device, dtype=torch.float32)
+    u, sig = torch.empty(BH, T, HID, **f32), torch.empty(BH, T, HID, **f32)
+    er = torch.empty(BH, T, DV, **f32)
+    w1s = torch.empty(N + 1, BH, DV, HID, **f32)
+    w1s[0] = w1
+    u_read, a = torch.empty(BH, T, HID, device=v.device, dtype=keys.dtype), torch.empty_like(sig, dtype=keys.dtype)
+    lse = torch.zeros(BH, T, **f32)
+    mx, total = torch.full((BH, T), float("-inf"), **f32), torch.zeros(BH, T, **f32)
+    acc = torch.zeros(BH, T, HID, **f32)
+    for m in range(N):
+        _forward_step[(N - m, BH)](keys, u_read, v, e, w1s, u, sig, er, a, lse, mx, total, acc, m, T, BH, DK, DV, HID,
+                                   scale, 0.0 if clip is None else float(clip), CLIP=clip is not None, C=chunk,
+                                   PRECISION=_precision(keys.dtype), num_warps=_WARPS, **_blocks(DK, DV, HID))
+    return u, sig, er, w1s, u_read, a, lse
+
+
+def key_pass_backward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tensor, w1s: torch.Tensor,
+                             u_read: torch.Tensor, a: torch.Tensor, lse: torch.Tensor, du: torch.Tensor,
+                             dsig: torch.Tensor, der: torch.Tensor, dw1s: torch.Tensor, chunk: int, scale: float,
+                             clip: float | None):
+    """The gradients ``(dk, dv, de, dw1)`` (float32) of the pass for its outputs' ``du, dsig, der, dw1s``."""
+    BH, T, DK = keys.shape
+    DV, HID = w1s.shape[-2:]
+    N = -(-T // chunk)
+    f32 = dict(device=v.device, dtype=torch.float32)
+    dk = torch.zeros(BH, T, DK, **f32)
+    du = du.to(torch.float32).contiguous().clone()
+    dsig, der, dw1s = (x.to(torch.float32).contiguous() for x in (dsig, der, dw1s))
+    da, dd = torch.empty_like(a), torch.zeros(BH, T, **f32)
+    carry = dw1s[N].clone()
+    dv, de = torch.empty(BH, T, DV, **f32), torch.empty(BH, T, **f32)
+    for m in reversed(range(N)):
+        _backward_step[(m + 1, BH)](keys, u_read, v, e, w1s, a, lse, da, dd, dk, du, dsig, der, dw1s, carry, dv, de,
+                                    m, N, T, BH, DK, DV, HID, scale, 0.0 if clip is None else float(clip),
+                                    CLIP=clip is not None, C=chunk, PRECISION=_precision(keys.dtype), num_warps=_WARPS,
+                                    **_blocks(DK, DV, HID))
+    return dk, dv, de, carry
