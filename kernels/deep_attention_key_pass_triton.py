@@ -20,6 +20,11 @@ per earlier chunk, and a block ``(n, j)`` can run as soon as chunk ``j`` is writ
   block computes its scores in both orientations from loads rather than transposing a product, which
   Triton 3.4-3.7.0 miscompiles on Hopper when it feeds another product.
 
+That is the scheme with groups of one. With groups of ``G`` (``_GROUP``) a launch touches only every
+``G``-th chunk (from ``m`` up in the forward, down in the backward), and a touched chunk takes all ``G``
+blocks that became ready since its last touch: the accumulators and key gradients go through memory
+``G`` times less often, for ``G`` blocks on a launch's critical path.
+
 The reads are in the reads' dtype (bf16 under autocast, as the SDPA reads were: ``a`` and ``da`` are
 rounded to it), with float32 sums; the updates are those of :mod:`.deep_attention_triton`.
 Tensors are ``(B * H, T, width)`` contiguous, ``e`` ``(B * H, T)``.
@@ -36,6 +41,10 @@ from .deep_attention_triton import update_backward_tiles, update_tiles
 __all__ = ["key_pass_backward_triton", "key_pass_forward_triton"]
 
 _WARPS = 4
+# Each launch touches every G-th chunk, which takes the G blocks that became ready since it was last touched:
+# G times fewer round trips of the softmax accumulators (forward) and of the key gradients (backward)
+# through memory, for G blocks on each launch's critical path. Not yet swept on a GPU.
+_GROUP = 4
 
 
 @triton.jit
@@ -71,10 +80,10 @@ def _add(X, bh, rows, cols, T, W, x):
 
 
 @triton.jit
-def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, T, BH, DK, DV, HID, scale, clip,
+def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, G, T, BH, DK, DV, HID, scale, clip,
                   CLIP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BHID: tl.constexpr,
                   PRECISION: tl.constexpr):
-    n = m + tl.program_id(0)
+    n = m + G * tl.program_id(0)  # the chunks this launch touches: every G-th from m
     bh = tl.program_id(1).to(tl.int64)
     RD = K.dtype.element_ty
     rc, rk, rv, rh = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
@@ -84,9 +93,10 @@ def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, T, BH, 
     mx = tl.load(MX + stats, mask=live, other=float("-inf"))
     total = tl.load(SUM + stats, mask=live, other=0.0)
     acc = _rows(ACC, bh, rows, rh, T, HID)
-    if m > 0:  # the block of chunk m - 1, whose U the previous launch wrote
-        keys = (m - 1) * C + rc
-        s = _mm(_rows(K, bh, rows, rk, T, DK), _rows_t(K, bh, keys, rk, T, DK), RD, PRECISION) * scale
+    q = _rows(K, bh, rows, rk, T, DK)
+    for j in range(tl.maximum(m - G, 0), m):  # the blocks written since this chunk was last touched
+        keys = j * C + rc
+        s = _mm(q, _rows_t(K, bh, keys, rk, T, DK), RD, PRECISION) * scale
         new = tl.maximum(mx, tl.max(s, 1))
         p = tl.exp(s - new[:, None])
         fade = tl.exp(mx - new)
@@ -118,34 +128,36 @@ def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, T, BH, 
 
 
 @triton.jit
-def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DK, DU, DSIG, DER, DW1S, DWC, DV_OUT, DE, m, N, T, BH, DK_W,
+def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DK, DU, DSIG, DER, DW1S, DWC, DV_OUT, DE, m, G, N, T, BH, DK_W,
                    DV, HID, scale, clip, CLIP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    BHID: tl.constexpr, PRECISION: tl.constexpr):
-    j = tl.program_id(0)
+    j = m - G * tl.program_id(0)  # the chunks this launch touches: every G-th down from m
     bh = tl.program_id(1).to(tl.int64)
     RD = K.dtype.element_ty
     rc, rk, rv, rh = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
     keys = j * C + rc
     du = _rows(DU, bh, keys, rh, T, HID)
-    if m + 1 < N:  # the block (m + 1, j) of chunk m + 1's read, whose da the previous launch wrote
+    k = _rows(K, bh, keys, rk, T, DK_W)
+    dk = tl.zeros((C, BK), tl.float32)
+    for n in range(m + 1, tl.minimum(m + G, N - 1) + 1):  # the blocks (n, j) whose da the last G launches wrote
         # Both orientations are computed from loads (s^T for the key side, s for the query side): a
         # transposed product fed to another product is what Triton 3.4-3.7.0 miscompiles on Hopper.
-        rows = (m + 1) * C + rc
+        rows = n * C + rc
         live = rows < T
         stats = bh * T + rows
         lse = tl.load(LSE + stats, mask=live, other=float("inf"))
         dd = tl.load(DD + stats, mask=live, other=0.0)
         q = _rows(K, bh, rows, rk, T, DK_W)
-        k = _rows(K, bh, keys, rk, T, DK_W)
         da = _rows(DA, bh, rows, rh, T, HID)
         p_t = tl.exp(_mm(k, _rows_t(K, bh, rows, rk, T, DK_W), RD, PRECISION) * scale - lse[None, :])
         dp_t = _mm(_rows(UR, bh, keys, rh, T, HID), _rows_t(DA, bh, rows, rh, T, HID), RD, PRECISION)
         du += _mm(p_t, da, RD, PRECISION)
-        _add(DK, bh, keys, rk, T, DK_W, _mm(p_t * (dp_t - dd[None, :]) * scale, q, RD, PRECISION))
+        dk += _mm(p_t * (dp_t - dd[None, :]) * scale, q, RD, PRECISION)
         p = tl.exp(_mm(q, _rows_t(K, bh, keys, rk, T, DK_W), RD, PRECISION) * scale - lse[:, None])
         dp = _mm(da, _rows_t(UR, bh, keys, rh, T, HID), RD, PRECISION)
         tl.atomic_add(DK + bh * T * DK_W + rows[:, None] * DK_W + rk[None, :],
                       _mm(p * (dp - dd[:, None]) * scale, k, RD, PRECISION), mask=live[:, None] & (rk[None, :] < DK_W))
+    _add(DK, bh, keys, rk, T, DK_W, dk)
     if j == m:  # every later read of this chunk's U is in: its write's backward
         live = keys < T
         stats = bh * T + keys
@@ -198,10 +210,12 @@ def key_pass_forward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tensor
     lse = torch.zeros(BH, T, **f32)
     mx, total = torch.full((BH, T), float("-inf"), **f32), torch.zeros(BH, T, **f32)
     acc = torch.zeros(BH, T, HID, **f32)
+    G = _GROUP
     for m in range(N):
-        _forward_step[(N - m, BH)](keys, u_read, v, e, w1s, u, sig, er, a, lse, mx, total, acc, m, T, BH, DK, DV, HID,
-                                   scale, 0.0 if clip is None else float(clip), CLIP=clip is not None, C=chunk,
-                                   PRECISION=_precision(keys.dtype), num_warps=_WARPS, **_blocks(DK, DV, HID))
+        _forward_step[((N - 1 - m) // G + 1, BH)](
+            keys, u_read, v, e, w1s, u, sig, er, a, lse, mx, total, acc, m, G, T, BH, DK, DV, HID, scale,
+            0.0 if clip is None else float(clip), CLIP=clip is not None, C=chunk, PRECISION=_precision(keys.dtype),
+            num_warps=_WARPS, **_blocks(DK, DV, HID))
     return u, sig, er, w1s, u_read, a, lse
 
 
@@ -220,9 +234,10 @@ def key_pass_backward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tenso
     da, dd = torch.empty_like(a), torch.zeros(BH, T, **f32)
     carry = dw1s[N].clone()
     dv, de = torch.empty(BH, T, DV, **f32), torch.empty(BH, T, **f32)
+    G = _GROUP
     for m in reversed(range(N)):
-        _backward_step[(m + 1, BH)](keys, u_read, v, e, w1s, a, lse, da, dd, dk, du, dsig, der, dw1s, carry, dv, de,
-                                    m, N, T, BH, DK, DV, HID, scale, 0.0 if clip is None else float(clip),
-                                    CLIP=clip is not None, C=chunk, PRECISION=_precision(keys.dtype), num_warps=_WARPS,
-                                    **_blocks(DK, DV, HID))
+        _backward_step[(m // G + 1, BH)](
+            keys, u_read, v, e, w1s, a, lse, da, dd, dk, du, dsig, der, dw1s, carry, dv, de, m, G, N, T, BH, DK, DV,
+            HID, scale, 0.0 if clip is None else float(clip), CLIP=clip is not None, C=chunk,
+            PRECISION=_precision(keys.dtype), num_warps=_WARPS, **_blocks(DK, DV, HID))
     return dk, dv, de, carry

@@ -290,9 +290,13 @@ def test_hebbian_full_rows_with_triton_chunk_updates(opts):
         torch.testing.assert_close(state.tensors()[key], want, rtol=1e-5, atol=1e-5, msg=key)
 
 
-@pytest.mark.parametrize("T_,clip,reads", [(53, None, torch.float32), (53, 0.5, torch.float32), (48, 2.0, torch.float32),
-                                           (16, None, torch.float32), (53, 0.5, torch.bfloat16)])
-def test_triton_key_pass_equals_the_torch_one(T_, clip, reads):
+KEY_PASS_CASES = [(53, None, torch.float32, 1), (53, 0.5, torch.float32, 1), (48, 2.0, torch.float32, 1),
+                  (16, None, torch.float32, 1), (53, 0.5, torch.bfloat16, 1), (150, 0.5, torch.float32, 2),
+                  (150, None, torch.float32, 3), (150, 0.5, torch.bfloat16, 4), (53, 0.5, torch.float32, 8)]
+
+
+@pytest.mark.parametrize("T_,clip,reads,group", KEY_PASS_CASES)
+def test_triton_key_pass_equals_the_torch_one(T_, clip, reads, group, monkeypatch):
     """The wavefront key pass (:mod:`mnemo.kernels.deep_attention_key_pass_triton`; the interpreter on the
     CPU) against the PyTorch pass, float32: ``u, sig, er, W_1`` at every chunk start and the gradients of
     ``k, v, e, W_1``, with a partial last chunk, one chunk only, with and without the clip acting. With bf16
