@@ -10,6 +10,7 @@ picks the sequence lengths (batch ``max(1, TOKENS // T)``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -19,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mnemo import AtlasConfig, DeepTransformerConfig, MCTitansConfig, MoMConfig
+from mnemo.kernels.backend import use_backend
 from mnemo.modeling.atlas_layer import AtlasMemory
 from mnemo.modeling.deep_attention_layer import DeepAttention
 from mnemo.modeling.mc_titans_layer import MCTitansLayer
@@ -78,15 +80,20 @@ class SdpaAttention(nn.Module):
 
 
 class DeepLayer(nn.Module):
-    def __init__(self, depth):
+    """``backend="triton"`` runs the layer under ``use_backend("triton")``: the Hebbian key pass as the
+    wavefront kernels, which automatic selection does not take."""
+
+    def __init__(self, depth, backend=None):
         super().__init__()
+        self.backend = backend
         self.attn = DeepAttention(DeepTransformerConfig(hidden_size=D, num_attention_heads=16, memory_depth=depth), 0)
         if depth == 2:
             nn.init.normal_(self.attn.memory_w1, std=0.02)
 
     def forward(self, x):
         positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
-        return self.attn(x, positions)
+        with use_backend(self.backend) if self.backend else contextlib.nullcontext():
+            return self.attn(x, positions)
 
 
 def titans_layer(segment_size, heads=4, **overrides):
@@ -110,6 +117,7 @@ LAYERS = {
     "sdpa_attention_16x64": lambda: SdpaAttention(D, 16),
     "mnemo_deep_transformer_depth1_16x64": lambda: DeepLayer(1),
     "mnemo_deep_transformer_depth2_16x64_torch": lambda: DeepLayer(2),
+    "mnemo_deep_transformer_depth2_16x64_wavefront": lambda: DeepLayer(2, "triton"),
     "mnemo_mom_4x2_shared_torch": lambda: MoMMemoryLayer(MoMConfig(hidden_size=D, num_heads=4, head_dim=256), 0),
     "mnemo_titans_4x256_mlp4_c64_torch": lambda: titans_layer(None),
     "mnemo_mc_titans_grm_seg256_4x256_mlp4_c64_torch": lambda: titans_layer(256),
