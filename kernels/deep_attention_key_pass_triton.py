@@ -62,6 +62,13 @@ def _rows_t(X, bh, rows, cols, T, W):
 
 
 @triton.jit
+def _chunk(n, C: tl.constexpr, T, bh):
+    """Chunk ``n``'s rows, which of them are in the sequence, and their offsets in ``(BH, T)`` tensors."""
+    rows = n * C + tl.arange(0, C)
+    return rows, rows < T, bh * T + rows
+
+
+@triton.jit
 def _mm(x, y, RD: tl.constexpr, PRECISION: tl.constexpr):
     """``x @ y`` with operands in the reads' dtype, float32 sums."""
     return tl.dot(x.to(RD), y.to(RD), input_precision=PRECISION)
@@ -87,9 +94,7 @@ def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, G, T, B
     bh = tl.program_id(1).to(tl.int64)
     RD = K.dtype.element_ty
     rc, rk, rv, rh = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
-    rows = n * C + rc
-    live = rows < T
-    stats = bh * T + rows
+    rows, live, stats = _chunk(n, C, T, bh)
     mx = tl.load(MX + stats, mask=live, other=float("-inf"))
     total = tl.load(SUM + stats, mask=live, other=0.0)
     acc = _rows(ACC, bh, rows, rh, T, HID)
@@ -134,17 +139,15 @@ def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DK, DU, DSIG, DER, DW1S, DW
     j = m - G * tl.program_id(0)  # the chunks this launch touches: every G-th down from m
     bh = tl.program_id(1).to(tl.int64)
     RD = K.dtype.element_ty
-    rc, rk, rv, rh = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
-    keys = j * C + rc
+    rk, rv, rh = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
+    keys, in_keys, key_stats = _chunk(j, C, T, bh)
     du = _rows(DU, bh, keys, rh, T, HID)
     k = _rows(K, bh, keys, rk, T, DK_W)
     dk = tl.zeros((C, BK), tl.float32)
     for n in range(m + 1, tl.minimum(m + G, N - 1) + 1):  # the blocks (n, j) whose da the last G launches wrote
         # Both orientations are computed from loads (s^T for the key side, s for the query side): a
         # transposed product fed to another product is what Triton 3.4-3.7.0 miscompiles on Hopper.
-        rows = n * C + rc
-        live = rows < T
-        stats = bh * T + rows
+        rows, live, stats = _chunk(n, C, T, bh)
         lse = tl.load(LSE + stats, mask=live, other=float("inf"))
         dd = tl.load(DD + stats, mask=live, other=0.0)
         q = _rows(K, bh, rows, rk, T, DK_W)
@@ -159,11 +162,9 @@ def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DK, DU, DSIG, DER, DW1S, DW
                       _mm(p * (dp - dd[:, None]) * scale, k, RD, PRECISION), mask=live[:, None] & (rk[None, :] < DK_W))
     _add(DK, bh, keys, rk, T, DK_W, dk)
     if j == m:  # every later read of this chunk's U is in: its write's backward
-        live = keys < T
-        stats = bh * T + keys
         a = _rows(A, bh, keys, rh, T, HID)
         v = _rows(V, bh, keys, rv, T, DV)
-        e = tl.load(E + stats, mask=live, other=0.0).to(tl.float32)
+        e = tl.load(E + key_stats, mask=in_keys, other=0.0).to(tl.float32)
         square = rv[:, None] * HID + rh[None, :]
         in_square = (rv[:, None] < DV) & (rh[None, :] < HID)
         w = tl.load(W1S + (m * BH + bh) * DV * HID + square, mask=in_square, other=0.0)
@@ -172,9 +173,9 @@ def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DK, DU, DSIG, DER, DW1S, DW
                                                _rows(DER, bh, keys, rv, T, DV), dwn, clip, CLIP)
         da = da.to(RD).to(tl.float32)
         _put(DA, bh, keys, rh, T, HID, da)
-        tl.store(DD + stats, tl.sum(da * a, 1), mask=live)
+        tl.store(DD + key_stats, tl.sum(da * a, 1), mask=in_keys)
         _put(DV_OUT, bh, keys, rv, T, DV, dv)
-        tl.store(DE + stats, de, mask=live)
+        tl.store(DE + key_stats, de, mask=in_keys)
         dw += tl.load(DW1S + (m * BH + bh) * DV * HID + square, mask=in_square, other=0.0)
         tl.store(DWC + bh * DV * HID + square, dw, mask=in_square)
     else:

@@ -268,6 +268,19 @@ def test_triton_chunk_update_equals_the_torch_one(clip, rows):
         torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4, msg=label)
 
 
+def _assert_matches_the_chunk_loop(inputs, out, state, opts):
+    """``out`` and ``state`` of the whole-row path on float32 ``inputs``, and the gradients of ``out``, against
+    the general chunk loop: outputs and states to 1e-5, gradients to 1e-4."""
+    grads = torch.autograd.grad(out.sin().sum(), inputs)
+    ref_out, ref_state = _general_path(*inputs, **opts)
+    ref_grads = torch.autograd.grad(ref_out.sin().sum(), inputs)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    for label, a, b in zip("q k v eta gamma w1".split(), grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=label)
+    for key, want in ref_state.tensors().items():
+        torch.testing.assert_close(state.tensors()[key], want, rtol=1e-5, atol=1e-5, msg=key)
+
+
 @pytest.mark.parametrize("opts", HEBBIAN_FULL_ROWS[1:3], ids=name)
 def test_hebbian_full_rows_with_triton_chunk_updates(opts):
     """The whole-row path with its chunk updates in Triton (the interpreter on the CPU), float32:
@@ -280,14 +293,7 @@ def test_hebbian_full_rows_with_triton_chunk_updates(opts):
     inputs = [x.float().to(device).requires_grad_() for x in make_inputs(9)]
     with use_backend("triton"):
         out, state = chunk_deep_attention(*inputs, **full)
-    grads = torch.autograd.grad(out.sin().sum(), inputs)
-    ref_out, ref_state = _general_path(*inputs, **opts)
-    ref_grads = torch.autograd.grad(ref_out.sin().sum(), inputs)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
-    for label, a, b in zip("q k v eta gamma w1".split(), grads, ref_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=label)
-    for key, want in ref_state.tensors().items():
-        torch.testing.assert_close(state.tensors()[key], want, rtol=1e-5, atol=1e-5, msg=key)
+    _assert_matches_the_chunk_loop(inputs, out, state, opts)
 
 
 KEY_PASS_CASES = [(53, None, torch.float32, 1), (53, 0.5, torch.float32, 1), (48, 2.0, torch.float32, 1),
@@ -351,11 +357,4 @@ def test_hebbian_full_rows_with_the_triton_key_pass(grad_clip, monkeypatch):
     with use_backend("triton"):
         out, state = chunk_deep_attention(*inputs, memory_depth=2, learning_rule="hebbian", **opts)
     assert calls == [1]
-    grads = torch.autograd.grad(out.sin().sum(), inputs)
-    ref_out, ref_state = _general_path(*inputs, **opts)
-    ref_grads = torch.autograd.grad(ref_out.sin().sum(), inputs)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
-    for label, a, b in zip("q k v eta gamma w1".split(), grads, ref_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=label)
-    for key, want in ref_state.tensors().items():
-        torch.testing.assert_close(state.tensors()[key], want, rtol=1e-5, atol=1e-5, msg=key)
+    _assert_matches_the_chunk_loop(inputs, out, state, opts)
