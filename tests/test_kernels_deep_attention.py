@@ -358,3 +358,20 @@ def test_hebbian_full_rows_with_the_triton_key_pass(grad_clip, monkeypatch):
         out, state = chunk_deep_attention(*inputs, memory_depth=2, learning_rule="hebbian", **opts)
     assert calls == [1]
     _assert_matches_the_chunk_loop(inputs, out, state, opts)
+
+
+def test_triton_key_pass_is_taken_only_when_asked_and_supported():
+    """Automatic selection keeps the SDPA key pass; ``use_backend("triton")`` takes the wavefront kernels for
+    float32 recursions, chunks a power of two from 16 to 128 and widths up to 128."""
+    from mnemo.kernels.backend import use_backend
+    from mnemo.kernels.deep_attention_hebbian import triton_key_pass_wanted
+
+    k, w1 = torch.zeros(1, 1, 4, 64), torch.zeros(1, 1, 64, 64)
+    assert not triton_key_pass_wanted(k, 64, torch.bfloat16, w1)
+    with use_backend("triton"):
+        assert triton_key_pass_wanted(k, 64, torch.bfloat16, w1)
+        assert triton_key_pass_wanted(k, 16, torch.float32, w1)
+        assert not triton_key_pass_wanted(k, 48, torch.bfloat16, w1)
+        assert not triton_key_pass_wanted(k, 256, torch.bfloat16, w1)
+        assert not triton_key_pass_wanted(k.double(), 64, torch.float64, w1.double())
+        assert not triton_key_pass_wanted(k, 64, torch.bfloat16, torch.zeros(1, 1, 64, 256))
