@@ -41,6 +41,10 @@ from .deep_attention_triton import update_backward_tiles, update_tiles
 __all__ = ["key_pass_backward_triton", "key_pass_forward_triton"]
 
 _WARPS = 4
+# No software pipelining: the loops run at most G blocks, and with Triton's default three stages the
+# backward's double-buffered tiles took 330 KB of shared memory for float32 reads at C = 64, width 64
+# (an H100 has 227 KB; compiled for sm_90 with Triton 3.6), 98 KB with one stage.
+_STAGES = 1
 # Each launch touches every G-th chunk, which takes the G blocks that became ready since it was last touched:
 # G times fewer round trips of the softmax accumulators (forward) and of the key gradients (backward)
 # through memory, for G blocks on each launch's critical path. Not yet swept on a GPU.
@@ -216,7 +220,7 @@ def key_pass_forward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tensor
         _forward_step[((N - 1 - m) // G + 1, BH)](
             keys, u_read, v, e, w1s, u, sig, er, a, lse, mx, total, acc, m, G, T, BH, DK, DV, HID, scale,
             0.0 if clip is None else float(clip), CLIP=clip is not None, C=chunk, PRECISION=_precision(keys.dtype),
-            num_warps=_WARPS, **_blocks(DK, DV, HID))
+            num_warps=_WARPS, num_stages=_STAGES, **_blocks(DK, DV, HID))
     return u, sig, er, w1s, u_read, a, lse
 
 
@@ -240,5 +244,5 @@ def key_pass_backward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tenso
         _backward_step[(m // G + 1, BH)](
             keys, u_read, v, e, w1s, a, lse, da, dd, dk, du, dsig, der, dw1s, carry, dv, de, m, G, N, T, BH, DK, DV,
             HID, scale, 0.0 if clip is None else float(clip), CLIP=clip is not None, C=chunk,
-            PRECISION=_precision(keys.dtype), num_warps=_WARPS, **_blocks(DK, DV, HID))
+            PRECISION=_precision(keys.dtype), num_warps=_WARPS, num_stages=_STAGES, **_blocks(DK, DV, HID))
     return dk, dv, de, carry

@@ -75,8 +75,9 @@ def update_tiles(a, v, w, e, clip, CLIP: tl.constexpr):
     """The chunk's write ``(u, sig, er, w1_next)`` from its tiles (see :func:`_update_parts`)."""
     g, d, s, gd, pdf, n, scale = _update_parts(a, v, w, e, clip, CLIP)
     rate = (e * scale)[:, None]
-    er = rate * v
-    return rate * gd, s, er, w + tl.dot(tl.trans(er), s, input_precision=_PRODUCTS)
+    # er^T s as v^T (rate s): the transposed operand is a load, never a computed tile (Triton 3.4-3.7.0
+    # miscompiles a transposed computed tile fed to a product on Hopper).
+    return rate * gd, s, rate * v, w + tl.dot(tl.trans(v), rate * s, input_precision=_PRODUCTS)
 
 
 @triton.jit

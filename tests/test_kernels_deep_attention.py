@@ -306,9 +306,14 @@ def test_triton_key_pass_equals_the_torch_one(T_, clip, reads, group, monkeypatc
     """The wavefront key pass (:mod:`mnemo.kernels.deep_attention_key_pass_triton`; the interpreter on the
     CPU) against the PyTorch pass, float32: ``u, sig, er, W_1`` at every chunk start and the gradients of
     ``k, v, e, W_1``, with a partial last chunk, one chunk only, with and without the clip acting. With bf16
-    reads both round the reads and their gradients to bf16 at different points: relative 2e-2."""
+    reads both round the reads and their gradients to bf16 at different points: relative 2e-2. ``group``:
+    chunks touched per launch (T = 150 is ten chunks: groups of 2, 3 and 4 leave partial groups at both ends;
+    8 is more than the four chunks of T = 53)."""
     pytest.importorskip("triton")
+    from mnemo.kernels import deep_attention_key_pass_triton
     from mnemo.kernels.deep_attention_hebbian import _KeyPass, _KeyPassTriton
+
+    monkeypatch.setattr(deep_attention_key_pass_triton, "_GROUP", group)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(T_)
@@ -362,7 +367,8 @@ def test_hebbian_full_rows_with_the_triton_key_pass(grad_clip, monkeypatch):
 
 def test_triton_key_pass_is_taken_only_when_asked_and_supported():
     """Automatic selection keeps the SDPA key pass; ``use_backend("triton")`` takes the wavefront kernels for
-    float32 recursions, chunks a power of two from 16 to 128 and widths up to 128."""
+    float32 recursions, chunks a power of two from 16 to 128 and widths up to 128 whose tiles fit an SM's
+    shared memory (chunk x width <= 8,192)."""
     from mnemo.kernels.backend import use_backend
     from mnemo.kernels.deep_attention_hebbian import triton_key_pass_wanted
 
@@ -375,3 +381,6 @@ def test_triton_key_pass_is_taken_only_when_asked_and_supported():
         assert not triton_key_pass_wanted(k, 256, torch.bfloat16, w1)
         assert not triton_key_pass_wanted(k.double(), 64, torch.float64, w1.double())
         assert not triton_key_pass_wanted(k, 64, torch.bfloat16, torch.zeros(1, 1, 64, 256))
+        assert triton_key_pass_wanted(k, 128, torch.bfloat16, w1)
+        assert triton_key_pass_wanted(k, 64, torch.float32, torch.zeros(1, 1, 64, 128))
+        assert not triton_key_pass_wanted(k, 128, torch.float32, torch.zeros(1, 1, 64, 128))
