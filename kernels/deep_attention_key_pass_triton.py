@@ -137,7 +137,7 @@ def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, G, T, B
 
 
 @triton.jit
-def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DK, DU, DSIG, DER, DW1S, DWC, DV_OUT, DE, m, G, N, T, BH, DK_W,
+def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DKEYS, DU, DSIG, DER, DW1S, DWC, DV_OUT, DE, m, G, N, T, BH, DK,
                    DV, HID, scale, clip, CLIP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    BHID: tl.constexpr, PRECISION: tl.constexpr):
     j = m - G * tl.program_id(0)  # the chunks this launch touches: every G-th down from m
@@ -146,7 +146,7 @@ def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DK, DU, DSIG, DER, DW1S, DW
     rk, rv, rh = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
     keys, in_keys, key_stats = _chunk(j, C, T, bh)
     du = _rows(DU, bh, keys, rh, T, HID)
-    k = _rows(K, bh, keys, rk, T, DK_W)
+    k = _rows(K, bh, keys, rk, T, DK)
     dk = tl.zeros((C, BK), tl.float32)
     for n in range(m + 1, tl.minimum(m + G, N - 1) + 1):  # the blocks (n, j) whose da the last G launches wrote
         # Both orientations are computed from loads (s^T for the key side, s for the query side): a
@@ -154,17 +154,17 @@ def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DK, DU, DSIG, DER, DW1S, DW
         rows, live, stats = _chunk(n, C, T, bh)
         lse = tl.load(LSE + stats, mask=live, other=float("inf"))
         dd = tl.load(DD + stats, mask=live, other=0.0)
-        q = _rows(K, bh, rows, rk, T, DK_W)
+        q = _rows(K, bh, rows, rk, T, DK)
         da = _rows(DA, bh, rows, rh, T, HID)
-        p_t = tl.exp(_mm(k, _rows_t(K, bh, rows, rk, T, DK_W), RD, PRECISION) * scale - lse[None, :])
+        p_t = tl.exp(_mm(k, _rows_t(K, bh, rows, rk, T, DK), RD, PRECISION) * scale - lse[None, :])
         dp_t = _mm(_rows(UR, bh, keys, rh, T, HID), _rows_t(DA, bh, rows, rh, T, HID), RD, PRECISION)
         du += _mm(p_t, da, RD, PRECISION)
         dk += _mm(p_t * (dp_t - dd[None, :]) * scale, q, RD, PRECISION)
-        p = tl.exp(_mm(q, _rows_t(K, bh, keys, rk, T, DK_W), RD, PRECISION) * scale - lse[:, None])
+        p = tl.exp(_mm(q, _rows_t(K, bh, keys, rk, T, DK), RD, PRECISION) * scale - lse[:, None])
         dp = _mm(da, _rows_t(UR, bh, keys, rh, T, HID), RD, PRECISION)
-        tl.atomic_add(DK + bh * T * DK_W + rows[:, None] * DK_W + rk[None, :],
-                      _mm(p * (dp - dd[:, None]) * scale, k, RD, PRECISION), mask=live[:, None] & (rk[None, :] < DK_W))
-    _add(DK, bh, keys, rk, T, DK_W, dk)
+        tl.atomic_add(DKEYS + bh * T * DK + rows[:, None] * DK + rk[None, :],
+                      _mm(p * (dp - dd[:, None]) * scale, k, RD, PRECISION), mask=live[:, None] & (rk[None, :] < DK))
+    _add(DKEYS, bh, keys, rk, T, DK, dk)
     if j == m:  # every later read of this chunk's U is in: its write's backward
         a = _rows(A, bh, keys, rh, T, HID)
         v = _rows(V, bh, keys, rv, T, DV)
