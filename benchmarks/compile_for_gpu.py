@@ -69,7 +69,7 @@ def main():
             for width in map(int, args.widths.split(",")):
                 for warps in map(int, args.warps.split(",")):
                     constants = dict(CLIP=True, C=chunk, BK=width, BV=width, BHID=width,
-                                     PRECISION="tf32x3" if reads == "fp32" else "ieee")
+                                     PRECISION="tf32x3" if reads == "fp32" else "ieee", WRITE_READ=reads != "fp32")
                     row = dict(triton=triton.__version__, arch=args.arch, reads=reads, chunk=chunk, width=width,
                                warps=warps)
                     for label, fn in (("forward", key_pass._forward_step), ("backward", key_pass._backward_step)):

@@ -93,7 +93,8 @@ def _add(X, bh, rows, cols, T, W, x):
 @triton.jit
 def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, G, T, BH, DK, DV, HID, scale, clip,
                   CLIP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BHID: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, WRITE_READ: tl.constexpr):
+    """``WRITE_READ``: ``UR`` is a copy of ``U`` in the reads' dtype (otherwise it is ``U`` itself)."""
     n = m + G * tl.program_id(0)  # the chunks this launch touches: every G-th from m
     bh = tl.program_id(1).to(tl.int64)
     RD = K.dtype.element_ty
@@ -125,7 +126,8 @@ def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, G, T, B
         w = tl.load(wb + rv[:, None] * HID + rh[None, :], mask=(rv[:, None] < DV) & (rh[None, :] < HID), other=0.0)
         u, sig, er, w_next = update_tiles(a, v, w, e, clip, CLIP)
         _put(U, bh, rows, rh, T, HID, u)
-        _put(UR, bh, rows, rh, T, HID, u)
+        if WRITE_READ:
+            _put(UR, bh, rows, rh, T, HID, u)
         _put(SIG, bh, rows, rh, T, HID, sig)
         _put(ER, bh, rows, rv, T, DV, er)
         tl.store(wb + BH * DV * HID + rv[:, None] * HID + rh[None, :], w_next,
@@ -211,7 +213,8 @@ def key_pass_forward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tensor
     er = torch.empty(BH, T, DV, **f32)
     w1s = torch.empty(N + 1, BH, DV, HID, **f32)
     w1s[0] = w1
-    u_read, a = torch.empty(BH, T, HID, device=v.device, dtype=keys.dtype), torch.empty_like(sig, dtype=keys.dtype)
+    u_read = u if keys.dtype == u.dtype else torch.empty_like(u, dtype=keys.dtype)
+    a = torch.empty_like(sig, dtype=keys.dtype)
     lse = torch.zeros(BH, T, **f32)
     mx, total = torch.full((BH, T), float("-inf"), **f32), torch.zeros(BH, T, **f32)
     acc = torch.zeros(BH, T, HID, **f32)
@@ -220,7 +223,7 @@ def key_pass_forward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tensor
         _forward_step[((N - 1 - m) // G + 1, BH)](
             keys, u_read, v, e, w1s, u, sig, er, a, lse, mx, total, acc, m, G, T, BH, DK, DV, HID, scale,
             0.0 if clip is None else float(clip), CLIP=clip is not None, C=chunk, PRECISION=_precision(keys.dtype),
-            num_warps=_WARPS, num_stages=_STAGES, **_blocks(DK, DV, HID))
+            WRITE_READ=u_read is not u, num_warps=_WARPS, num_stages=_STAGES, **_blocks(DK, DV, HID))
     return u, sig, er, w1s, u_read, a, lse
 
 
@@ -234,7 +237,7 @@ def key_pass_backward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tenso
     N = -(-T // chunk)
     f32 = dict(device=v.device, dtype=torch.float32)
     dk = torch.zeros(BH, T, DK, **f32)
-    du = du.to(torch.float32).contiguous().clone()
+    du = du.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # accumulated in place
     dsig, der, dw1s = (x.to(torch.float32).contiguous() for x in (dsig, der, dw1s))
     da, dd = torch.empty_like(a), torch.zeros(BH, T, **f32)
     carry = dw1s[N].clone()

@@ -141,15 +141,20 @@ def _first(G, eye, a, b, c, DT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _gram_poly(M, Mt, G, b, c, DT: tl.constexpr, PRECISION: tl.constexpr):
+    """``A = M G M^T`` and ``P = b A + c A^2`` for an iterate ``M`` and its transpose ``Mt`` (as loaded from
+    memory). ``A`` is the Gram matrix of the iterate ``M X_0`` as computed, so the iteration corrects its
+    own rounding; with ``M`` in place of ``M^T`` (equal in exact arithmetic) float32 gradients of
+    near-singular momenta came out ten times further from float64 than the PyTorch path's."""
+    A = _rnd(_mm(M, _rnd(_mm(G, Mt, DT, PRECISION), DT, PRECISION), DT, PRECISION), DT, PRECISION)
+    return A, _rnd(b * A + c * _mm(A, A, DT, PRECISION), DT, PRECISION)
+
+
+@triton.jit
 def _step(M, G, BUF, rr, r, a, b, c, DT: tl.constexpr, PRECISION: tl.constexpr):
-    """``A = M G M^T``, ``P = b A + c A^2`` and the next iterate ``a M + P M``. ``A`` is the Gram matrix
-    of the iterate ``M X_0`` as computed, so the iteration corrects its own rounding; with ``M`` in
-    place of ``M^T`` (equal in exact arithmetic) float32 gradients of near-singular momenta came out
-    ten times further from float64 than the PyTorch path's."""
-    A = _rnd(_mm(M, _rnd(_mm(G, _transpose(M, BUF, rr, r), DT, PRECISION), DT, PRECISION), DT, PRECISION),
-             DT, PRECISION)
-    P = _rnd(b * A + c * _mm(A, A, DT, PRECISION), DT, PRECISION)
-    return A, P, _rnd(a * M + _mm(P, M, DT, PRECISION), DT, PRECISION)
+    """The next iterate ``a M + P M`` (:func:`_gram_poly`), ``M^T`` through ``BUF``."""
+    _, P = _gram_poly(M, _transpose(M, BUF, rr, r), G, b, c, DT, PRECISION)
+    return _rnd(a * M + _mm(P, M, DT, PRECISION), DT, PRECISION)
 
 
 @triton.jit
@@ -160,9 +165,9 @@ def _iterate(G, eye, steps, BUF, rr, r, a, b, c, DT: tl.constexpr, PRECISION: tl
     M = _first(G, eye, a, b, c, DT, PRECISION)
     for k in range(steps - 1):
         if KEEP:
-            _, _, M = _step(M, G, BUF + k * r * r, rr, r, a, b, c, DT, PRECISION)
+            M = _step(M, G, BUF + k * r * r, rr, r, a, b, c, DT, PRECISION)
         else:
-            _, _, M = _step(M, G, BUF, rr, r, a, b, c, DT, PRECISION)
+            M = _step(M, G, BUF, rr, r, a, b, c, DT, PRECISION)
     if KEEP:
         _store_square(BUF + (steps - 1) * r * r, M, rr, r)
     return M
@@ -250,8 +255,7 @@ def _backward_kernel(S, NORM, KEPT, DN, DS, s_n, s_r, s_l, d_n, d_r, d_l, r, L, 
         slot = kept + (STEPS - 2 - back) * r * r
         M = _square(slot, rr, r)
         Mt = _square_t(slot, rr, r)
-        A = _rnd(_mm(M, _rnd(_mm(G, Mt, DT, PRECISION), DT, PRECISION), DT, PRECISION), DT, PRECISION)
-        P = _rnd(b * A + c * _mm(A, A, DT, PRECISION), DT, PRECISION)
+        A, P = _gram_poly(M, Mt, G, b, c, DT, PRECISION)
         dP = _rnd(_mm(dM, Mt, DT, PRECISION), DT, PRECISION)
         dA = _rnd(b * dP + c * (_mm(dP, A, DT, PRECISION) + _mm(A, dP, DT, PRECISION)), DT, PRECISION)
         dA_sym = _rnd(dA + _transpose(dA, Z, rr, r), DT, PRECISION)
