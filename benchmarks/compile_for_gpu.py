@@ -18,6 +18,7 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real, whatever the shell says
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -72,12 +73,15 @@ def main():
                                      PRECISION="tf32x3" if reads == "fp32" else "ieee", WRITE_READ=reads != "fp32")
                     row = dict(triton=triton.__version__, arch=args.arch, reads=reads, chunk=chunk, width=width,
                                warps=warps)
-                    for label, fn in (("forward", key_pass._forward_step), ("backward", key_pass._backward_step)):
+                    for label, fn, stages in (("forward", key_pass._forward_step, key_pass._STAGES),
+                                              ("backward", key_pass._backward_step, key_pass._STAGES),
+                                              ("query", key_pass._query_gradients,
+                                               key_pass._query_stages(torch.float32 if reads == "fp32" else torch.bfloat16))):
                         types, consts = signature(fn, reads, constants)
                         hints = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                                  if types[name].startswith("*")}
                         kernel = triton_compile(ASTSource(fn, types, consts, hints), target=target,
-                                                options=dict(num_warps=warps, num_stages=key_pass._STAGES))
+                                                options=dict(num_warps=warps, num_stages=stages))
                         row[label] = dict(shared_bytes=kernel.metadata.shared,
                                           ptxas=ptxas_report(kernel.asm["ptx"], args.arch))
                     print(json.dumps(row), flush=True)

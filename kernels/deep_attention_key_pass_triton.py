@@ -11,19 +11,20 @@ per earlier chunk, and a block ``(n, j)`` can run as soon as chunk ``j`` is writ
   chunk ``n``'s online-softmax accumulators (running max, sum, weighted sum of ``U``); the program of
   chunk ``m`` then finishes its read ``a_m`` and runs the chunk's update (:func:`.update_tiles`). A launch's
   critical path is one block and one update, and the ``N - m`` programs run side by side;
-- backward launch ``m`` (``m = N-1 .. 0``): a program per chunk ``j <= m`` takes the block ``(m + 1, j)``
-  of the softmax backward (``dU_j``, ``dk_j`` as a key, chunk ``m + 1``'s ``dk`` as a query), and the
-  program of chunk ``m``, whose ``dU`` is then complete, runs the update's backward
-  (:func:`.update_backward_tiles`) for ``da_m``, which the next launch reads. Gradients of a chunk's rows
-  as keys are added by the one program that owns them; those of its rows as queries come from every
-  program of a launch, by atomic adds (their order, and so the last bits, vary from run to run). Each
-  block computes its scores in both orientations from loads rather than transposing a product, which
-  Triton 3.4-3.7.0 miscompiles on Hopper when it feeds another product.
+- backward launch ``m`` (``m = N-1 .. 0``): a program per chunk ``j <= m`` takes the key side of the block
+  ``(m + 1, j)`` of the softmax backward (``dU_j`` and ``dk_j`` as a key), and the program of chunk ``m``,
+  whose ``dU`` is then complete, runs the update's backward (:func:`.update_backward_tiles`) for ``da_m``,
+  which the next launch reads. The query side of the blocks (``dk_n`` as a query) depends on nothing
+  that the wavefront still computes, so one launch after it takes every block at once, a program per
+  query chunk: each gradient has one writer, no atomics, and runs repeat bit for bit. Each block
+  computes its scores in both orientations from loads rather than transposing a product, which Triton
+  3.4-3.7.0 miscompiles on Hopper when it feeds another product.
 
-That is the scheme with groups of one. With groups of ``G`` (``_GROUP``) a launch touches only every
-``G``-th chunk (from ``m`` up in the forward, down in the backward), and a touched chunk takes all ``G``
-blocks that became ready since its last touch: the accumulators and key gradients go through memory
-``G`` times less often, for ``G`` blocks on a launch's critical path.
+That is the scheme with groups of one. With groups of ``G`` (``_GROUP``) a launch touches, besides
+its own chunk ``m``, only every ``G``-th chunk (from ``m + 1`` up in the forward, from ``m - 1`` down in
+the backward), and a touched chunk takes all ``G`` blocks that became ready since its last touch: the
+accumulators and key gradients go through memory ``G`` times less often. Every chunk is also touched by
+the launch just before its own, so on its own launch, the critical path, it takes one block only.
 
 The reads are in the reads' dtype (bf16 under autocast, as the SDPA reads were: ``a`` and ``da`` are
 rounded to it), with float32 sums; the updates are those of :mod:`.deep_attention_triton`.
@@ -47,8 +48,17 @@ _WARPS = 4
 _STAGES = 1
 # Each launch touches every G-th chunk, which takes the G blocks that became ready since it was last touched:
 # G times fewer round trips of the softmax accumulators (forward) and of the key gradients (backward)
-# through memory, for G blocks on each launch's critical path. Not yet swept on a GPU.
+# through memory, for G blocks on each launch's critical path. Swept on an H100 (bf16 reads, C = 64, width 64,
+# 16 heads, 16K tokens): G = 4 with 4 warps was the fastest or within 2% of it at T = 2048 and 8192 (G = 1:
+# 18-19% slower; 8 warps: 16-21% slower).
 _GROUP = 4
+
+
+def _query_stages(reads: torch.dtype) -> int:
+    """The query-gradient launch loops over up to N - 1 blocks per program, where pipelining pays: two
+    stages for 16-bit reads (24 KB of shared memory at C = 64, width 64), one for float32 reads, whose
+    3xTF32 products would take 295 KB at C = 128, width 64 with two."""
+    return 2 if reads.itemsize == 2 else 1
 
 
 @triton.jit
@@ -95,7 +105,11 @@ def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, G, T, B
                   CLIP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BHID: tl.constexpr,
                   PRECISION: tl.constexpr, WRITE_READ: tl.constexpr):
     """``WRITE_READ``: ``UR`` is a copy of ``U`` in the reads' dtype (otherwise it is ``U`` itself)."""
-    n = m + G * tl.program_id(0)  # the chunks this launch touches: every G-th from m
+    pid = tl.program_id(0)
+    # Program 0 takes chunk m, whose read lacks only block m - 1 (it was touched by the last launch); the
+    # others take every G-th chunk from m + 1, with the G blocks written since their last touch.
+    n = tl.where(pid == 0, m, m + 1 + G * (pid - 1))
+    span = tl.where(pid == 0, 1, G)
     bh = tl.program_id(1).to(tl.int64)
     RD = K.dtype.element_ty
     rc, rk, rv, rh = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
@@ -104,7 +118,7 @@ def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, G, T, B
     total = tl.load(SUM + stats, mask=live, other=0.0)
     acc = _rows(ACC, bh, rows, rh, T, HID)
     q = _rows(K, bh, rows, rk, T, DK)
-    for j in range(tl.maximum(m - G, 0), m):  # the blocks written since this chunk was last touched
+    for j in range(tl.maximum(m - span, 0), m):
         keys = j * C + rc
         s = _mm(q, _rows_t(K, bh, keys, rk, T, DK), RD, PRECISION) * scale
         new = tl.maximum(mx, tl.max(s, 1))
@@ -142,30 +156,31 @@ def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, G, T, B
 def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DKEYS, DU, DSIG, DER, DW1S, DWC, DV_OUT, DE, m, G, N, T, BH, DK,
                    DV, HID, scale, clip, CLIP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    BHID: tl.constexpr, PRECISION: tl.constexpr):
-    j = m - G * tl.program_id(0)  # the chunks this launch touches: every G-th down from m
+    """The key side of the blocks ``(n, j)`` for ``n`` in ``m + 1 .. m + G``, then chunk ``m``'s update backward."""
+    pid = tl.program_id(0)
+    # Program 0 takes chunk m, whose dU lacks only block (m + 1, m) (it was touched by the last launch);
+    # the others take every G-th chunk down from m - 1, with the G blocks whose da was written since their
+    # last touch.
+    j = tl.where(pid == 0, m, m - 1 - G * (pid - 1))
+    span = tl.where(pid == 0, 1, G)
     bh = tl.program_id(1).to(tl.int64)
     RD = K.dtype.element_ty
     rk, rv, rh = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
     keys, in_keys, key_stats = _chunk(j, C, T, bh)
     du = _rows(DU, bh, keys, rh, T, HID)
     k = _rows(K, bh, keys, rk, T, DK)
+    u = _rows(UR, bh, keys, rh, T, HID)
     dk = tl.zeros((C, BK), tl.float32)
-    for n in range(m + 1, tl.minimum(m + G, N - 1) + 1):  # the blocks (n, j) whose da the last G launches wrote
-        # Both orientations are computed from loads (s^T for the key side, s for the query side): a
-        # transposed product fed to another product is what Triton 3.4-3.7.0 miscompiles on Hopper.
+    for n in range(m + 1, tl.minimum(m + span, N - 1) + 1):
+        # The scores come transposed from transposed loads, not by transposing a product: a transposed
+        # product fed to another product is what Triton 3.4-3.7.0 miscompiles on Hopper.
         rows, live, stats = _chunk(n, C, T, bh)
         lse = tl.load(LSE + stats, mask=live, other=float("inf"))
         dd = tl.load(DD + stats, mask=live, other=0.0)
-        q = _rows(K, bh, rows, rk, T, DK)
-        da = _rows(DA, bh, rows, rh, T, HID)
         p_t = tl.exp(_mm(k, _rows_t(K, bh, rows, rk, T, DK), RD, PRECISION) * scale - lse[None, :])
-        dp_t = _mm(_rows(UR, bh, keys, rh, T, HID), _rows_t(DA, bh, rows, rh, T, HID), RD, PRECISION)
-        du += _mm(p_t, da, RD, PRECISION)
-        dk += _mm(p_t * (dp_t - dd[None, :]) * scale, q, RD, PRECISION)
-        p = tl.exp(_mm(q, _rows_t(K, bh, keys, rk, T, DK), RD, PRECISION) * scale - lse[:, None])
-        dp = _mm(da, _rows_t(UR, bh, keys, rh, T, HID), RD, PRECISION)
-        tl.atomic_add(DKEYS + bh * T * DK + rows[:, None] * DK + rk[None, :],
-                      _mm(p * (dp - dd[:, None]) * scale, k, RD, PRECISION), mask=live[:, None] & (rk[None, :] < DK))
+        dp_t = _mm(u, _rows_t(DA, bh, rows, rh, T, HID), RD, PRECISION)
+        du += _mm(p_t, _rows(DA, bh, rows, rh, T, HID), RD, PRECISION)
+        dk += _mm(p_t * (dp_t - dd[None, :]) * scale, _rows(K, bh, rows, rk, T, DK), RD, PRECISION)
     _add(DKEYS, bh, keys, rk, T, DK, dk)
     if j == m:  # every later read of this chunk's U is in: its write's backward
         a = _rows(A, bh, keys, rh, T, HID)
@@ -186,6 +201,29 @@ def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DKEYS, DU, DSIG, DER, DW1S,
         tl.store(DWC + bh * DV * HID + square, dw, mask=in_square)
     else:
         _put(DU, bh, keys, rh, T, HID, du)
+
+
+@triton.jit
+def _query_gradients(K, UR, LSE, DA, DD, DKEYS, N, T, DK, HID, scale, C: tl.constexpr, BK: tl.constexpr,
+                     BHID: tl.constexpr, PRECISION: tl.constexpr):
+    """Chunk ``n``'s gradient as the reads' queries, added to ``DKEYS``: every ``da`` is known by now, so
+    the blocks ``(n, j < n)`` run side by side, the longest rows first, each row by one program."""
+    n = N - 1 - tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    RD = K.dtype.element_ty
+    rk, rh = tl.arange(0, BK), tl.arange(0, BHID)
+    rows, live, stats = _chunk(n, C, T, bh)
+    lse = tl.load(LSE + stats, mask=live, other=float("inf"))
+    dd = tl.load(DD + stats, mask=live, other=0.0)
+    q = _rows(K, bh, rows, rk, T, DK)
+    da = _rows(DA, bh, rows, rh, T, HID)
+    dq = tl.zeros((C, BK), tl.float32)
+    for j in range(0, n):
+        keys = j * C + tl.arange(0, C)
+        p = tl.exp(_mm(q, _rows_t(K, bh, keys, rk, T, DK), RD, PRECISION) * scale - lse[:, None])
+        dp = _mm(da, _rows_t(UR, bh, keys, rh, T, HID), RD, PRECISION)
+        dq += _mm(p * (dp - dd[:, None]) * scale, _rows(K, bh, keys, rk, T, DK), RD, PRECISION)
+    _add(DKEYS, bh, rows, rk, T, DK, dq)
 
 
 def _precision(reads: torch.dtype) -> str:
@@ -220,7 +258,7 @@ def key_pass_forward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tensor
     acc = torch.zeros(BH, T, HID, **f32)
     G = _GROUP
     for m in range(N):
-        _forward_step[((N - 1 - m) // G + 1, BH)](
+        _forward_step[(1 + (N - 2 - m) // G + 1, BH)](
             keys, u_read, v, e, w1s, u, sig, er, a, lse, mx, total, acc, m, G, T, BH, DK, DV, HID, scale,
             0.0 if clip is None else float(clip), CLIP=clip is not None, C=chunk, PRECISION=_precision(keys.dtype),
             WRITE_READ=u_read is not u, num_warps=_WARPS, num_stages=_STAGES, **_blocks(DK, DV, HID))
@@ -244,8 +282,13 @@ def key_pass_backward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tenso
     dv, de = torch.empty(BH, T, DV, **f32), torch.empty(BH, T, **f32)
     G = _GROUP
     for m in reversed(range(N)):
-        _backward_step[(m // G + 1, BH)](
+        _backward_step[(1 + (m - 1) // G + 1, BH)](
             keys, u_read, v, e, w1s, a, lse, da, dd, dk, du, dsig, der, dw1s, carry, dv, de, m, G, N, T, BH, DK, DV,
             HID, scale, 0.0 if clip is None else float(clip), CLIP=clip is not None, C=chunk,
             PRECISION=_precision(keys.dtype), num_warps=_WARPS, num_stages=_STAGES, **_blocks(DK, DV, HID))
+    if N > 1:  # chunk 0 reads nothing
+        blocks = _blocks(DK, DV, HID)
+        _query_gradients[(N - 1, BH)](keys, u_read, lse, da, dd, dk, N, T, DK, HID, scale, C=chunk,
+                                      BK=blocks["BK"], BHID=blocks["BHID"], PRECISION=_precision(keys.dtype),
+                                      num_warps=_WARPS, num_stages=_query_stages(keys.dtype))
     return dk, dv, de, carry

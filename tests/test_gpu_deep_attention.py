@@ -3,12 +3,10 @@ real shapes against the general chunk loop; skipped without CUDA."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
-from mnemo.kernels.backend import use_backend
+from mnemo.kernels import deep_attention_hebbian
 from mnemo.kernels.deep_attention import _chunk_torch, chunk_deep_attention
 
 pytestmark = pytest.mark.gpu
@@ -48,25 +46,29 @@ def _errors(fn, inputs, want, want_grads):
 @pytest.mark.parametrize("key_pass", ["sdpa", "wavefront"])
 @pytest.mark.parametrize("clip", [10.0, 0.5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_whole_rows_equal_the_chunk_loop(dtype, clip, key_pass):
+def test_whole_rows_equal_the_chunk_loop(dtype, clip, key_pass, monkeypatch):
     """Outputs and every gradient, relative to their norm, against the float32 chunk loop: float32 to
     1e-5. bf16 (inputs in bf16, and float32 inputs under bf16 autocast): no more than twice the bf16
     chunk loop's own error (under autocast), or 1e-2. The clip's gradient cancels: at clip 0.5 the
     bf16 ``W_1`` gradient is off by a few percent on either path. ``wavefront``: the key pass in the
-    Triton wavefront kernels (``use_backend("triton")``), else SDPA reads chunk by chunk."""
+    Triton wavefront kernels, which automatic selection takes on CUDA; ``sdpa``: SDPA reads chunk by
+    chunk with the Triton chunk updates, the path for shapes the wavefront does not take."""
     opts = dict(memory_depth=2, learning_rule="hebbian", chunk_size=C, grad_clip=clip)
     inputs = _inputs(dtype)
-    chosen = lambda: use_backend("triton") if key_pass == "wavefront" else contextlib.nullcontext()  # noqa: E731
+    wanted = deep_attention_hebbian.triton_key_pass_wanted
+    taken = []
+    monkeypatch.setattr(deep_attention_hebbian, "triton_key_pass_wanted",
+                        lambda *args: taken.append(key_pass == "wavefront" and wanted(*args)) or taken[-1])
 
     def fast(x):
-        with chosen():
-            return chunk_deep_attention(x[0], x[1], x[2], x[3], None, x[4], **opts)[0]
+        return chunk_deep_attention(x[0], x[1], x[2], x[3], None, x[4], **opts)[0]
 
     loop = lambda x: _chunk_torch(x[0], x[1], x[2], x[3], None, x[4], None, None, 2, "hebbian", 1,  # noqa: E731
                                   C, True, D ** -0.5, clip)[0]
     exact = [x.detach().float().requires_grad_() for x in inputs]
     want, want_grads = _run(loop, exact)
     errors = _errors(fast, inputs, want, want_grads)
+    assert taken and all(t == (key_pass == "wavefront") for t in taken), taken
     print(dtype, clip, "whole rows", errors)
     if dtype == torch.float32:
         assert max(errors.values()) < 1e-5, errors

@@ -373,7 +373,9 @@ def test_triton_key_pass_is_taken_only_when_asked_and_supported():
     from mnemo.kernels.deep_attention_hebbian import triton_key_pass_wanted
 
     k, w1 = torch.zeros(1, 1, 4, 64), torch.zeros(1, 1, 64, 64)
-    assert not triton_key_pass_wanted(k, 64, torch.bfloat16, w1)
+    assert not triton_key_pass_wanted(k, 64, torch.bfloat16, w1)  # CPU tensors: only when asked
+    with use_backend("torch"):
+        assert not triton_key_pass_wanted(k, 64, torch.bfloat16, w1)
     with use_backend("triton"):
         assert triton_key_pass_wanted(k, 64, torch.bfloat16, w1)
         assert triton_key_pass_wanted(k, 16, torch.float32, w1)
