@@ -26,7 +26,7 @@ from triton.compiler import compile as triton_compile  # noqa: E402
 
 from mnemo.kernels import deep_attention_key_pass_triton as key_pass  # noqa: E402
 
-INTS = {"m", "G", "N", "T", "BH", "DK", "DV", "HID"}
+INTS = {"m", "first", "lo", "hi", "top", "N", "T", "BH", "DK", "DV", "HID"}
 FLOATS = {"scale", "clip"}
 
 
@@ -70,13 +70,16 @@ def main():
             for width in map(int, args.widths.split(",")):
                 for warps in map(int, args.warps.split(",")):
                     constants = dict(CLIP=True, C=chunk, BK=width, BV=width, BHID=width,
-                                     PRECISION="tf32x3" if reads == "fp32" else "ieee", WRITE_READ=reads != "fp32")
+                                     PRECISION="tf32x3" if reads == "fp32" else "ieee", WRITE_READ=reads != "fp32",
+                                     FRESH=False)
                     row = dict(triton=triton.__version__, arch=args.arch, reads=reads, chunk=chunk, width=width,
                                warps=warps)
+                    bulk = key_pass._bulk_stages(torch.float32 if reads == "fp32" else torch.bfloat16)
                     for label, fn, stages in (("forward", key_pass._forward_step, key_pass._STAGES),
+                                              ("reads", key_pass._forward_reads, bulk),
                                               ("backward", key_pass._backward_step, key_pass._STAGES),
-                                              ("query", key_pass._query_gradients,
-                                               key_pass._query_stages(torch.float32 if reads == "fp32" else torch.bfloat16))):
+                                              ("key_side", key_pass._backward_key_side, bulk),
+                                              ("query", key_pass._query_gradients, bulk)):
                         types, consts = signature(fn, reads, constants)
                         hints = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                                  if types[name].startswith("*")}

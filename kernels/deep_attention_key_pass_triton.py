@@ -5,26 +5,27 @@ The pass is sequential in chunks: chunk ``n``'s keys read the deep values ``U`` 
 and its own ``U`` comes from that read. The PyTorch pass makes, per chunk, one attention call over the
 whole prefix and one update kernel, and its backward an autograd call per chunk and a gradient add over
 the prefix: at 128 chunks the host, not the GPU, set the time. Here a read is split into blocks, one
-per earlier chunk, and a block ``(n, j)`` can run as soon as chunk ``j`` is written:
+per earlier chunk: block ``(n, j)`` can run as soon as chunk ``j`` is written. The chunks form groups of
+``S`` (``_GROUP``).
 
-- forward launch ``m`` (``m = 0 .. N-1``): a program per chunk ``n >= m`` adds the block ``(n, m - 1)`` to
-  chunk ``n``'s online-softmax accumulators (running max, sum, weighted sum of ``U``); the program of
-  chunk ``m`` then finishes its read ``a_m`` and runs the chunk's update (:func:`.update_tiles`). A launch's
-  critical path is one block and one update, and the ``N - m`` programs run side by side;
-- backward launch ``m`` (``m = N-1 .. 0``): a program per chunk ``j <= m`` takes the key side of the block
-  ``(m + 1, j)`` of the softmax backward (``dU_j`` and ``dk_j`` as a key), and the program of chunk ``m``,
-  whose ``dU`` is then complete, runs the update's backward (:func:`.update_backward_tiles`) for ``da_m``,
-  which the next launch reads. The query side of the blocks (``dk_n`` as a query) depends on nothing
-  that the wavefront still computes, so one launch after it takes every block at once, a program per
-  query chunk: each gradient has one writer, no atomics, and runs repeat bit for bit. Each block
-  computes its scores in both orientations from loads rather than transposing a product, which Triton
-  3.4-3.7.0 miscompiles on Hopper when it feeds another product.
+- Forward, group by group: one launch adds the blocks of the group just before to the online-softmax
+  accumulators (running max, sum, weighted sum of ``U``) of this group's chunks; then launch ``m`` per
+  chunk of the group: a program per later chunk ``n`` of the group adds block ``(n, m - 1)``, and the
+  program of chunk ``m`` adds its last block, finishes its read ``a_m`` and runs the chunk's update
+  (:func:`.update_tiles`). The blocks of every earlier group are added on a second CUDA stream while the
+  group before runs, so the critical path is one block and one update per chunk.
+- Backward, group by group from the last: launch ``m`` per chunk of the group: a program per earlier
+  chunk ``j`` of the group takes the key side of block ``(m + 1, j)`` of the softmax backward (``dU_j``
+  and ``dk_j`` as a key), and the program of chunk ``m``, whose ``dU`` is then complete, runs the update's
+  backward (:func:`.update_backward_tiles`) for ``da_m``. Then one launch takes the key side of the blocks
+  of this group's queries for the group just before, and the second stream those for every earlier
+  group, while the group before runs.
+- The query side of the blocks (``dk_n`` as a query) depends on nothing the wavefront still computes:
+  one launch after it takes every block at once, a program per query chunk.
 
-That is the scheme with groups of one. With groups of ``G`` (``_GROUP``) a launch touches, besides
-its own chunk ``m``, only every ``G``-th chunk (from ``m + 1`` up in the forward, from ``m - 1`` down in
-the backward), and a touched chunk takes all ``G`` blocks that became ready since its last touch: the
-accumulators and key gradients go through memory ``G`` times less often. Every chunk is also touched by
-the launch just before its own, so on its own launch, the critical path, it takes one block only.
+Each gradient has one writer and a fixed order, no atomics: runs repeat bit for bit. Each block computes
+its scores in both orientations from loads rather than transposing a product, which Triton 3.4-3.7.0
+miscompiles on Hopper when it feeds another product.
 
 The reads are in the reads' dtype (bf16 under autocast, as the SDPA reads were: ``a`` and ``da`` are
 rounded to it), with float32 sums; the updates are those of :mod:`.deep_attention_triton`.
@@ -33,31 +34,38 @@ Tensors are ``(B * H, T, width)`` contiguous, ``e`` ``(B * H, T)``.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from .deep_attention_triton import update_backward_tiles, update_tiles
 
 __all__ = ["key_pass_backward_triton", "key_pass_forward_triton"]
 
+# Warps of the step launches (a chunk's update and a few blocks) and of the bulk ones (many programs of
+# several blocks each). On an H100 (bf16 reads, C = 64, width 64, 16 heads, 16K tokens) 8 warps were slower
+# for both: steps by 16-21% (T = 2048 and 8192), the bulk launches by 10-18%.
 _WARPS = 4
-# No software pipelining: the loops run at most G blocks, and with Triton's default three stages the
-# backward's double-buffered tiles took 330 KB of shared memory for float32 reads at C = 64, width 64
-# (an H100 has 227 KB; compiled for sm_90 with Triton 3.6), 98 KB with one stage.
+_BULK_WARPS = 4
+# No software pipelining in the steps: their loops run at most two blocks, and with Triton's default three
+# stages the backward's double-buffered tiles took 330 KB of shared memory for float32 reads at C = 64, width
+# 64 (an H100 has 227 KB; compiled for sm_90 with Triton 3.6), 98 KB with one stage.
 _STAGES = 1
-# Each launch touches every G-th chunk, which takes the G blocks that became ready since it was last touched:
-# G times fewer round trips of the softmax accumulators (forward) and of the key gradients (backward)
-# through memory, for G blocks on each launch's critical path. Swept on an H100 (bf16 reads, C = 64, width 64,
-# 16 heads, 16K tokens): G = 4 with 4 warps was the fastest or within 2% of it at T = 2048 and 8192 (G = 1:
-# 18-19% slower; 8 warps: 16-21% slower).
-_GROUP = 4
+# Chunks per group. Larger groups mean fewer bulk launches and state round trips, smaller ones less work in
+# the steps. On the H100 above, forward + backward of the pass: 4 / 8 / 16 took 19.2 / 19.7 / 17.9 ms at
+# T = 8192 and 6.85 / 6.33 / 7.03 ms at T = 2048 with Triton's launcher (host-bound alone, see _Launcher);
+# the layer is what counts, and 8 is the size measured there.
+_GROUP = 8
 
 
-def _query_stages(reads: torch.dtype) -> int:
-    """The query-gradient launch loops over up to N - 1 blocks per program, where pipelining pays: two
-    stages for 16-bit reads (24 KB of shared memory at C = 64, width 64), one for float32 reads, whose
-    3xTF32 products would take 295 KB at C = 128, width 64 with two."""
+def _bulk_stages(reads: torch.dtype) -> int:
+    """The bulk launches loop over several blocks per program (the query gradients over up to N - 1), where
+    pipelining pays: two stages for 16-bit reads (24 KB of shared memory at C = 64, width 64), one for
+    float32 reads, whose 3xTF32 products would take 295 KB at C = 128, width 64 with two."""
     return 2 if reads.itemsize == 2 else 1
 
 
@@ -101,24 +109,12 @@ def _add(X, bh, rows, cols, T, W, x):
 
 
 @triton.jit
-def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, G, T, BH, DK, DV, HID, scale, clip,
-                  CLIP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BHID: tl.constexpr,
-                  PRECISION: tl.constexpr, WRITE_READ: tl.constexpr):
-    """``WRITE_READ``: ``UR`` is a copy of ``U`` in the reads' dtype (otherwise it is ``U`` itself)."""
-    pid = tl.program_id(0)
-    # Program 0 takes chunk m, whose read lacks only block m - 1 (it was touched by the last launch); the
-    # others take every G-th chunk from m + 1, with the G blocks written since their last touch.
-    n = tl.where(pid == 0, m, m + 1 + G * (pid - 1))
-    span = tl.where(pid == 0, 1, G)
-    bh = tl.program_id(1).to(tl.int64)
+def _read_blocks(q, K, UR, bh, lo, hi, mx, total, acc, T, DK, HID, scale, C: tl.constexpr, BK: tl.constexpr,
+                 BHID: tl.constexpr, PRECISION: tl.constexpr):
+    """Adds the blocks of key chunks ``lo .. hi - 1`` to a query chunk's online-softmax accumulators."""
     RD = K.dtype.element_ty
-    rc, rk, rv, rh = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
-    rows, live, stats = _chunk(n, C, T, bh)
-    mx = tl.load(MX + stats, mask=live, other=float("-inf"))
-    total = tl.load(SUM + stats, mask=live, other=0.0)
-    acc = _rows(ACC, bh, rows, rh, T, HID)
-    q = _rows(K, bh, rows, rk, T, DK)
-    for j in range(tl.maximum(m - span, 0), m):
+    rc, rk, rh = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BHID)
+    for j in range(lo, hi):
         keys = j * C + rc
         s = _mm(q, _rows_t(K, bh, keys, rk, T, DK), RD, PRECISION) * scale
         new = tl.maximum(mx, tl.max(s, 1))
@@ -127,8 +123,50 @@ def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, G, T, B
         total = total * fade + tl.sum(p, 1)
         acc = acc * fade[:, None] + _mm(p, _rows(UR, bh, keys, rh, T, HID), RD, PRECISION)
         mx = new
+    return mx, total, acc
+
+
+@triton.jit(do_not_specialize=["first", "lo", "hi"])
+def _forward_reads(K, UR, MX, SUM, ACC, first, lo, hi, T, DK, HID, scale, FRESH: tl.constexpr, C: tl.constexpr,
+                   BK: tl.constexpr, BHID: tl.constexpr, PRECISION: tl.constexpr):
+    """Adds the blocks of key chunks ``lo .. hi - 1`` to the accumulators of chunk ``first + pid`` (from
+    empty ones with ``FRESH``)."""
+    n = first + tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rh = tl.arange(0, BHID)
+    rows, live, stats = _chunk(n, C, T, bh)
+    if FRESH:
+        mx, total, acc = tl.full((C,), float("-inf"), tl.float32), tl.zeros((C,), tl.float32), tl.zeros((C, BHID),
+                                                                                                          tl.float32)
+    else:
+        mx = tl.load(MX + stats, mask=live, other=float("-inf"))
+        total = tl.load(SUM + stats, mask=live, other=0.0)
+        acc = _rows(ACC, bh, rows, rh, T, HID)
+    mx, total, acc = _read_blocks(_rows(K, bh, rows, tl.arange(0, BK), T, DK), K, UR, bh, lo, hi, mx, total, acc,
+                                  T, DK, HID, scale, C, BK, BHID, PRECISION)
+    tl.store(MX + stats, mx, mask=live)
+    tl.store(SUM + stats, total, mask=live)
+    _put(ACC, bh, rows, rh, T, HID, acc)
+
+
+@triton.jit(do_not_specialize=["m", "lo"])
+def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, lo, T, BH, DK, DV, HID, scale, clip,
+                  CLIP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BHID: tl.constexpr,
+                  PRECISION: tl.constexpr, WRITE_READ: tl.constexpr):
+    """Block ``(n, m - 1)`` for the group's chunks ``n >= m`` (none when ``m`` starts the group), then chunk
+    ``m``'s write. ``WRITE_READ``: ``UR`` is a copy of ``U`` in the reads' dtype (otherwise ``U`` itself)."""
+    n = m + tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    RD = K.dtype.element_ty
+    rv, rh = tl.arange(0, BV), tl.arange(0, BHID)
+    rows, live, stats = _chunk(n, C, T, bh)
+    mx, total, acc = _read_blocks(_rows(K, bh, rows, tl.arange(0, BK), T, DK), K, UR, bh, tl.maximum(m - 1, lo), m,
+                                  tl.load(MX + stats, mask=live, other=float("-inf")),
+                                  tl.load(SUM + stats, mask=live, other=0.0), _rows(ACC, bh, rows, rh, T, HID),
+                                  T, DK, HID, scale, C, BK, BHID, PRECISION)
     if n == m:  # the chunk's read is complete: its write
         if m > 0:
+            total = tl.where(live, total, 1.0)  # rows past T have no accumulators in memory: a read of 0
             a = (acc / total[:, None]).to(RD).to(tl.float32)
             tl.store(LSE + stats, mx + tl.log(total), mask=live)
         else:  # no earlier key: the read is 0
@@ -153,27 +191,14 @@ def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, G, T, B
 
 
 @triton.jit
-def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DKEYS, DU, DSIG, DER, DW1S, DWC, DV_OUT, DE, m, G, N, T, BH, DK,
-                   DV, HID, scale, clip, CLIP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   BHID: tl.constexpr, PRECISION: tl.constexpr):
-    """The key side of the blocks ``(n, j)`` for ``n`` in ``m + 1 .. m + G``, then chunk ``m``'s update backward."""
-    pid = tl.program_id(0)
-    # Program 0 takes chunk m, whose dU lacks only block (m + 1, m) (it was touched by the last launch);
-    # the others take every G-th chunk down from m - 1, with the G blocks whose da was written since their
-    # last touch.
-    j = tl.where(pid == 0, m, m - 1 - G * (pid - 1))
-    span = tl.where(pid == 0, 1, G)
-    bh = tl.program_id(1).to(tl.int64)
+def _key_blocks(k, u, du, dk, K, DA, LSE, DD, bh, lo, hi, T, DK, HID, scale, C: tl.constexpr, BK: tl.constexpr,
+                BHID: tl.constexpr, PRECISION: tl.constexpr):
+    """Adds the key side of the blocks ``(n, j)``, ``n = lo .. hi - 1``, to key chunk ``j``'s ``dU`` and
+    ``dk``. The scores come transposed from transposed loads, not by transposing a product: a transposed
+    product fed to another product is what Triton 3.4-3.7.0 miscompiles on Hopper."""
     RD = K.dtype.element_ty
-    rk, rv, rh = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
-    keys, in_keys, key_stats = _chunk(j, C, T, bh)
-    du = _rows(DU, bh, keys, rh, T, HID)
-    k = _rows(K, bh, keys, rk, T, DK)
-    u = _rows(UR, bh, keys, rh, T, HID)
-    dk = tl.zeros((C, BK), tl.float32)
-    for n in range(m + 1, tl.minimum(m + span, N - 1) + 1):
-        # The scores come transposed from transposed loads, not by transposing a product: a transposed
-        # product fed to another product is what Triton 3.4-3.7.0 miscompiles on Hopper.
+    rk, rh = tl.arange(0, BK), tl.arange(0, BHID)
+    for n in range(lo, hi):
         rows, live, stats = _chunk(n, C, T, bh)
         lse = tl.load(LSE + stats, mask=live, other=float("inf"))
         dd = tl.load(DD + stats, mask=live, other=0.0)
@@ -181,6 +206,23 @@ def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DKEYS, DU, DSIG, DER, DW1S,
         dp_t = _mm(u, _rows_t(DA, bh, rows, rh, T, HID), RD, PRECISION)
         du += _mm(p_t, _rows(DA, bh, rows, rh, T, HID), RD, PRECISION)
         dk += _mm(p_t * (dp_t - dd[None, :]) * scale, _rows(K, bh, rows, rk, T, DK), RD, PRECISION)
+    return du, dk
+
+
+@triton.jit(do_not_specialize=["m", "top"])
+def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DKEYS, DU, DSIG, DER, DW1S, DWC, DV_OUT, DE, m, top, T, BH, DK,
+                   DV, HID, scale, clip, CLIP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   BHID: tl.constexpr, PRECISION: tl.constexpr):
+    """The key side of block ``(m + 1, j)`` for the group's chunks ``j <= m`` (none when ``m`` ends the group,
+    at ``top - 1``), then chunk ``m``'s update backward."""
+    j = m - tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    RD = K.dtype.element_ty
+    rk, rv, rh = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
+    keys, in_keys, key_stats = _chunk(j, C, T, bh)
+    du, dk = _key_blocks(_rows(K, bh, keys, rk, T, DK), _rows(UR, bh, keys, rh, T, HID), _rows(DU, bh, keys, rh, T, HID),
+                         tl.zeros((C, BK), tl.float32), K, DA, LSE, DD, bh, m + 1, tl.minimum(m + 2, top), T, DK, HID,
+                         scale, C, BK, BHID, PRECISION)
     _add(DKEYS, bh, keys, rk, T, DK, dk)
     if j == m:  # every later read of this chunk's U is in: its write's backward
         a = _rows(A, bh, keys, rh, T, HID)
@@ -201,6 +243,22 @@ def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DKEYS, DU, DSIG, DER, DW1S,
         tl.store(DWC + bh * DV * HID + square, dw, mask=in_square)
     else:
         _put(DU, bh, keys, rh, T, HID, du)
+
+
+@triton.jit(do_not_specialize=["first", "lo", "hi"])
+def _backward_key_side(K, UR, LSE, DA, DD, DKEYS, DU, first, lo, hi, T, DK, HID, scale, C: tl.constexpr,
+                       BK: tl.constexpr, BHID: tl.constexpr, PRECISION: tl.constexpr):
+    """The key side of the blocks ``(n, j)`` for query chunks ``n = lo .. hi - 1`` and key chunk
+    ``j = first + pid``."""
+    j = first + tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rk, rh = tl.arange(0, BK), tl.arange(0, BHID)
+    keys = j * C + tl.arange(0, C)
+    du, dk = _key_blocks(_rows(K, bh, keys, rk, T, DK), _rows(UR, bh, keys, rh, T, HID), _rows(DU, bh, keys, rh, T, HID),
+                         tl.zeros((C, BK), tl.float32), K, DA, LSE, DD, bh, lo, hi, T, DK, HID, scale, C, BK, BHID,
+                         PRECISION)
+    _add(DKEYS, bh, keys, rk, T, DK, dk)
+    _put(DU, bh, keys, rh, T, HID, du)
 
 
 @triton.jit
@@ -226,15 +284,79 @@ def _query_gradients(K, UR, LSE, DA, DD, DKEYS, N, T, DK, HID, scale, C: tl.cons
     _add(DKEYS, bh, rows, rk, T, DK, dq)
 
 
+class _SideStream:
+    """Launches off the critical path on a second CUDA stream, ordered against the current one by named
+    events. Elsewhere (Triton's interpreter on the CPU) everything runs in one sequence, which the events'
+    order already respects."""
+
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"
+        self.main = torch.cuda.current_stream(device) if cuda else None
+        self.side = torch.cuda.Stream(device) if cuda else None
+        self.events: dict = {}
+
+    @contextlib.contextmanager
+    def after(self, mark, then) -> Iterator[None]:
+        """Launches on the side stream once the current stream reaches this point (``mark``); event ``then``
+        marks their end."""
+        if self.side is None:
+            yield
+            return
+        self.events[mark] = self.main.record_event()
+        self.side.wait_event(self.events[mark])
+        with torch.cuda.stream(self.side):
+            yield
+        self.events[then] = self.side.record_event()
+
+    def wait(self, name) -> None:
+        """The current stream waits for event ``name``, if there is one."""
+        if name in self.events:
+            self.main.wait_event(self.events[name])
+
+    def join(self) -> None:
+        if self.side is not None:
+            self.main.wait_stream(self.side)
+
+
+class _Launcher:
+    """Launches for one pass. Triton's launcher binds, specialises and checks every argument on every call,
+    about as long as a step's kernel takes on an H100 (the pass alone ran host-bound); within a pass only
+    the chunk indices change, and those kernels do not specialise on them (``do_not_specialize``). So the
+    first launch of a kernel and set of constants goes through Triton, which compiles it, and the pass's
+    later ones go straight to that compiled kernel. Not in Triton's interpreter, whose launches are its
+    own."""
+
+    def __init__(self, device: torch.device):
+        self.direct = device.type == "cuda"
+        self.compiled: dict = {}
+
+    def __call__(self, fn, grid: tuple[int, int], *args, num_warps: int, num_stages: int, **constants) -> None:
+        key = (fn, *constants.items())
+        kernel = self.compiled.get(key)
+        if kernel is None or not self.direct:
+            self.compiled[key] = fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **constants)
+            return
+        values = (*args, *(constants[name] for name in fn.arg_names[len(args):]))
+        stream = torch.cuda.current_stream().cuda_stream
+        kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(grid, stream, *values), knobs.runtime.launch_enter_hook,
+                   knobs.runtime.launch_exit_hook, *values)
+
+
 def _precision(reads: torch.dtype) -> str:
     """The reads' products: their dtype's for bf16 / fp16; for float32 reads 3xTF32 (float32's accuracy, as
     the updates use), not Triton's default TF32."""
     return "tf32x3" if reads == torch.float32 else "ieee"
 
 
-def _blocks(DK: int, DV: int, HID: int) -> dict:
+def _options(reads: torch.dtype, chunk: int, DK: int, DV: int, HID: int, clip: float | None):
+    """The constants and launch options of the step kernels and of the bulk ones, and the clip's two
+    arguments."""
     p = lambda n: max(16, triton.next_power_of_2(n))  # noqa: E731  (tl.dot needs 16 or more)
-    return dict(BK=p(DK), BV=p(DV), BHID=p(HID))
+    shared = dict(C=chunk, BK=p(DK), BHID=p(HID), PRECISION=_precision(reads))
+    step = dict(shared, BV=p(DV), num_warps=_WARPS, num_stages=_STAGES)
+    bulk = dict(shared, num_warps=_BULK_WARPS, num_stages=_bulk_stages(reads))
+    return step, bulk, (0.0 if clip is None else float(clip), clip is not None)
 
 
 def key_pass_forward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tensor, w1: torch.Tensor, chunk: int,
@@ -256,12 +378,25 @@ def key_pass_forward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tensor
     lse = torch.zeros(BH, T, **f32)
     mx, total = torch.full((BH, T), float("-inf"), **f32), torch.zeros(BH, T, **f32)
     acc = torch.zeros(BH, T, HID, **f32)
-    G = _GROUP
-    for m in range(N):
-        _forward_step[(1 + (N - 2 - m) // G + 1, BH)](
-            keys, u_read, v, e, w1s, u, sig, er, a, lse, mx, total, acc, m, G, T, BH, DK, DV, HID, scale,
-            0.0 if clip is None else float(clip), CLIP=clip is not None, C=chunk, PRECISION=_precision(keys.dtype),
-            WRITE_READ=u_read is not u, num_warps=_WARPS, num_stages=_STAGES, **_blocks(DK, DV, HID))
+    S, side, launch = _GROUP, _SideStream(keys.device), _Launcher(keys.device)
+    step, bulk, clipped = _options(keys.dtype, chunk, DK, DV, HID, clip)
+
+    def reads(first, lo, hi, fresh):  # chunks first .. first + S - 1 read key chunks lo .. hi - 1
+        launch(_forward_reads, (min(S, N - first), BH), keys, u_read, mx, total, acc, first, lo, hi, T, DK, HID,
+               scale, FRESH=fresh, **bulk)
+
+    for g, lo in enumerate(range(0, N, S)):
+        if lo > 0:  # the reads of the group before: the rest came on the side stream
+            side.wait(("far", g))
+            reads(lo, lo - S, lo, fresh=lo == S)
+        for m in range(lo, min(lo + S, N)):
+            launch(_forward_step, (min(lo + S, N) - m, BH), keys, u_read, v, e, w1s, u, sig, er, a, lse, mx, total,
+                   acc, m, lo, T, BH, DK, DV, HID, scale, *clipped, WRITE_READ=u_read is not u, **step)
+        far = lo + 2 * S  # the group after next reads this one and every earlier one beside the next group
+        if far < N:
+            with side.after(("steps", g), then=("far", g + 2)):
+                reads(far, 0, lo + S, fresh=True)
+    side.join()
     return u, sig, er, w1s, u_read, a, lse
 
 
@@ -280,15 +415,27 @@ def key_pass_backward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tenso
     da, dd = torch.empty_like(a), torch.zeros(BH, T, **f32)
     carry = dw1s[N].clone()
     dv, de = torch.empty(BH, T, DV, **f32), torch.empty(BH, T, **f32)
-    G = _GROUP
-    for m in reversed(range(N)):
-        _backward_step[(1 + (m - 1) // G + 1, BH)](
-            keys, u_read, v, e, w1s, a, lse, da, dd, dk, du, dsig, der, dw1s, carry, dv, de, m, G, N, T, BH, DK, DV,
-            HID, scale, 0.0 if clip is None else float(clip), CLIP=clip is not None, C=chunk,
-            PRECISION=_precision(keys.dtype), num_warps=_WARPS, num_stages=_STAGES, **_blocks(DK, DV, HID))
+    S, side, launch = _GROUP, _SideStream(keys.device), _Launcher(keys.device)
+    step, bulk, clipped = _options(keys.dtype, chunk, DK, DV, HID, clip)
+
+    def key_side(first, count, lo, hi):  # key chunks first .. first + count - 1, query chunks lo .. hi - 1
+        launch(_backward_key_side, (count, BH), keys, u_read, lse, da, dd, dk, du, first, lo, hi, T, DK, HID, scale,
+               **bulk)
+
+    groups = list(range(0, N, S))
+    for g in reversed(range(len(groups))):
+        lo, top = groups[g], min(groups[g] + S, N)
+        side.wait(("far", g + 2))  # every side launch that wrote to this group's chunks
+        for m in reversed(range(lo, top)):
+            launch(_backward_step, (m - lo + 1, BH), keys, u_read, v, e, w1s, a, lse, da, dd, dk, du, dsig, der, dw1s,
+                   carry, dv, de, m, top, T, BH, DK, DV, HID, scale, *clipped, **step)
+        if lo > 0:  # the group before, next on the critical path, here; earlier groups on the side stream
+            side.wait(("far", g + 1))
+            key_side(lo - S, S, lo, top)
+            if lo > S:
+                with side.after(("steps", g), then=("far", g)):
+                    key_side(0, lo - S, lo, top)
+    side.join()
     if N > 1:  # chunk 0 reads nothing
-        blocks = _blocks(DK, DV, HID)
-        _query_gradients[(N - 1, BH)](keys, u_read, lse, da, dd, dk, N, T, DK, HID, scale, C=chunk,
-                                      BK=blocks["BK"], BHID=blocks["BHID"], PRECISION=_precision(keys.dtype),
-                                      num_warps=_WARPS, num_stages=_query_stages(keys.dtype))
+        launch(_query_gradients, (N - 1, BH), keys, u_read, lse, da, dd, dk, N, T, DK, HID, scale, **bulk)
     return dk, dv, de, carry

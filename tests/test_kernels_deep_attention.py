@@ -307,8 +307,8 @@ def test_triton_key_pass_equals_the_torch_one(T_, clip, reads, group, monkeypatc
     CPU) against the PyTorch pass, float32: ``u, sig, er, W_1`` at every chunk start and the gradients of
     ``k, v, e, W_1``, with a partial last chunk, one chunk only, with and without the clip acting. With bf16
     reads both round the reads and their gradients to bf16 at different points: relative 2e-2. ``group``:
-    chunks touched per launch (T = 150 is ten chunks: groups of 2, 3 and 4 leave partial groups at both ends;
-    8 is more than the four chunks of T = 53)."""
+    chunks per group (T = 150 is ten chunks: groups of 2, 3 and 4 leave a partial last group and take the
+    earlier groups' blocks in the bulk launches; 8 is more than the four chunks of T = 53)."""
     pytest.importorskip("triton")
     from mnemo.kernels import deep_attention_key_pass_triton
     from mnemo.kernels.deep_attention_hebbian import _KeyPass, _KeyPassTriton
@@ -366,7 +366,8 @@ def test_hebbian_full_rows_with_the_triton_key_pass(grad_clip, monkeypatch):
 
 
 def test_triton_key_pass_is_taken_only_when_asked_and_supported():
-    """Automatic selection keeps the SDPA key pass; ``use_backend("triton")`` takes the wavefront kernels for
+    """On CPU tensors automatic selection keeps the SDPA key pass (on CUDA it takes the wavefront, which
+    ``tests/test_gpu_deep_attention.py`` asserts); ``use_backend("triton")`` takes the wavefront kernels for
     float32 recursions, chunks a power of two from 16 to 128 and widths up to 128 whose tiles fit an SM's
     shared memory (chunk x width <= 8,192)."""
     from mnemo.kernels.backend import use_backend
