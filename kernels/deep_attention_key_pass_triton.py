@@ -109,6 +109,20 @@ def _add(X, bh, rows, cols, T, W, x):
 
 
 @triton.jit
+def _load_state(MX, SUM, ACC, bh, rows, live, stats, T, HID, BHID: tl.constexpr):
+    """A query chunk's online-softmax accumulators (running max, sum, weighted sum of ``U``) from memory."""
+    return (tl.load(MX + stats, mask=live, other=float("-inf")), tl.load(SUM + stats, mask=live, other=0.0),
+            _rows(ACC, bh, rows, tl.arange(0, BHID), T, HID))
+
+
+@triton.jit
+def _store_state(MX, SUM, ACC, bh, rows, live, stats, T, HID, mx, total, acc, BHID: tl.constexpr):
+    tl.store(MX + stats, mx, mask=live)
+    tl.store(SUM + stats, total, mask=live)
+    _put(ACC, bh, rows, tl.arange(0, BHID), T, HID, acc)
+
+
+@triton.jit
 def _read_blocks(q, K, UR, bh, lo, hi, mx, total, acc, T, DK, HID, scale, C: tl.constexpr, BK: tl.constexpr,
                  BHID: tl.constexpr, PRECISION: tl.constexpr):
     """Adds the blocks of key chunks ``lo .. hi - 1`` to a query chunk's online-softmax accumulators."""
@@ -133,20 +147,15 @@ def _forward_reads(K, UR, MX, SUM, ACC, first, lo, hi, T, DK, HID, scale, FRESH:
     empty ones with ``FRESH``)."""
     n = first + tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    rh = tl.arange(0, BHID)
     rows, live, stats = _chunk(n, C, T, bh)
     if FRESH:
         mx, total, acc = tl.full((C,), float("-inf"), tl.float32), tl.zeros((C,), tl.float32), tl.zeros((C, BHID),
                                                                                                           tl.float32)
     else:
-        mx = tl.load(MX + stats, mask=live, other=float("-inf"))
-        total = tl.load(SUM + stats, mask=live, other=0.0)
-        acc = _rows(ACC, bh, rows, rh, T, HID)
+        mx, total, acc = _load_state(MX, SUM, ACC, bh, rows, live, stats, T, HID, BHID)
     mx, total, acc = _read_blocks(_rows(K, bh, rows, tl.arange(0, BK), T, DK), K, UR, bh, lo, hi, mx, total, acc,
                                   T, DK, HID, scale, C, BK, BHID, PRECISION)
-    tl.store(MX + stats, mx, mask=live)
-    tl.store(SUM + stats, total, mask=live)
-    _put(ACC, bh, rows, rh, T, HID, acc)
+    _store_state(MX, SUM, ACC, bh, rows, live, stats, T, HID, mx, total, acc, BHID)
 
 
 @triton.jit(do_not_specialize=["m", "lo"])
@@ -160,10 +169,9 @@ def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, lo, T, 
     RD = K.dtype.element_ty
     rv, rh = tl.arange(0, BV), tl.arange(0, BHID)
     rows, live, stats = _chunk(n, C, T, bh)
+    mx, total, acc = _load_state(MX, SUM, ACC, bh, rows, live, stats, T, HID, BHID)
     mx, total, acc = _read_blocks(_rows(K, bh, rows, tl.arange(0, BK), T, DK), K, UR, bh, tl.maximum(m - 1, lo), m,
-                                  tl.load(MX + stats, mask=live, other=float("-inf")),
-                                  tl.load(SUM + stats, mask=live, other=0.0), _rows(ACC, bh, rows, rh, T, HID),
-                                  T, DK, HID, scale, C, BK, BHID, PRECISION)
+                                  mx, total, acc, T, DK, HID, scale, C, BK, BHID, PRECISION)
     if n == m:  # the chunk's read is complete: its write
         if m > 0:
             total = tl.where(live, total, 1.0)  # rows past T have no accumulators in memory: a read of 0
@@ -185,19 +193,20 @@ def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, lo, T, 
         tl.store(wb + BH * DV * HID + rv[:, None] * HID + rh[None, :], w_next,
                  mask=(rv[:, None] < DV) & (rh[None, :] < HID))
     else:
-        tl.store(MX + stats, mx, mask=live)
-        tl.store(SUM + stats, total, mask=live)
-        _put(ACC, bh, rows, rh, T, HID, acc)
+        _store_state(MX, SUM, ACC, bh, rows, live, stats, T, HID, mx, total, acc, BHID)
 
 
 @triton.jit
-def _key_blocks(k, u, du, dk, K, DA, LSE, DD, bh, lo, hi, T, DK, HID, scale, C: tl.constexpr, BK: tl.constexpr,
-                BHID: tl.constexpr, PRECISION: tl.constexpr):
-    """Adds the key side of the blocks ``(n, j)``, ``n = lo .. hi - 1``, to key chunk ``j``'s ``dU`` and
-    ``dk``. The scores come transposed from transposed loads, not by transposing a product: a transposed
-    product fed to another product is what Triton 3.4-3.7.0 miscompiles on Hopper."""
+def _key_side(K, UR, LSE, DA, DD, DKEYS, DU, bh, keys, lo, hi, T, DK, HID, scale, C: tl.constexpr,
+              BK: tl.constexpr, BHID: tl.constexpr, PRECISION: tl.constexpr):
+    """The key side of the blocks ``(n, j)``, ``n = lo .. hi - 1``, for key chunk ``j`` (rows ``keys``): adds
+    its ``dk`` to ``DKEYS`` and returns its ``dU`` so far (``DU``'s plus these blocks'). The scores come
+    transposed from transposed loads, not by transposing a product: a transposed product fed to another
+    product is what Triton 3.4-3.7.0 miscompiles on Hopper."""
     RD = K.dtype.element_ty
     rk, rh = tl.arange(0, BK), tl.arange(0, BHID)
+    k, u, du = _rows(K, bh, keys, rk, T, DK), _rows(UR, bh, keys, rh, T, HID), _rows(DU, bh, keys, rh, T, HID)
+    dk = tl.zeros((C, BK), tl.float32)
     for n in range(lo, hi):
         rows, live, stats = _chunk(n, C, T, bh)
         lse = tl.load(LSE + stats, mask=live, other=float("inf"))
@@ -206,7 +215,8 @@ def _key_blocks(k, u, du, dk, K, DA, LSE, DD, bh, lo, hi, T, DK, HID, scale, C: 
         dp_t = _mm(u, _rows_t(DA, bh, rows, rh, T, HID), RD, PRECISION)
         du += _mm(p_t, _rows(DA, bh, rows, rh, T, HID), RD, PRECISION)
         dk += _mm(p_t * (dp_t - dd[None, :]) * scale, _rows(K, bh, rows, rk, T, DK), RD, PRECISION)
-    return du, dk
+    _add(DKEYS, bh, keys, rk, T, DK, dk)
+    return du
 
 
 @triton.jit(do_not_specialize=["m", "top"])
@@ -218,12 +228,10 @@ def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DKEYS, DU, DSIG, DER, DW1S,
     j = m - tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     RD = K.dtype.element_ty
-    rk, rv, rh = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
+    rv, rh = tl.arange(0, BV), tl.arange(0, BHID)
     keys, in_keys, key_stats = _chunk(j, C, T, bh)
-    du, dk = _key_blocks(_rows(K, bh, keys, rk, T, DK), _rows(UR, bh, keys, rh, T, HID), _rows(DU, bh, keys, rh, T, HID),
-                         tl.zeros((C, BK), tl.float32), K, DA, LSE, DD, bh, m + 1, tl.minimum(m + 2, top), T, DK, HID,
-                         scale, C, BK, BHID, PRECISION)
-    _add(DKEYS, bh, keys, rk, T, DK, dk)
+    du = _key_side(K, UR, LSE, DA, DD, DKEYS, DU, bh, keys, m + 1, tl.minimum(m + 2, top), T, DK, HID, scale, C, BK,
+                   BHID, PRECISION)
     if j == m:  # every later read of this chunk's U is in: its write's backward
         a = _rows(A, bh, keys, rh, T, HID)
         v = _rows(V, bh, keys, rv, T, DV)
@@ -250,15 +258,10 @@ def _backward_key_side(K, UR, LSE, DA, DD, DKEYS, DU, first, lo, hi, T, DK, HID,
                        BK: tl.constexpr, BHID: tl.constexpr, PRECISION: tl.constexpr):
     """The key side of the blocks ``(n, j)`` for query chunks ``n = lo .. hi - 1`` and key chunk
     ``j = first + pid``."""
-    j = first + tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    rk, rh = tl.arange(0, BK), tl.arange(0, BHID)
-    keys = j * C + tl.arange(0, C)
-    du, dk = _key_blocks(_rows(K, bh, keys, rk, T, DK), _rows(UR, bh, keys, rh, T, HID), _rows(DU, bh, keys, rh, T, HID),
-                         tl.zeros((C, BK), tl.float32), K, DA, LSE, DD, bh, lo, hi, T, DK, HID, scale, C, BK, BHID,
-                         PRECISION)
-    _add(DKEYS, bh, keys, rk, T, DK, dk)
-    _put(DU, bh, keys, rh, T, HID, du)
+    keys = (first + tl.program_id(0)) * C + tl.arange(0, C)
+    du = _key_side(K, UR, LSE, DA, DD, DKEYS, DU, bh, keys, lo, hi, T, DK, HID, scale, C, BK, BHID, PRECISION)
+    _put(DU, bh, keys, tl.arange(0, BHID), T, HID, du)
 
 
 @triton.jit
@@ -296,14 +299,13 @@ class _SideStream:
         self.events: dict = {}
 
     @contextlib.contextmanager
-    def after(self, mark, then) -> Iterator[None]:
-        """Launches on the side stream once the current stream reaches this point (``mark``); event ``then``
-        marks their end."""
+    def side_launches(self, then) -> Iterator[None]:
+        """Launches on the side stream once the current stream reaches this point; event ``then`` marks
+        their end."""
         if self.side is None:
             yield
             return
-        self.events[mark] = self.main.record_event()
-        self.side.wait_event(self.events[mark])
+        self.side.wait_event(self.main.record_event())
         with torch.cuda.stream(self.side):
             yield
         self.events[then] = self.side.record_event()
@@ -394,7 +396,7 @@ def key_pass_forward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tensor
                    acc, m, lo, T, BH, DK, DV, HID, scale, *clipped, WRITE_READ=u_read is not u, **step)
         far = lo + 2 * S  # the group after next reads this one and every earlier one beside the next group
         if far < N:
-            with side.after(("steps", g), then=("far", g + 2)):
+            with side.side_launches(then=("far", g + 2)):
                 reads(far, 0, lo + S, fresh=True)
     side.join()
     return u, sig, er, w1s, u_read, a, lse
@@ -433,7 +435,7 @@ def key_pass_backward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tenso
             side.wait(("far", g + 1))
             key_side(lo - S, S, lo, top)
             if lo > S:
-                with side.after(("steps", g), then=("far", g)):
+                with side.side_launches(then=("far", g)):
                     key_side(0, lo - S, lo, top)
     side.join()
     if N > 1:  # chunk 0 reads nothing
