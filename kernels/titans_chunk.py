@@ -226,10 +226,53 @@ def _inputs_of_reads(spec, q, hidden):
     return {n: (hidden if n == "w1" else q) for n in spec.shapes}
 
 
+def _sliced_forward_wanted(spec, q, k) -> bool:
+    """Whether the chunk's forward runs as the hidden-layer slices of :mod:`.titans_chunk_forward_triton`:
+    on the Triton backend, for the memories and chunk sizes it covers (``MNEMO_CHUNK_FORWARD=torch``
+    keeps the cuBLAS forward, to compare the two)."""
+    if os.environ.get("MNEMO_CHUNK_FORWARD", "triton") == "torch" or q.dtype != torch.float32:
+        return False
+    from .titans_chunk_forward_triton import covers
+
+    return covers(spec, q.shape[-2], k.shape[-2]) and resolve_backend(q, has_triton_impl=True) == "triton"
+
+
+def _from_parts(spec, parts, lead, k):
+    """The factors, intermediates and read products of the backward from the sliced forward's
+    :class:`~.titans_chunk_forward_triton.ForwardParts` (``(G, ...)``, viewed as ``lead + ...``)."""
+    view = lambda x: None if x is None else x.view(*lead, *x.shape[1:])  # noqa: E731
+    pre, back, e, err, scale = map(view, (parts.pre, parts.back, parts.e, parts.err, parts.scale))
+    act = F.gelu(pre)
+    clipped = spec.grad_clip is not None
+    factors = {"w1": (err * scale[..., None] if clipped else err, act),
+               "w2": (e * scale[..., None] if clipped else e, k)}
+    inner = dict(pre=pre, back=back, slope=gelu_derivative(pre), hidden_pre=view(parts.hidden_pre),
+                 hidden=view(parts.hidden))
+    if clipped:
+        inner["raw"] = {"w1": err, "w2": e}
+    saved = {"w2": (view(parts.qw), view(parts.qs), view(parts.qk)),
+             "w1": (view(parts.hw), view(parts.hs), view(parts.p))}
+    return factors, inner, saved
+
+
 class _ChunkMemory(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, momentum, m, *tensors):
         names, W, S, q, k, v, a, b, c, sa_last, sc_last = _unpack(spec, momentum, m, tensors)
+        ctx.spec, ctx.momentum, ctx.m = spec, momentum, m
+        ctx.save_for_backward(*tensors)
+        if _sliced_forward_wanted(spec, q, k):
+            from .titans_chunk_forward_triton import chunk_forward
+
+            lead = q.shape[:2]
+            flat = lambda x: None if x is None else x.flatten(0, 1)  # noqa: E731
+            y, W_new, S_new, ctx.parts = chunk_forward(
+                spec, {n: flat(w) for n, w in W.items()}, {n: flat(w) for n, w in S.items()} if momentum else None,
+                *map(flat, (q, k, v, a, b, c, sa_last, sc_last)))
+            ctx.lead = lead
+            out = [W_new[n] for n in names] + ([S_new[n] for n in names] if momentum else [])
+            return (y.view(*lead, *y.shape[1:]), *(t.view(*lead, *t.shape[1:]) for t in out))
+        ctx.parts = None
         factors, inner = _factors(spec, W, k, v)
         if spec.grad_clip is not None:
             inner["raw"] = {n: A for n, (A, _) in factors.items()}
@@ -262,10 +305,8 @@ class _ChunkMemory(torch.autograd.Function):
                 S_new.append(S_n)
 
         # Intermediates only ride on ctx (no input or output: those are saved tensors).
-        ctx.spec, ctx.momentum, ctx.m = spec, momentum, m
         ctx.factors = {n: (A, None if Bf is k else Bf) for n, (A, Bf) in factors.items()}
         ctx.inner, ctx.saved = inner, saved
-        ctx.save_for_backward(*tensors)
         return (y, *W_new, *S_new)
 
     @staticmethod
@@ -277,8 +318,11 @@ class _ChunkMemory(torch.autograd.Function):
     def _backward(ctx, d_y, *d_new):
         spec, momentum, m = ctx.spec, ctx.momentum, ctx.m
         names, W, S, q, k, v, a, b, c, sa_last, sc_last = _unpack(spec, momentum, m, ctx.saved_tensors)
-        factors = {n: (A, k if Bf is None else Bf) for n, (A, Bf) in ctx.factors.items()}
-        inner, saved = ctx.inner, ctx.saved
+        if ctx.parts is not None:
+            factors, inner, saved = _from_parts(spec, ctx.parts, ctx.lead, k)
+        else:
+            factors = {n: (A, k if Bf is None else Bf) for n, (A, Bf) in ctx.factors.items()}
+            inner, saved = ctx.inner, ctx.saved
         Sn = (lambda n: S[n]) if momentum else (lambda n: None)
         dW_new = dict(zip(names, d_new[:m]))
         dS_new = dict(zip(names, d_new[m:2 * m])) if momentum else None

@@ -207,3 +207,102 @@ def test_triton_step_update_equals_the_torch_one(first):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
     assert torch.equal(got[0][1], W[1]) and torch.equal(got[1][1], S[1]) and torch.equal(got[2][1], C[1])
     assert torch.equal(got[2][0], W[0] if first else C[0])
+
+
+SLICED = {
+    "l2": TitansMemorySpec(depth=2, d_k=24, d_v=24, expansion=2),
+    "dot": TitansMemorySpec(depth=2, d_k=24, d_v=24, expansion=2, objective="dot"),
+    # clips near the median of the problem's per-token gradient norms (l2: 370 to 1830, dot: 40 to 100)
+    "l2_clip": TitansMemorySpec(depth=2, d_k=24, d_v=24, expansion=2, grad_clip=1000.0),
+    "dot_clip": TitansMemorySpec(depth=2, d_k=24, d_v=24, expansion=2, objective="dot", grad_clip=70.0),
+}
+
+
+@pytest.mark.parametrize("momentum", [True, False], ids=["momentum", "plain"])
+@pytest.mark.parametrize("name", list(SLICED))
+def test_the_sliced_triton_forward_equals_the_torch_chunk(name, momentum, monkeypatch):
+    """The forward split along the hidden layer (three slices of 16, key width in blocks of 16 with a
+    partial last one, 12 queries over 20 written tokens) against the cuBLAS path, values and every
+    gradient (the backward is fed from the slices' intermediates). float32, relative error 1e-5."""
+    pytest.importorskip("triton")
+    from mnemo.kernels import titans_chunk_forward_triton as sliced
+    from mnemo.kernels import use_backend
+
+    monkeypatch.setitem(sliced.BLOCKS, "slice", 16)
+    monkeypatch.setitem(sliced.BLOCKS, "width", 16)
+    spec = SLICED[name]
+    assert sliced.covers(spec, 12, 20)
+    gen = torch.Generator().manual_seed(5)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEVICE).requires_grad_()  # noqa: E731
+    B_, H_, C_, K_ = 2, 2, 12, 20
+    W = {n: r(B_, H_, *s, scale=0.5) for n, s in spec.shapes.items()}
+    S = {n: r(B_, H_, *s, scale=0.1) for n, s in spec.shapes.items()} if momentum else None
+    q, k, v = r(B_, H_, C_, 24), r(B_, H_, K_, 24), r(B_, H_, K_, 24)
+    a, b, c, sa, sc = r(B_, H_, C_), r(B_, H_, C_), r(B_, H_, C_, K_), r(B_, H_), r(B_, H_, K_)
+    gates = (a, b, c, sa, sc) if momentum else (a, None, c, None, None)
+    leaves = [*W.values(), *(S.values() if momentum else ()), q, k, v, *(x for x in gates if x is not None)]
+    names = list(spec.shapes)
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    it = iter(exact)
+    W64 = {n: next(it) for n in names}
+    S64 = {n: next(it) for n in names} if momentum else None
+    q64, k64, v64 = next(it), next(it), next(it)
+    gates64 = tuple(None if x is None else next(it) for x in gates)
+    runs = {"torch": (leaves, W, S, q, k, v, gates), "triton": (leaves, W, S, q, k, v, gates),
+            "exact": (exact, W64, S64, q64, k64, v64, gates64)}
+    outputs, grads = {}, {}
+    gen_cot = torch.Generator().manual_seed(6)
+    cotangents = None
+    for run, (ls, W_, S_, q_, k_, v_, g_) in runs.items():
+        with use_backend("triton" if run == "triton" else "torch"):
+            outputs[run] = flat(*chunk_memory(spec, W_, S_, q_, k_, v_, *g_), names)
+            if cotangents is None:
+                cotangents = [torch.randn(t.shape, generator=gen_cot).to(DEVICE) for t in outputs[run]]
+            grads[run] = torch.autograd.grad(outputs[run], ls, [t.to(outputs[run][0].dtype) for t in cotangents])
+
+    def error(x, y):
+        return ((x.double() - y).abs().max() / y.abs().max()).item()
+
+    # Both float32 paths sum in their own order: each is held to the float64 result, the sliced one
+    # within 4x the cuBLAS path's own error (and 1e-6 of the largest value, which float32 cannot beat).
+    for what, got, ref, want in (("output", outputs["triton"], outputs["torch"], outputs["exact"]),
+                                 ("gradient of leaf", grads["triton"], grads["torch"], grads["exact"])):
+        for i, (x, y, z) in enumerate(zip(got, ref, want)):
+            bound = max(4 * error(y, z), 1e-6)
+            assert error(x, z) < bound, f"{what} {i}: relative error {error(x, z):.1e} (cuBLAS path {error(y, z):.1e})"
+    if spec.grad_clip is not None:  # the clip binds on some tokens and not on others
+        from mnemo.kernels.titans import _raw_grad_factors
+        from mnemo.kernels.norms import clip_scale
+
+        raw = _raw_grad_factors(spec, W, k, v)
+        scale = clip_scale(sum(x.pow(2).sum(-1) * y.pow(2).sum(-1) for x, y in raw.values()), spec.grad_clip)
+        assert 0 < int((scale < 1).sum()) < scale.numel()
+
+
+def test_the_sliced_forward_is_taken_where_it_covers_the_memory(monkeypatch):
+    """On the Triton backend a covered chunk runs through the sliced forward (and ``MNEMO_CHUNK_FORWARD=torch``
+    keeps cuBLAS); a memory with a linear skip is not covered."""
+    pytest.importorskip("triton")
+    from mnemo.kernels import titans_chunk, use_backend
+
+    calls = []
+    import mnemo.kernels.titans_chunk_forward_triton as sliced
+
+    real = sliced.chunk_forward
+    monkeypatch.setattr(sliced, "chunk_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    spec = SLICED["l2_clip"]
+    x = torch.zeros(1, 1, 4, 24, device=DEVICE)
+    with use_backend("triton"):
+        assert titans_chunk._sliced_forward_wanted(spec, x, x)
+        monkeypatch.setenv("MNEMO_CHUNK_FORWARD", "torch")
+        assert not titans_chunk._sliced_forward_wanted(spec, x, x)
+        monkeypatch.delenv("MNEMO_CHUNK_FORWARD")
+        assert not titans_chunk._sliced_forward_wanted(SPECS["mlp_skip_l2"], x[..., :5], x[..., :5])
+        assert not titans_chunk._sliced_forward_wanted(spec, x.double(), x.double())
+    with use_backend("torch"):
+        assert not titans_chunk._sliced_forward_wanted(spec, x, x)
+    W = {n: torch.randn(1, 1, *s, device=DEVICE) for n, s in spec.shapes.items()}
+    g = torch.rand(1, 1, 4, device=DEVICE)
+    with use_backend("triton"):
+        chunk_memory(spec, W, None, x, x, x, g, None, torch.rand(1, 1, 4, 4, device=DEVICE), None, None)
+    assert calls == [1]

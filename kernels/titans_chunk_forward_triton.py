@@ -1,0 +1,401 @@
+"""Triton forward of one chunk of an MLP memory, split along the hidden layer.
+
+:func:`~.titans_chunk.chunk_memory` with cuBLAS runs a chunk of the depth-2 memory
+``M(z) = z + W1 gelu(W2 z)`` as about a dozen weight-sized matmuls of ``(chunk,
+width)`` rows and a few dozen element-wise kernels on ``(chunk, hidden)`` rows. With
+16K tokens at T=8192 there are 128 chunks in sequence and every one of those kernels
+is a few microseconds of launch for a few microseconds of work.
+
+Everything a chunk computes is either local to a slice of the hidden layer (columns
+``j`` of ``W1``, rows ``j`` of ``W2`` and of their momenta, the hidden activations
+``j``) or a sum over slices of ``(chunk, width)``-sized terms. So a chunk is five
+launches, each over ``(hidden slices, batch * heads)`` programs or over blocks of rows
+(and of the width, for the output):
+
+1. :func:`_pre_kernel`: ``pre = k W2^T``, ``q W2^T``, ``q S2^T`` of the slice, the
+   slice's share of the prediction ``gelu(pre) W1^T`` and of ``||gelu(pre)||^2``;
+   the first slice also writes ``q k^T``.
+2. :func:`_error_kernel` (rows): the error ``dL/dM(k)`` from the summed shares, and
+   the squared norms the clip needs.
+3. :func:`_back_kernel`: the slice's ``back = err W1`` and factor ``e = back * gelu'(pre)``.
+4. :func:`_read_update_kernel`: the clip's scale; the queries' hidden layer through the
+   online weights, its shares of ``h W1^T``, ``h S1^T`` and ``h gelu(pre)^T``; and the
+   slice's final weights and momenta, written once.
+5. :func:`_output_kernel` (rows): the shares summed, and the read ``y``.
+
+The shares are summed by a fixed loop, not atomics, so results are the same from run
+to run. The intermediates a backward needs (``pre``, ``back``, ``e``, the hidden
+layer and the read's products) are outputs, in :class:`ForwardParts`.
+
+No product takes a transposed product's result: operands needed transposed are
+loaded transposed from memory (see TRITON_NOTES.md on Triton 3.4-3.7.0 on Hopper).
+
+On an H100 at the benchmark shape (4 heads x 256, MLP x4, chunk 64, 16K tokens) the
+chunked forward takes 21.8 / 34.1 ms at T=2048 / 8192 against 30.2 / 47.7 ms through
+cuBLAS (RESULTS.md). The read-and-update launch is most of it (220 / 82 us per chunk,
+about 2.5x the time to stream the weights and momenta in and out once): its programs
+hold a slice's hidden layer and activations through eight products and spill registers.
+
+Scope (:func:`covers`): depth 2 without gate or linear skip, objectives ``l2`` and
+``dot``, any clip, with or without momentum, float32. Shapes as in
+:mod:`.titans_chunk`: weights ``w1 (G, d, F)``, ``w2 (G, F, d)``, ``q (G, C, d)``,
+``k, v (G, K, d)``, ``c (G, C, K)``, with ``G = batch * heads``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["ForwardParts", "covers", "chunk_forward"]
+
+# Slice of the hidden layer per program, block of the key width per step, rows per program of the
+# output's and the error's row kernels, warps (the update's apart) and pipeline stages. Module-level
+# so that tests can shrink them. Swept on an H100 (RESULTS.md): slices of 32 were 1.2-1.5x slower
+# in the forward, 8 warps for the update 1.1-1.2x slower (fewer spills, fewer programs per SM).
+BLOCKS = {"slice": 64, "width": 64, "rows": 16, "error_rows": 4, "warps": 4, "update_warps": 4, "stages": 2}
+
+
+def covers(spec, C: int, K: int) -> bool:
+    """Whether :func:`chunk_forward` computes this memory and chunk."""
+    return (spec.depth == 2 and not spec.gated and not spec.linear_skip and C <= 128 and K <= 128)
+
+
+def _precision() -> str:
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+@triton.jit
+def _gelu(x):
+    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def _gelu_slope(x):
+    return 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
+
+
+@triton.jit
+def _pre_kernel(Q, Kx, W1, W2, S2, PRE, QW, QS, QK, PART_PRED, PART_A2, C, K, D, F,
+                HAS_S: tl.constexpr, L2: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+    j = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    ns = tl.num_programs(0)
+    rf = j * BF + tl.arange(0, BF)
+    rk, rc = tl.arange(0, BK), tl.arange(0, BC)
+    mf, mk, mc = rf < F, rk < K, rc < C
+    pre = tl.zeros((BK, BF), tl.float32)
+    qw = tl.zeros((BC, BF), tl.float32)
+    qs = tl.zeros((BC, BF), tl.float32)
+    for d0 in range(0, D, BD):
+        rd = d0 + tl.arange(0, BD)
+        md = rd < D
+        kk = tl.load(Kx + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
+        qq = tl.load(Q + g * C * D + rc[:, None] * D + rd[None, :], mask=mc[:, None] & md[None, :], other=0.0)
+        w2t = tl.load(W2 + g * F * D + rf[None, :] * D + rd[:, None], mask=md[:, None] & mf[None, :], other=0.0)
+        pre += tl.dot(kk, w2t, input_precision=PRECISION)
+        qw += tl.dot(qq, w2t, input_precision=PRECISION)
+        if HAS_S:
+            s2t = tl.load(S2 + g * F * D + rf[None, :] * D + rd[:, None], mask=md[:, None] & mf[None, :], other=0.0)
+            qs += tl.dot(qq, s2t, input_precision=PRECISION)
+    kf = mk[:, None] & mf[None, :]
+    cf = mc[:, None] & mf[None, :]
+    tl.store(PRE + g * K * F + rk[:, None] * F + rf[None, :], pre, mask=kf)
+    tl.store(QW + g * C * F + rc[:, None] * F + rf[None, :], qw, mask=cf)
+    if HAS_S:
+        tl.store(QS + g * C * F + rc[:, None] * F + rf[None, :], qs, mask=cf)
+    act = _gelu(pre)
+    tl.store(PART_A2 + (g * ns + j) * K + rk, tl.sum(act * act, 1), mask=mk)
+    if L2:
+        for d0 in range(0, D, BD):
+            rd = d0 + tl.arange(0, BD)
+            md = rd < D
+            w1t = tl.load(W1 + g * D * F + rd[None, :] * F + rf[:, None], mask=mf[:, None] & md[None, :], other=0.0)
+            part = tl.dot(act, w1t, input_precision=PRECISION)
+            tl.store(PART_PRED + ((g * ns + j) * K + rk[:, None]) * D + rd[None, :], part,
+                     mask=mk[:, None] & md[None, :])
+    if j == 0:
+        qk = tl.zeros((BC, BK), tl.float32)
+        for d0 in range(0, D, BD):
+            rd = d0 + tl.arange(0, BD)
+            md = rd < D
+            qq = tl.load(Q + g * C * D + rc[:, None] * D + rd[None, :], mask=mc[:, None] & md[None, :], other=0.0)
+            kt = tl.load(Kx + g * K * D + rk[None, :] * D + rd[:, None], mask=md[:, None] & mk[None, :], other=0.0)
+            qk += tl.dot(qq, kt, input_precision=PRECISION)
+        tl.store(QK + g * C * K + rc[:, None] * K + rk[None, :], qk, mask=mc[:, None] & mk[None, :])
+
+
+@triton.jit
+def _error_kernel(Kx, V, PART_PRED, PART_A2, ERR, ERR2, K2, A2, K, D, NS,
+                  L2: tl.constexpr, BR: tl.constexpr, BDF: tl.constexpr):
+    g = tl.program_id(1).to(tl.int64)
+    rr = tl.program_id(0) * BR + tl.arange(0, BR)
+    rd = tl.arange(0, BDF)
+    mr, md = rr < K, rd < D
+    m = mr[:, None] & md[None, :]
+    offs = g * K * D + rr[:, None] * D + rd[None, :]
+    kk = tl.load(Kx + offs, mask=m, other=0.0)
+    vv = tl.load(V + offs, mask=m, other=0.0)
+    a2 = tl.zeros((BR,), tl.float32)
+    if L2:
+        pred = kk
+        for j in range(NS):
+            pred += tl.load(PART_PRED + ((g * NS + j) * K + rr[:, None]) * D + rd[None, :], mask=m, other=0.0)
+        err = 2.0 * (pred - vv)
+    else:
+        err = -vv
+    for j in range(NS):
+        a2 += tl.load(PART_A2 + (g * NS + j) * K + rr, mask=mr, other=0.0)
+    tl.store(ERR + offs, err, mask=m)
+    tl.store(ERR2 + g * K + rr, tl.sum(err * err, 1), mask=mr)
+    tl.store(K2 + g * K + rr, tl.sum(kk * kk, 1), mask=mr)
+    tl.store(A2 + g * K + rr, a2, mask=mr)
+
+
+@triton.jit
+def _back_kernel(ERR, W1, PRE, BACK, E, PART_E2, K, D, F,
+                 BK: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+    j = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    ns = tl.num_programs(0)
+    rf = j * BF + tl.arange(0, BF)
+    rk = tl.arange(0, BK)
+    mf, mk = rf < F, rk < K
+    back = tl.zeros((BK, BF), tl.float32)
+    for d0 in range(0, D, BD):
+        rd = d0 + tl.arange(0, BD)
+        md = rd < D
+        err = tl.load(ERR + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
+        w1 = tl.load(W1 + g * D * F + rd[:, None] * F + rf[None, :], mask=md[:, None] & mf[None, :], other=0.0)
+        back += tl.dot(err, w1, input_precision=PRECISION)
+    kf = mk[:, None] & mf[None, :]
+    offs = g * K * F + rk[:, None] * F + rf[None, :]
+    e = back * _gelu_slope(tl.load(PRE + offs, mask=kf, other=0.0))
+    tl.store(BACK + offs, back, mask=kf)
+    tl.store(E + offs, e, mask=kf)
+    tl.store(PART_E2 + (g * ns + j) * K + rk, tl.sum(e * e, 1), mask=mk)
+
+
+@triton.jit
+def _clip_scale(PART_E2, ERR2, K2, A2, g, rk, mk, K, NS, CLIP: tl.constexpr, clip, BK: tl.constexpr):
+    """The clip's per-token scale ``min(1, clip / ||grad||)``: one for every token without a clip."""
+    if CLIP:
+        e2 = tl.zeros((BK,), tl.float32)
+        for j in range(NS):
+            e2 += tl.load(PART_E2 + (g * NS + j) * K + rk, mask=mk, other=0.0)
+        n2 = tl.load(A2 + g * K + rk, mask=mk, other=0.0) * tl.load(ERR2 + g * K + rk, mask=mk, other=0.0)
+        n2 += e2 * tl.load(K2 + g * K + rk, mask=mk, other=0.0)
+        return tl.minimum(clip / tl.sqrt(tl.maximum(n2, 1e-30)), 1.0)
+    return tl.full((BK,), 1.0, tl.float32)
+
+
+@triton.jit
+def _read_update_kernel(Kx, W1, W2, S1, S2, W1_OUT, W2_OUT, S1_OUT, S2_OUT, PRE, E, ERR, QW, QS, QK,
+                        GA, GB, GC, SA, SC, PART_E2, ERR2, K2, A2, SCALE, HP, H, PART_HW, PART_HS, PART_P,
+                        clip, C, K, D, F,
+                        HAS_S: tl.constexpr, CLIP: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                        BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+    j = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    ns = tl.num_programs(0)
+    rf = j * BF + tl.arange(0, BF)
+    rk, rc = tl.arange(0, BK), tl.arange(0, BC)
+    mf, mk, mc = rf < F, rk < K, rc < C
+    s = _clip_scale(PART_E2, ERR2, K2, A2, g, rk, mk, K, ns, CLIP, clip, BK)
+    if j == 0:
+        tl.store(SCALE + g * K + rk, s, mask=mk)
+    kf = mk[:, None] & mf[None, :]
+    cf = mc[:, None] & mf[None, :]
+    ck = mc[:, None] & mk[None, :]
+    # The queries' hidden layer through every token's online weights.
+    a = tl.load(GA + g * C + rc, mask=mc, other=0.0)
+    e = tl.load(E + g * K * F + rk[:, None] * F + rf[None, :], mask=kf, other=0.0)
+    coef = tl.load(GC + g * C * K + rc[:, None] * K + rk[None, :], mask=ck, other=0.0)
+    qk = tl.load(QK + g * C * K + rc[:, None] * K + rk[None, :], mask=ck, other=0.0)
+    cf_offs = g * C * F + rc[:, None] * F + rf[None, :]
+    hp = a[:, None] * tl.load(QW + cf_offs, mask=cf, other=0.0)
+    hp += tl.dot(coef * qk * s[None, :], e, input_precision=PRECISION)
+    if HAS_S:
+        b = tl.load(GB + g * C + rc, mask=mc, other=0.0)
+        hp += b[:, None] * tl.load(QS + cf_offs, mask=cf, other=0.0)
+    h = _gelu(hp)
+    tl.store(HP + cf_offs, hp, mask=cf)
+    tl.store(H + cf_offs, h, mask=cf)
+    act = _gelu(tl.load(PRE + g * K * F + rk[:, None] * F + rf[None, :], mask=kf, other=0.0))
+    act_t = _gelu(tl.load(PRE + g * K * F + rk[None, :] * F + rf[:, None], mask=mf[:, None] & mk[None, :], other=0.0))
+    tl.store(PART_P + ((g * ns + j) * C + rc[:, None]) * K + rk[None, :],
+             tl.dot(h, act_t, input_precision=PRECISION), mask=ck)
+    # The final update's coefficients: the last query's row, and the momentum's.
+    a_last = tl.load(GA + g * C + C - 1)
+    c_last = tl.load(GC + g * C * K + (C - 1) * K + rk, mask=mk, other=0.0) * s
+    if HAS_S:
+        b_last = tl.load(GB + g * C + C - 1)
+        sa = tl.load(SA + g)
+        sc = tl.load(SC + g * K + rk, mask=mk, other=0.0) * s
+    # W1 and S1 (D, F): tiles of rows rd, columns rf; the read takes them transposed.
+    for d0 in range(0, D, BD):
+        rd = d0 + tl.arange(0, BD)
+        md = rd < D
+        m1 = md[:, None] & mf[None, :]
+        m1t = mf[:, None] & md[None, :]
+        o1 = g * D * F + rd[:, None] * F + rf[None, :]
+        o1t = g * D * F + rd[None, :] * F + rf[:, None]
+        cd = mc[:, None] & md[None, :]
+        part = ((g * ns + j) * C + rc[:, None]) * D + rd[None, :]
+        tl.store(PART_HW + part, tl.dot(h, tl.load(W1 + o1t, mask=m1t, other=0.0), input_precision=PRECISION),
+                 mask=cd)
+        if HAS_S:
+            tl.store(PART_HS + part,
+                     tl.dot(h, tl.load(S1 + o1t, mask=m1t, other=0.0), input_precision=PRECISION), mask=cd)
+        err_t = tl.load(ERR + g * K * D + rk[None, :] * D + rd[:, None], mask=md[:, None] & mk[None, :], other=0.0)
+        w1_new = a_last * tl.load(W1 + o1, mask=m1, other=0.0)
+        w1_new += tl.dot(err_t * c_last[None, :], act, input_precision=PRECISION)
+        if HAS_S:
+            s1 = tl.load(S1 + o1, mask=m1, other=0.0)
+            w1_new += b_last * s1
+            tl.store(S1_OUT + o1, sa * s1 + tl.dot(err_t * sc[None, :], act, input_precision=PRECISION), mask=m1)
+        tl.store(W1_OUT + o1, w1_new, mask=m1)
+    # W2 and S2 (F, D): tiles of rows rf, columns rd.
+    e_t = tl.load(E + g * K * F + rk[None, :] * F + rf[:, None], mask=mf[:, None] & mk[None, :], other=0.0)
+    e_last = e_t * c_last[None, :]
+    if HAS_S:
+        e_mom = e_t * sc[None, :]
+    for d0 in range(0, D, BD):
+        rd = d0 + tl.arange(0, BD)
+        md = rd < D
+        m2 = mf[:, None] & md[None, :]
+        o2 = g * F * D + rf[:, None] * D + rd[None, :]
+        kk = tl.load(Kx + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
+        w2_new = a_last * tl.load(W2 + o2, mask=m2, other=0.0) + tl.dot(e_last, kk, input_precision=PRECISION)
+        if HAS_S:
+            s2 = tl.load(S2 + o2, mask=m2, other=0.0)
+            w2_new += b_last * s2
+            tl.store(S2_OUT + o2, sa * s2 + tl.dot(e_mom, kk, input_precision=PRECISION), mask=m2)
+        tl.store(W2_OUT + o2, w2_new, mask=m2)
+
+
+@triton.jit
+def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, P, Y, C, K, D, NS,
+                   HAS_S: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """Program ``(r, w)``: rows block ``r`` of the chunk's queries, block ``w`` of the value width."""
+    g = tl.program_id(2).to(tl.int64)
+    w = tl.program_id(1)
+    rr = tl.program_id(0) * BR + tl.arange(0, BR)
+    rd, rk = w * BD + tl.arange(0, BD), tl.arange(0, BK)
+    mr, md, mk = rr < C, rd < D, rk < K
+    m = mr[:, None] & md[None, :]
+    mp = mr[:, None] & mk[None, :]
+    hw = tl.zeros((BR, BD), tl.float32)
+    hs = tl.zeros((BR, BD), tl.float32)
+    p = tl.zeros((BR, BK), tl.float32)
+    for j in range(NS):
+        part = ((g * NS + j) * C + rr[:, None]) * D + rd[None, :]
+        hw += tl.load(PART_HW + part, mask=m, other=0.0)
+        if HAS_S:
+            hs += tl.load(PART_HS + part, mask=m, other=0.0)
+        p += tl.load(PART_P + ((g * NS + j) * C + rr[:, None]) * K + rk[None, :], mask=mp, other=0.0)
+    offs = g * C * D + rr[:, None] * D + rd[None, :]
+    tl.store(HW + offs, hw, mask=m)
+    if w == 0:
+        tl.store(P + g * C * K + rr[:, None] * K + rk[None, :], p, mask=mp)
+    a = tl.load(GA + g * C + rr, mask=mr, other=0.0)
+    y = tl.load(Q + offs, mask=m, other=0.0) + a[:, None] * hw
+    if HAS_S:
+        tl.store(HS + offs, hs, mask=m)
+        y += tl.load(GB + g * C + rr, mask=mr, other=0.0)[:, None] * hs
+    s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
+    coef = tl.load(GC + g * C * K + rr[:, None] * K + rk[None, :], mask=mp, other=0.0)
+    err = tl.load(ERR + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
+    y += tl.dot(coef * p * s[None, :], err, input_precision=PRECISION)
+    tl.store(Y + offs, y, mask=m)
+
+
+@dataclass
+class ForwardParts:
+    """What the chunk's forward computed on the way, ``(G, ...)``: the backward's inputs.
+
+    ``pre = k W2^T``, ``back = err W1``, ``e = back * gelu'(pre)`` (the unclipped ``w2``
+    factor), ``err`` (the unclipped ``w1`` factor), ``scale`` (the clip's, ones without
+    one), ``qw = q W2^T``, ``qs = q S2^T``, ``qk = q k^T``, the hidden layer ``hidden_pre``
+    and ``hidden``, and ``hw = hidden W1^T``, ``hs = hidden S1^T``, ``p = hidden gelu(pre)^T``.
+    ``qs`` and ``hs`` are ``None`` without momentum.
+    """
+
+    pre: torch.Tensor
+    back: torch.Tensor
+    e: torch.Tensor
+    err: torch.Tensor
+    scale: torch.Tensor
+    qw: torch.Tensor
+    qs: torch.Tensor | None
+    qk: torch.Tensor
+    hidden_pre: torch.Tensor
+    hidden: torch.Tensor
+    hw: torch.Tensor
+    hs: torch.Tensor | None
+    p: torch.Tensor
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def chunk_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] | None, q: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor,
+                  sa_last: torch.Tensor | None, sc_last: torch.Tensor | None):
+    """The chunk's read ``y (G, C, d)``, final weights and momenta (dicts of ``(G, ...)``, ``None``
+    without momentum) and its :class:`ForwardParts`; arguments flattened to ``G = batch * heads``.
+
+    The same values as :func:`~.titans_chunk.chunk_memory`'s PyTorch path, summed in another order."""
+    G, C, D = q.shape
+    K, F = k.shape[1], spec.hidden
+    has_s = S is not None
+    contiguous = lambda x: None if x is None else x.contiguous()  # noqa: E731
+    q, k, v, a, b, c, sa_last, sc_last = map(contiguous, (q, k, v, a, b, c, sa_last, sc_last))
+    W1, W2 = W["w1"].contiguous(), W["w2"].contiguous()
+    S1, S2 = (S["w1"].contiguous(), S["w2"].contiguous()) if has_s else (W1, W2)
+    BF, BD, BR = min(BLOCKS["slice"], _pow2(F)), min(BLOCKS["width"], _pow2(D)), BLOCKS["rows"]
+    launch = dict(num_warps=BLOCKS["warps"], num_stages=BLOCKS["stages"])
+    BC, BK, BDF = _pow2(C), _pow2(K), _pow2(D)
+    NS = triton.cdiv(F, BF)
+    new = lambda *shape: q.new_empty(*shape)  # noqa: E731
+    pre, back, e = new(G, K, F), new(G, K, F), new(G, K, F)
+    qw, qk = new(G, C, F), new(G, C, K)
+    qs = new(G, C, F) if has_s else qw
+    part_pred, part_a2, part_e2 = new(G, NS, K, D), new(G, NS, K), new(G, NS, K)
+    err, err2, k2, a2, scale = new(G, K, D), new(G, K), new(G, K), new(G, K), new(G, K)
+    hp, h = new(G, C, F), new(G, C, F)
+    part_hw, part_p = new(G, NS, C, D), new(G, NS, C, K)
+    part_hs = new(G, NS, C, D) if has_s else part_hw
+    hw, p, y = new(G, C, D), new(G, C, K), new(G, C, D)
+    hs = new(G, C, D) if has_s else hw
+    W1_out, W2_out = torch.empty_like(W1), torch.empty_like(W2)
+    S1_out, S2_out = (torch.empty_like(W1), torch.empty_like(W2)) if has_s else (W1_out, W2_out)
+    l2, clip = spec.objective == "l2", spec.grad_clip
+    prec = _precision()
+    slices = (NS, G)
+    _pre_kernel[slices](q, k, W1, W2, S2, pre, qw, qs, qk, part_pred, part_a2, C, K, D, F,
+                        HAS_S=has_s, L2=l2, BC=BC, BK=BK, BF=BF, BD=BD, PRECISION=prec, **launch)
+    _error_kernel[(triton.cdiv(K, BLOCKS["error_rows"]), G)](k, v, part_pred, part_a2, err, err2, k2, a2, K, D, NS,
+                                                             L2=l2, BR=BLOCKS["error_rows"], BDF=BDF, **launch)
+    _back_kernel[slices](err, W1, pre, back, e, part_e2, K, D, F, BK=BK, BF=BF, BD=BD, PRECISION=prec,
+                         **launch)
+    gb, gsa, gsc = (b, sa_last, sc_last) if has_s else (a, a, a)
+    _read_update_kernel[slices](k, W1, W2, S1, S2, W1_out, W2_out, S1_out, S2_out, pre, e, err, qw, qs, qk,
+                                a, gb, c, gsa, gsc, part_e2, err2, k2, a2, scale, hp, h, part_hw, part_hs, part_p,
+                                float(clip) if clip is not None else 0.0, C, K, D, F,
+                                HAS_S=has_s, CLIP=clip is not None, BC=BC, BK=BK, BF=BF, BD=BD, PRECISION=prec,
+                                num_warps=BLOCKS["update_warps"], num_stages=BLOCKS["stages"])
+    _output_kernel[(triton.cdiv(C, BR), triton.cdiv(D, BD), G)](q, err, a, gb, c, scale, part_hw, part_hs, part_p, hw, hs, p, y,
+                                                 C, K, D, NS, HAS_S=has_s, BR=BR, BK=BK, BD=BD, PRECISION=prec,
+                                             **launch)
+    parts = ForwardParts(pre=pre, back=back, e=e, err=err, scale=scale, qw=qw, qs=qs if has_s else None, qk=qk,
+                         hidden_pre=hp, hidden=h, hw=hw, hs=hs if has_s else None, p=p)
+    W_new = {"w1": W1_out, "w2": W2_out}
+    S_new = {"w1": S1_out, "w2": S2_out} if has_s else None
+    return y, W_new, S_new, parts
