@@ -79,15 +79,20 @@ def _gelu_slope(x):
 
 
 @triton.jit
+def _slice_program(C, K, F, BC: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr):
+    """A slice program's slice ``j``, row ``g`` (batch * head), slice count, and its hidden columns, key
+    rows and query rows with their masks."""
+    j = tl.program_id(0)
+    rf = j * BF + tl.arange(0, BF)
+    rk, rc = tl.arange(0, BK), tl.arange(0, BC)
+    return j, tl.program_id(1).to(tl.int64), tl.num_programs(0), rf, rk, rc, rf < F, rk < K, rc < C
+
+
+@triton.jit
 def _pre_kernel(Q, Kx, W1, W2, S2, PRE, QW, QS, QK, PART_PRED, PART_A2, C, K, D, F,
                 HAS_S: tl.constexpr, L2: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                 BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
-    j = tl.program_id(0)
-    g = tl.program_id(1).to(tl.int64)
-    ns = tl.num_programs(0)
-    rf = j * BF + tl.arange(0, BF)
-    rk, rc = tl.arange(0, BK), tl.arange(0, BC)
-    mf, mk, mc = rf < F, rk < K, rc < C
+    j, g, ns, rf, rk, rc, mf, mk, mc = _slice_program(C, K, F, BC, BK, BF)
     pre = tl.zeros((BK, BF), tl.float32)
     qw = tl.zeros((BC, BF), tl.float32)
     qs = tl.zeros((BC, BF), tl.float32)
@@ -199,12 +204,7 @@ def _read_update_kernel(Kx, W1, W2, S1, S2, W1_OUT, W2_OUT, S1_OUT, S2_OUT, PRE,
                         clip, C, K, D, F,
                         HAS_S: tl.constexpr, CLIP: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                         BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
-    j = tl.program_id(0)
-    g = tl.program_id(1).to(tl.int64)
-    ns = tl.num_programs(0)
-    rf = j * BF + tl.arange(0, BF)
-    rk, rc = tl.arange(0, BK), tl.arange(0, BC)
-    mf, mk, mc = rf < F, rk < K, rc < C
+    j, g, ns, rf, rk, rc, mf, mk, mc = _slice_program(C, K, F, BC, BK, BF)
     s = _clip_scale(PART_E2, ERR2, K2, A2, g, rk, mk, K, ns, CLIP, clip, BK)
     if j == 0:
         tl.store(SCALE + g * K + rk, s, mask=mk)
