@@ -1,4 +1,8 @@
-"""Compile the DeepTransformer key-pass kernels for a GPU without one: shared memory, registers and spills.
+"""Compile mnemo's Triton kernels for a GPU without one: shared memory, registers and spills.
+
+``--kernels key_pass`` (default): the DeepTransformer key pass; ``--kernels titans_forward``: the sliced
+chunk forward of the Titans memory (:mod:`mnemo.kernels.titans_chunk_forward_triton`, at its default
+blocks, 64-token chunks and a 256-wide key, with momentum, ``l2`` and the clip).
 
 Triton compiles for a named target on any machine (``GPUTarget("cuda", 90, 32)`` is Hopper), and its
 bundled ``ptxas -v`` reports registers and spills. That tells, before a GPU run, whether a launch fits an
@@ -25,18 +29,21 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
 
 from mnemo.kernels import deep_attention_key_pass_triton as key_pass  # noqa: E402
+from mnemo.kernels import titans_chunk_forward_triton as titans_forward  # noqa: E402
 
 INTS = {"m", "first", "lo", "hi", "top", "N", "T", "BH", "DK", "DV", "HID"}
+TITANS_INTS = {"C", "K", "D", "F", "NS"}
 FLOATS = {"scale", "clip"}
 
 
-def signature(fn, reads: str, constants: dict) -> tuple[dict, dict]:
-    """Argument types of a kernel: the reads' tensors in ``reads``, other pointers float32."""
+def signature(fn, reads: str, constants: dict, ints: set = INTS) -> tuple[dict, dict]:
+    """Argument types of a kernel: ``ints`` 32-bit integers, the reads' tensors in ``reads``, other
+    pointers float32."""
     types = {}
     for name in fn.arg_names:
         if name in constants:
             types[name] = "constexpr"
-        elif name in INTS:
+        elif name in ints:
             types[name] = "i32"
         elif name in FLOATS:
             types[name] = "fp32"
@@ -56,8 +63,31 @@ def ptxas_report(ptx: str, arch: int) -> str:
                     if "registers" in line or "spill" in line)
 
 
+def _compile(fn, reads: str, constants: dict, target, warps: int, stages: int, ints: set = INTS) -> dict:
+    types, consts = signature(fn, reads, constants, ints)
+    hints = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if types[name].startswith("*")}
+    kernel = triton_compile(ASTSource(fn, types, consts, hints), target=target,
+                            options=dict(num_warps=warps, num_stages=stages))
+    return dict(shared_bytes=kernel.metadata.shared, ptxas=ptxas_report(kernel.asm["ptx"], target.arch))
+
+
+def titans_forward_rows(target) -> None:
+    blocks = titans_forward.BLOCKS
+    constants = dict(HAS_S=True, L2=True, CLIP=True, BC=64, BK=64, BF=blocks["slice"], BD=blocks["width"],
+                     BR=blocks["rows"], BDF=256, PRECISION="tf32")
+    for fn, warps, extra in ((titans_forward._pre_kernel, blocks["warps"], {}),
+                             (titans_forward._error_kernel, blocks["warps"], dict(BR=blocks["error_rows"])),
+                             (titans_forward._back_kernel, blocks["warps"], {}),
+                             (titans_forward._read_update_kernel, blocks["update_warps"], {}),
+                             (titans_forward._output_kernel, blocks["warps"], {})):
+        row = dict(triton=triton.__version__, arch=target.arch, kernel=fn.__name__, warps=warps)
+        row.update(_compile(fn, "fp32", {**constants, **extra}, target, warps, blocks["stages"], TITANS_INTS))
+        print(json.dumps(row), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", choices=("key_pass", "titans_forward"), default="key_pass")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--chunks", default="64")
     parser.add_argument("--widths", default="64")
@@ -65,6 +95,9 @@ def main():
     parser.add_argument("--reads", default="bf16,fp32")
     args = parser.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
+    if args.kernels == "titans_forward":
+        titans_forward_rows(target)
+        return
     for reads in args.reads.split(","):
         for chunk in map(int, args.chunks.split(",")):
             for width in map(int, args.widths.split(",")):
@@ -76,17 +109,11 @@ def main():
                                warps=warps)
                     bulk = key_pass._bulk_stages(torch.float32 if reads == "fp32" else torch.bfloat16)
                     for label, fn, stages in (("forward", key_pass._forward_step, key_pass._STAGES),
-                                              ("reads", key_pass._forward_reads, bulk),
+                                              ("forward_reads", key_pass._forward_reads, bulk),
                                               ("backward", key_pass._backward_step, key_pass._STAGES),
                                               ("key_side", key_pass._backward_key_side, bulk),
                                               ("query", key_pass._query_gradients, bulk)):
-                        types, consts = signature(fn, reads, constants)
-                        hints = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                                 if types[name].startswith("*")}
-                        kernel = triton_compile(ASTSource(fn, types, consts, hints), target=target,
-                                                options=dict(num_warps=warps, num_stages=stages))
-                        row[label] = dict(shared_bytes=kernel.metadata.shared,
-                                          ptxas=ptxas_report(kernel.asm["ptx"], args.arch))
+                        row[label] = _compile(fn, reads, constants, target, warps, stages)
                     print(json.dumps(row), flush=True)
 
 
