@@ -50,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .titans_chunk_triton import _precision
+
 __all__ = ["ForwardParts", "covers", "chunk_forward"]
 
 # Slice of the hidden layer per program, block of the key width per step, rows per program of the
@@ -62,10 +64,6 @@ BLOCKS = {"slice": 64, "width": 64, "rows": 16, "error_rows": 4, "warps": 4, "up
 def covers(spec, C: int, K: int) -> bool:
     """Whether :func:`chunk_forward` computes this memory and chunk."""
     return (spec.depth == 2 and not spec.gated and not spec.linear_skip and C <= 128 and K <= 128)
-
-
-def _precision() -> str:
-    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 @triton.jit
