@@ -237,6 +237,12 @@ def _sliced_forward_wanted(spec, q, k) -> bool:
     return covers(spec, q.shape[-2], k.shape[-2]) and resolve_backend(q, has_triton_impl=True) == "triton"
 
 
+def _sliced_backward_wanted() -> bool:
+    """Whether a chunk whose forward ran sliced also runs its backward sliced (the default;
+    ``MNEMO_CHUNK_BACKWARD=torch`` takes the written-out PyTorch backward instead, to compare the two)."""
+    return os.environ.get("MNEMO_CHUNK_BACKWARD", "fused") != "torch"
+
+
 def _from_parts(spec, parts, lead, k):
     """The factors, intermediates and read products of the backward from the sliced forward's
     :class:`~.titans_chunk_forward_triton.ForwardParts` (``(G, ...)``, viewed as ``lead + ...``)."""
@@ -318,6 +324,8 @@ class _ChunkMemory(torch.autograd.Function):
     def _backward(ctx, d_y, *d_new):
         spec, momentum, m = ctx.spec, ctx.momentum, ctx.m
         names, W, S, q, k, v, a, b, c, sa_last, sc_last = _unpack(spec, momentum, m, ctx.saved_tensors)
+        if ctx.parts is not None and _sliced_backward_wanted():
+            return _ChunkMemory._sliced_backward(ctx, names, W, S, q, k, a, b, c, sa_last, sc_last, d_y, d_new)
         if ctx.parts is not None:
             factors, inner, saved = _from_parts(spec, ctx.parts, ctx.lead, k)
         else:
@@ -427,3 +435,20 @@ class _ChunkMemory(torch.autograd.Function):
         else:
             d_gates = (da, dc)
         return (None, None, None, *dW, *dS, dq, dk, dv, *d_gates)
+
+    @staticmethod
+    def _sliced_backward(ctx, names, W, S, q, k, a, b, c, sa_last, sc_last, d_y, d_new):
+        """The backward of the sliced forward as its own Triton launches (:mod:`.titans_chunk_backward_triton`)."""
+        from .titans_chunk_backward_triton import chunk_backward
+
+        spec, momentum, m, lead = ctx.spec, ctx.momentum, ctx.m, ctx.lead
+        flat = lambda x: None if x is None else x.flatten(0, 1)  # noqa: E731
+        dW_new = {n: flat(d) for n, d in zip(names, d_new[:m])}
+        dS_new = {n: flat(d) for n, d in zip(names, d_new[m:2 * m])} if momentum else None
+        dW, dS, dq, dk, dv, da, db, dc, dsa, dsc = chunk_backward(
+            spec, {n: flat(w) for n, w in W.items()}, {n: flat(w) for n, w in S.items()} if momentum else None,
+            *map(flat, (q, k, a, b, c, sa_last, sc_last)), ctx.parts, flat(d_y), dW_new, dS_new)
+        view = lambda x: x.view(*lead, *x.shape[1:])  # noqa: E731
+        d_gates = (da, db, dc, dsa, dsc) if momentum else (da, dc)
+        return (None, None, None, *(view(dW[n]) for n in names), *((view(dS[n]) for n in names) if momentum else ()),
+                *map(view, (dq, dk, dv)), *map(view, d_gates))

@@ -321,7 +321,9 @@ class ForwardParts:
     factor), ``err`` (the unclipped ``w1`` factor), ``scale`` (the clip's, ones without
     one), ``qw = q W2^T``, ``qs = q S2^T``, ``qk = q k^T``, the hidden layer ``hidden_pre``
     and ``hidden``, and ``hw = hidden W1^T``, ``hs = hidden S1^T``, ``p = hidden gelu(pre)^T``.
-    ``qs`` and ``hs`` are ``None`` without momentum.
+    ``qs`` and ``hs`` are ``None`` without momentum. The clip's squared norms ride along for
+    its backward: ``a2 = ||gelu(pre)||^2``, ``err2 = ||err||^2``, ``k2 = ||k||^2`` per token
+    and the slices' shares of ``||e||^2``, ``part_e2 (G, slices, K)``.
     """
 
     pre: torch.Tensor
@@ -337,6 +339,10 @@ class ForwardParts:
     hw: torch.Tensor
     hs: torch.Tensor | None
     p: torch.Tensor
+    a2: torch.Tensor
+    err2: torch.Tensor
+    k2: torch.Tensor
+    part_e2: torch.Tensor
 
 
 def _pow2(n: int) -> int:
@@ -393,7 +399,8 @@ def chunk_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] |
                                                  C, K, D, NS, HAS_S=has_s, BR=BR, BK=BK, BD=BD, PRECISION=prec,
                                              **launch)
     parts = ForwardParts(pre=pre, back=back, e=e, err=err, scale=scale, qw=qw, qs=qs if has_s else None, qk=qk,
-                         hidden_pre=hp, hidden=h, hw=hw, hs=hs if has_s else None, p=p)
+                         hidden_pre=hp, hidden=h, hw=hw, hs=hs if has_s else None, p=p,
+                         a2=a2, err2=err2, k2=k2, part_e2=part_e2)
     W_new = {"w1": W1_out, "w2": W2_out}
     S_new = {"w1": S1_out, "w2": S2_out} if has_s else None
     return y, W_new, S_new, parts

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["final_update", "final_update_backward"]
+__all__ = ["final_update", "final_update_backward", "final_update_backward_stacked"]
 
 # Swept on an H100 (RESULTS.md): 32 x 128 tiles, two stages, four warps: 80 / 105 us for the update / its
 # backward at 32 x (256 x 1024) against 150 / 213 us for 64 x 64 tiles with the default three stages.
@@ -139,21 +139,36 @@ def final_update_backward(W: torch.Tensor, S: torch.Tensor | None, dW_new: torch
     lead, (M, N) = W.shape[:-2], W.shape[-2:]
     Wf = _flat(W, -2)
     G = Wf.shape[0]
+    flat = lambda x: None if x is None else _flat(x, len(lead))  # noqa: E731
+    stacked_s = _stack(uses_s, len(lead), G, M, N, Wf) if S is not None else None
+    dW, dS, *dots = final_update_backward_stacked(
+        Wf, _flat(S, -2), _flat(dW_new, -2), _flat(dS_new, -2), flat(a), flat(b), flat(sa),
+        _stack(uses_w, len(lead), G, M, N, Wf), stacked_s)
+    if S is None:
+        return dW.view(W.shape), None, dots[0].view(lead), None, None
+    return dW.view(W.shape), dS.view(W.shape), *(x.view(lead) for x in dots)
+
+
+def final_update_backward_stacked(W: torch.Tensor, S: torch.Tensor | None, dW_new: torch.Tensor,
+                                  dS_new: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor | None,
+                                  sa: torch.Tensor | None, uses_w: tuple[torch.Tensor, torch.Tensor, int],
+                                  uses_s: tuple[torch.Tensor, torch.Tensor, int] | None):
+    """:func:`final_update_backward` on contiguous ``(G, M, N)`` weights, ``(G,)`` gates and uses
+    already stacked: ``(L (G, rows, M), R (G, rows, N), rows)`` (what a kernel wrote in place)."""
+    G, M, N = W.shape
     has_s = S is not None
-    LW, RW, KW = _stack(uses_w, len(lead), G, M, N, Wf)
-    LS, RS, KS = _stack(uses_s, len(lead), G, M, N, Wf) if has_s else (LW, RW, 0)
-    dW = torch.empty_like(Wf)
-    dS = torch.empty_like(Wf) if has_s else dW
+    LW, RW, KW = uses_w
+    LS, RS, KS = uses_s if has_s else (LW, RW, 0)
+    dW = torch.empty_like(W)
+    dS = torch.empty_like(W) if has_s else dW
     grid = _grid(M, N, G)
-    part = Wf.new_zeros(G, grid[0], 3)
-    gates = [_flat(x, len(lead)) if x is not None else _flat(a, len(lead)) for x in (a, b, sa)]
-    Sf = _flat(S, -2) if has_s else Wf
-    dSn = _flat(dS_new, -2) if has_s else Wf
+    part = W.new_zeros(G, grid[0], 3)
+    gates = [(x if x is not None else a).contiguous() for x in (a, b, sa)]
     _final_update_backward_kernel[grid](
-        Wf, Sf, _flat(dW_new, -2), dSn, dW, dS, LW, RW, LS, RS, *gates, part, M, N, KW, KS,
+        W, S if has_s else W, dW_new, dS_new if has_s else W, dW, dS, LW, RW, LS, RS, *gates, part, M, N, KW, KS,
         HAS_S=has_s, BM=_BM, BN=_BN, BK=_BK, PRECISION=_precision(),
         num_warps=_WARPS, num_stages=_STAGES)
-    dots = part.sum(1).view(*lead, 3)
+    dots = part.sum(1)
     if not has_s:
-        return dW.view(W.shape), None, dots[..., 0], None, None
-    return dW.view(W.shape), dS.view(W.shape), dots[..., 0], dots[..., 1], dots[..., 2]
+        return dW, None, dots[:, 0], None, None
+    return dW, dS, dots[:, 0], dots[:, 1], dots[:, 2]

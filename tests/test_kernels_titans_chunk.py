@@ -218,17 +218,19 @@ SLICED = {
 }
 
 
+@pytest.mark.parametrize("slice_", [16, 32], ids=["slices16", "slices32"])
 @pytest.mark.parametrize("momentum", [True, False], ids=["momentum", "plain"])
 @pytest.mark.parametrize("name", list(SLICED))
-def test_the_sliced_triton_forward_equals_the_torch_chunk(name, momentum, monkeypatch):
-    """The forward split along the hidden layer (three slices of 16, key width in blocks of 16 with a
-    partial last one, 12 queries over 20 written tokens) against the cuBLAS path, values and every
-    gradient (the backward is fed from the slices' intermediates). float32, relative error 1e-5."""
+def test_the_sliced_triton_chunk_equals_the_torch_chunk(name, momentum, slice_, monkeypatch):
+    """The forward and backward split along the hidden layer (48 hidden units in three slices of 16, or
+    a slice of 32 and a partial one; key width in blocks of 16 with a partial last one, 12 queries over
+    20 written tokens) against the cuBLAS path and its written-out backward, values and every gradient,
+    each held to float64."""
     pytest.importorskip("triton")
     from mnemo.kernels import titans_chunk_forward_triton as sliced
     from mnemo.kernels import use_backend
 
-    monkeypatch.setitem(sliced.BLOCKS, "slice", 16)
+    monkeypatch.setitem(sliced.BLOCKS, "slice", slice_)
     monkeypatch.setitem(sliced.BLOCKS, "width", 16)
     spec = SLICED[name]
     assert sliced.covers(spec, 12, 20)
@@ -306,3 +308,35 @@ def test_the_sliced_forward_is_taken_where_it_covers_the_memory(monkeypatch):
     with use_backend("triton"):
         chunk_memory(spec, W, None, x, x, x, g, None, torch.rand(1, 1, 4, 4, device=DEVICE), None, None)
     assert calls == [1]
+
+
+def test_the_sliced_backward_follows_the_sliced_forward(monkeypatch):
+    """A chunk whose forward ran sliced runs its backward through the Triton launches;
+    ``MNEMO_CHUNK_BACKWARD=torch`` takes the written-out PyTorch backward, with the same gradients."""
+    pytest.importorskip("triton")
+    import mnemo.kernels.titans_chunk_backward_triton as sliced_backward
+    from mnemo.kernels import titans_chunk_forward_triton as sliced
+    from mnemo.kernels import use_backend
+
+    monkeypatch.setitem(sliced.BLOCKS, "slice", 16)
+    monkeypatch.setitem(sliced.BLOCKS, "width", 16)
+    calls = []
+    real = sliced_backward.chunk_backward
+    monkeypatch.setattr(sliced_backward, "chunk_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    spec = SLICED["l2"]
+    gen = torch.Generator().manual_seed(2)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEVICE).requires_grad_()  # noqa: E731
+    W = {n: r(1, 2, *s, scale=0.5) for n, s in spec.shapes.items()}
+    q, k, v, a, c = r(1, 2, 8, 24), r(1, 2, 8, 24), r(1, 2, 8, 24), r(1, 2, 8), r(1, 2, 8, 8)
+    leaves = [*W.values(), q, k, v, a, c]
+    grads, cotangents = {}, None
+    for choice in ("fused", "torch"):
+        monkeypatch.setenv("MNEMO_CHUNK_BACKWARD", choice)
+        with use_backend("triton"):
+            y, W_new, _ = chunk_memory(spec, W, None, q, k, v, a, None, c, None, None)
+            outputs = [y, *W_new.values()]
+            cotangents = cotangents or [torch.randn(t.shape, generator=gen).to(DEVICE) for t in outputs]
+            grads[choice] = torch.autograd.grad(outputs, leaves, cotangents)
+    assert calls == [1]
+    for i, (x, y) in enumerate(zip(grads["fused"], grads["torch"])):
+        assert ((x - y).abs().max() / y.abs().max()).item() < 1e-5, f"gradient of leaf {i}"

@@ -1,0 +1,488 @@
+"""Triton backward of one chunk of an MLP memory, split along the hidden layer.
+
+The backward of :mod:`.titans_chunk_forward_triton`'s chunk, written out as in
+:mod:`.titans_chunk` (which stays its readable form and its test) and split the same
+way: whatever is local to a slice ``j`` of the hidden layer runs in programs over
+``(slices, batch * heads)``, whatever sums over slices runs in programs over blocks of
+the key width, and the shares are summed by a fixed loop (no atomics: the same bits
+from run to run). The weights' gradients are the final update's backward
+(:func:`~.titans_chunk_triton.final_update_backward_stacked`) over every use of each
+weight, whose factors the launches below write straight into the stacked buffers.
+
+With ``M = dy err^T``, ``N = dhp e^T`` (``dhp``: the gradient of the queries' hidden
+layer before its activation), ``s`` the clip's scale and ``cs, ss`` the last row of
+``c`` and the momentum's coefficients times ``s``:
+
+1. :func:`_slices_kernel`, two programs per slice. The *read* program forms ``M``,
+   ``dh = (a dy) W1 + (b dy) S1 + (M c s) gelu(pre)``, ``dhp``, its share of ``N``,
+   of ``dq`` (``(a dhp) W2 + (b dhp) S2``) and of the gates' row sums, and the read's
+   term of ``de``. The *update* program forms ``M^T``, the final update's terms of
+   ``d gelu(pre)``, ``de``, ``d err`` and ``dk``, and its shares of the clip's row
+   sums.
+2. :func:`_gates_kernel`, one program per row ``g``: ``N``, ``dc``, the momentum
+   coefficients' gradient, ``da``, ``db`` and the clip's backward (four per-token
+   coefficients).
+3. :func:`_width_kernel`: ``dq``, the first terms of ``dk`` and ``d err``, and the
+   factors that are inputs (``a dy``, ``b dy``, ``err``, ``q``, ``k``).
+4. :func:`_chain_kernel` (slices): ``d back``, ``d pre`` and the shares of
+   ``d back W1^T`` (and, for ``dot``, of ``d pre W2``).
+5. :func:`_error_kernel` (width): ``d err``; for ``l2``, ``d pred = 2 d err``,
+   ``dv`` and ``dk``'s identity term.
+6. ``l2`` only: :func:`_prediction_kernel` (slices) adds ``d pred W1`` to ``d pre``
+   and takes its shares of ``d pre W2``; :func:`_sum_kernel` (width) adds them to ``dk``.
+
+No product takes a transposed product's result: operands needed transposed are
+loaded transposed from memory (see TRITON_NOTES.md on Triton 3.4-3.7.0 on Hopper).
+Scope and shapes as in :mod:`.titans_chunk_forward_triton` (:func:`covers`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .titans_chunk_forward_triton import BLOCKS, ForwardParts, _gelu, _gelu_slope, _pow2
+from .titans_chunk_triton import _precision, final_update_backward_stacked
+
+__all__ = ["chunk_backward"]
+
+
+@triton.jit
+def _gelu_curvature(x):
+    """``gelu''(x) = phi(x) (2 - x^2)``."""
+    return tl.exp(-0.5 * x * x) * 0.3989422804014327 * (2.0 - x * x)
+
+
+@triton.jit
+def _ld(ptr, ri, ci, si, sj, mi, mj):
+    """The ``(len(ri), len(ci))`` tile at rows ``ri`` (stride ``si``), columns ``ci`` (stride ``sj``),
+    zeros where masked; strides swapped load a tile transposed."""
+    return tl.load(ptr + ri[:, None] * si + ci[None, :] * sj, mask=mi[:, None] & mj[None, :], other=0.0)
+
+
+@triton.jit
+def _st(ptr, x, ri, ci, si, mi, mj):
+    tl.store(ptr + ri[:, None] * si + ci[None, :], x, mask=mi[:, None] & mj[None, :])
+
+
+@triton.jit
+def _sum_shares(PART, g, NS, n, ri, ci, si, mi, mj, BI: tl.constexpr, BJ: tl.constexpr):
+    """``sum_j PART[g, j]`` on a tile, shares ``(G, NS, n)``-strided (``n`` elements each)."""
+    acc = tl.zeros((BI, BJ), tl.float32)
+    for j in range(NS):
+        acc += _ld(PART + (g * NS + j) * n, ri, ci, si, 1, mi, mj)
+    return acc
+
+
+@triton.jit
+def _read_share(DY, ERR, H, PRE, HP, E, QW, QS, QK, GA, GB, GC, SCALE, W1, S1, W2, S2,
+                M_OUT, L2, LS2, R1, PART_N, PART_DA, PART_DB, DE_READ, PART_DQ,
+                j, g, NS, C, K, D, F, ROWS1,
+                HAS_S: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr,
+                PRECISION: tl.constexpr):
+    rf, rk, rc = j * BF + tl.arange(0, BF), tl.arange(0, BK), tl.arange(0, BC)
+    mf, mk, mc = rf < F, rk < K, rc < C
+    a = tl.load(GA + g * C + rc, mask=mc, other=0.0)
+    b = tl.load(GB + g * C + rc, mask=mc, other=0.0) if HAS_S else a
+    s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
+    m = tl.zeros((BC, BK), tl.float32)
+    dh = tl.zeros((BC, BF), tl.float32)
+    for d0 in range(0, D, BD):
+        rd = d0 + tl.arange(0, BD)
+        md = rd < D
+        dy = _ld(DY + g * C * D, rc, rd, D, 1, mc, md)
+        m += tl.dot(dy, _ld(ERR + g * K * D, rd, rk, 1, D, md, mk), input_precision=PRECISION)
+        dh += tl.dot(dy * a[:, None], _ld(W1 + g * D * F, rd, rf, F, 1, md, mf), input_precision=PRECISION)
+        if HAS_S:
+            dh += tl.dot(dy * b[:, None], _ld(S1 + g * D * F, rd, rf, F, 1, md, mf), input_precision=PRECISION)
+    if j == 0:
+        _st(M_OUT + g * C * K, m, rc, rk, K, mc, mk)
+    coef = _ld(GC + g * C * K, rc, rk, K, 1, mc, mk)
+    act = _gelu(_ld(PRE + g * K * F, rk, rf, F, 1, mk, mf))
+    dh += tl.dot(m * coef * s[None, :], act, input_precision=PRECISION)
+    cf_offs = g * C * F
+    dhp = dh * _gelu_slope(_ld(HP + cf_offs, rc, rf, F, 1, mc, mf))
+    # The factors of W2's and S2's uses: rows 0..C of L2 and LS2.
+    _st(L2 + g * (C + K) * F, a[:, None] * dhp, rc, rf, F, mc, mf)
+    if HAS_S:
+        _st(LS2 + cf_offs, b[:, None] * dhp, rc, rf, F, mc, mf)
+    _st(R1 + g * ROWS1 * F, _ld(H + cf_offs, rc, rf, F, 1, mc, mf), rc, rf, F, mc, mf)
+    share = g * NS + j
+    _st(PART_N + share * C * K, tl.dot(dhp, _ld(E + g * K * F, rf, rk, 1, F, mf, mk), input_precision=PRECISION),
+        rc, rk, K, mc, mk)
+    tl.store(PART_DA + share * C + rc, tl.sum(dhp * _ld(QW + cf_offs, rc, rf, F, 1, mc, mf), 1), mask=mc)
+    if HAS_S:
+        tl.store(PART_DB + share * C + rc, tl.sum(dhp * _ld(QS + cf_offs, rc, rf, F, 1, mc, mf), 1), mask=mc)
+    # The read's term of de: (c qk s)^T dhp, the left operand loaded transposed.
+    cqk_t = _ld(GC + g * C * K, rk, rc, 1, K, mk, mc) * _ld(QK + g * C * K, rk, rc, 1, K, mk, mc) * s[:, None]
+    _st(DE_READ + g * K * F, tl.dot(cqk_t, dhp, input_precision=PRECISION), rk, rf, F, mk, mf)
+    adhp = a[:, None] * dhp
+    bdhp = b[:, None] * dhp
+    for d0 in range(0, D, BD):
+        rd = d0 + tl.arange(0, BD)
+        md = rd < D
+        dq = tl.dot(adhp, _ld(W2 + g * F * D, rf, rd, D, 1, mf, md), input_precision=PRECISION)
+        if HAS_S:
+            dq += tl.dot(bdhp, _ld(S2 + g * F * D, rf, rd, D, 1, mf, md), input_precision=PRECISION)
+        _st(PART_DQ + share * C * D, dq, rc, rd, D, mc, md)
+
+
+@triton.jit
+def _update_share(DY, ERR, Kx, H, PRE, E, GC, SC, SCALE, DW1N, DS1N, DW2N, DS2N,
+                  R1, DACT, DE_UPDATE, PART_Z, PART_DK, PART_R, PART_T,
+                  j, g, NS, C, K, D, F, ROWS1,
+                  HAS_S: tl.constexpr, L2: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr,
+                  BD: tl.constexpr, PRECISION: tl.constexpr):
+    rf, rk, rc = j * BF + tl.arange(0, BF), tl.arange(0, BK), tl.arange(0, BC)
+    mf, mk, mc = rf < F, rk < K, rc < C
+    s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
+    cs = tl.load(GC + g * C * K + (C - 1) * K + rk, mask=mk, other=0.0) * s
+    ss = tl.load(SC + g * K + rk, mask=mk, other=0.0) * s if HAS_S else cs
+    act = _gelu(_ld(PRE + g * K * F, rk, rf, F, 1, mk, mf))
+    if L2:  # the factor of W1's prediction use: rows C+K..C+2K of R1
+        _st(R1 + g * ROWS1 * F + (C + K) * F, act, rk, rf, F, mk, mf)
+    share = g * NS + j
+    mt = tl.zeros((BK, BC), tl.float32)
+    e1 = tl.zeros((BK, BF), tl.float32)
+    e1s = tl.zeros((BK, BF), tl.float32)
+    for d0 in range(0, D, BD):
+        rd = d0 + tl.arange(0, BD)
+        md = rd < D
+        err = _ld(ERR + g * K * D, rk, rd, D, 1, mk, md)
+        mt += tl.dot(err, _ld(DY + g * C * D, rd, rc, 1, D, md, mc), input_precision=PRECISION)
+        e1 += tl.dot(err, _ld(DW1N + g * D * F, rd, rf, F, 1, md, mf), input_precision=PRECISION)
+        z = tl.dot(act * cs[:, None], _ld(DW1N + g * D * F, rf, rd, 1, F, mf, md), input_precision=PRECISION)
+        if HAS_S:
+            e1s += tl.dot(err, _ld(DS1N + g * D * F, rd, rf, F, 1, md, mf), input_precision=PRECISION)
+            z += tl.dot(act * ss[:, None], _ld(DS1N + g * D * F, rf, rd, 1, F, mf, md), input_precision=PRECISION)
+        _st(PART_Z + share * K * D, z, rk, rd, D, mk, md)
+    # d gelu(pre): the read's term (M c s)^T h and the final update's (err cs) dW1' + (err ss) dS1'.
+    mcs_t = mt * _ld(GC + g * C * K, rk, rc, 1, K, mk, mc) * s[:, None]
+    dact = tl.dot(mcs_t, _ld(H + g * C * F, rc, rf, F, 1, mc, mf), input_precision=PRECISION) + cs[:, None] * e1
+    r = tl.sum(act * e1, 1)
+    t = tl.sum(act * e1s, 1)
+    if HAS_S:
+        dact += ss[:, None] * e1s
+    _st(DACT + g * K * F, dact, rk, rf, F, mk, mf)
+    # The W2 terms: de gets cs (k dW2'^T) + ss (k dS2'^T); dk gets (e cs) dW2' + (e ss) dS2'.
+    e = _ld(E + g * K * F, rk, rf, F, 1, mk, mf)
+    x2 = tl.zeros((BK, BF), tl.float32)
+    y2 = tl.zeros((BK, BF), tl.float32)
+    for d0 in range(0, D, BD):
+        rd = d0 + tl.arange(0, BD)
+        md = rd < D
+        kk = _ld(Kx + g * K * D, rk, rd, D, 1, mk, md)
+        x2 += tl.dot(kk, _ld(DW2N + g * F * D, rd, rf, 1, D, md, mf), input_precision=PRECISION)
+        dk = tl.dot(e * cs[:, None], _ld(DW2N + g * F * D, rf, rd, D, 1, mf, md), input_precision=PRECISION)
+        if HAS_S:
+            y2 += tl.dot(kk, _ld(DS2N + g * F * D, rd, rf, 1, D, md, mf), input_precision=PRECISION)
+            dk += tl.dot(e * ss[:, None], _ld(DS2N + g * F * D, rf, rd, D, 1, mf, md), input_precision=PRECISION)
+        _st(PART_DK + share * K * D, dk, rk, rd, D, mk, md)
+    de = cs[:, None] * x2
+    r += tl.sum(e * x2, 1)
+    if HAS_S:
+        de += ss[:, None] * y2
+        t += tl.sum(e * y2, 1)
+    _st(DE_UPDATE + g * K * F, de, rk, rf, F, mk, mf)
+    tl.store(PART_R + share * K + rk, r, mask=mk)
+    tl.store(PART_T + share * K + rk, t, mask=mk)
+
+
+@triton.jit
+def _slices_kernel(DY, ERR, Kx, H, PRE, HP, E, QW, QS, QK, GA, GB, GC, SC, SCALE, W1, S1, W2, S2,
+                   DW1N, DS1N, DW2N, DS2N, M_OUT, L2, LS2, R1, PART_N, PART_DA, PART_DB, DE_READ, PART_DQ,
+                   DACT, DE_UPDATE, PART_Z, PART_DK, PART_R, PART_T, C, K, D, F, ROWS1,
+                   HAS_S: tl.constexpr, L2_OBJ: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                   BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+    """Programs ``(2 * NS, G)``: the first ``NS`` take the read's share of slice ``j``, the others the
+    final update's (independent work, so one launch)."""
+    ns = tl.num_programs(0) // 2
+    pid = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    if pid < ns:
+        _read_share(DY, ERR, H, PRE, HP, E, QW, QS, QK, GA, GB, GC, SCALE, W1, S1, W2, S2,
+                    M_OUT, L2, LS2, R1, PART_N, PART_DA, PART_DB, DE_READ, PART_DQ,
+                    pid, g, ns, C, K, D, F, ROWS1, HAS_S, BC, BK, BF, BD, PRECISION)
+    else:
+        _update_share(DY, ERR, Kx, H, PRE, E, GC, SC, SCALE, DW1N, DS1N, DW2N, DS2N,
+                      R1, DACT, DE_UPDATE, PART_Z, PART_DK, PART_R, PART_T,
+                      pid - ns, g, ns, C, K, D, F, ROWS1, HAS_S, L2_OBJ, BC, BK, BF, BD, PRECISION)
+
+
+@triton.jit
+def _gates_kernel(DY, HW, HS, M_IN, P, QK, GC, SC, SCALE, A2, ERR2, K2, PART_E2, PART_N, PART_DA, PART_DB,
+                  PART_R, PART_T, N_OUT, DA, DB, DC, DSC, COEF, clip, C, K, D, NS,
+                  HAS_S: tl.constexpr, CLIP: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                  BD: tl.constexpr):
+    """Program ``g``: the gates' gradients and the clip's backward, as four per-token coefficients
+    ``COEF (G, 4, K)`` of ``err``, ``gelu(pre)``, ``e`` and ``k`` (zero without a clip)."""
+    g = tl.program_id(0).to(tl.int64)
+    rk, rc = tl.arange(0, BK), tl.arange(0, BC)
+    mk, mc = rk < K, rc < C
+    ck = g * C * K
+    n = _sum_shares(PART_N, g, NS, C * K, rc, rk, K, mc, mk, BC, BK)
+    _st(N_OUT + ck, n, rc, rk, K, mc, mk)
+    s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
+    coef = _ld(GC + ck, rc, rk, K, 1, mc, mk)
+    grad = _ld(M_IN + ck, rc, rk, K, 1, mc, mk) * _ld(P + ck, rc, rk, K, 1, mc, mk)
+    grad += n * _ld(QK + ck, rc, rk, K, 1, mc, mk)
+    r = tl.zeros((BK,), tl.float32)
+    t = tl.zeros((BK,), tl.float32)
+    for j in range(NS):
+        r += tl.load(PART_R + (g * NS + j) * K + rk, mask=mk, other=0.0)
+        t += tl.load(PART_T + (g * NS + j) * K + rk, mask=mk, other=0.0)
+    last = (rc == C - 1).to(tl.float32)
+    _st(DC + ck, grad * s[None, :] + last[:, None] * (s * r)[None, :], rc, rk, K, mc, mk)
+    c_last = tl.load(GC + ck + (C - 1) * K + rk, mask=mk, other=0.0)
+    ds = tl.sum(grad * coef, 0) + c_last * r
+    if HAS_S:
+        ds += tl.load(SC + g * K + rk, mask=mk, other=0.0) * t
+        tl.store(DSC + g * K + rk, s * t, mask=mk)
+    a2 = tl.load(A2 + g * K + rk, mask=mk, other=0.0)
+    err2 = tl.load(ERR2 + g * K + rk, mask=mk, other=0.0)
+    k2 = tl.load(K2 + g * K + rk, mask=mk, other=0.0)
+    e2 = tl.zeros((BK,), tl.float32)
+    for j in range(NS):
+        e2 += tl.load(PART_E2 + (g * NS + j) * K + rk, mask=mk, other=0.0)
+    if CLIP:  # s = min(1, clip / sqrt(max(n2, 1e-30))), n2 = |gelu(pre)|^2 |err|^2 + |e|^2 |k|^2
+        n2 = a2 * err2 + e2 * k2
+        raw = clip / tl.sqrt(tl.maximum(n2, 1e-30))
+        dn2 = tl.where((raw <= 1.0) & (n2 >= 1e-30), -0.5 * raw / tl.maximum(n2, 1e-30), 0.0) * ds * 2.0
+    else:
+        dn2 = tl.zeros((BK,), tl.float32)
+    out = COEF + g * 4 * K + rk
+    tl.store(out, dn2 * a2, mask=mk)
+    tl.store(out + K, dn2 * err2, mask=mk)
+    tl.store(out + 2 * K, dn2 * k2, mask=mk)
+    tl.store(out + 3 * K, dn2 * e2, mask=mk)
+    da = tl.zeros((BC,), tl.float32)
+    db = tl.zeros((BC,), tl.float32)
+    for d0 in range(0, D, BD):
+        rd = d0 + tl.arange(0, BD)
+        md = rd < D
+        dy = _ld(DY + g * C * D, rc, rd, D, 1, mc, md)
+        da += tl.sum(dy * _ld(HW + g * C * D, rc, rd, D, 1, mc, md), 1)
+        if HAS_S:
+            db += tl.sum(dy * _ld(HS + g * C * D, rc, rd, D, 1, mc, md), 1)
+    for j in range(NS):
+        da += tl.load(PART_DA + (g * NS + j) * C + rc, mask=mc, other=0.0)
+        if HAS_S:
+            db += tl.load(PART_DB + (g * NS + j) * C + rc, mask=mc, other=0.0)
+    tl.store(DA + g * C + rc, da, mask=mc)
+    if HAS_S:
+        tl.store(DB + g * C + rc, db, mask=mc)
+
+
+@triton.jit
+def _width_kernel(DY, Q, Kx, ERR, P, GA, GB, GC, SCALE, N_IN, COEF, PART_DQ, PART_DK, PART_Z,
+                  DQ, DK, DERR, L1, LS1, R2, C, K, D, NS, ROWS1,
+                  HAS_S: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Program ``(w, g)``: block ``w`` of the width of ``dq`` (final), of ``dk`` and ``d err`` (their
+    terms so far), and of the factors of the weights' uses that are inputs."""
+    w = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    rd, rk, rc = w * BD + tl.arange(0, BD), tl.arange(0, BK), tl.arange(0, BC)
+    md, mk, mc = rd < D, rk < K, rc < C
+    ck, cd, kd = g * C * K, g * C * D, g * K * D
+    s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
+    dy = _ld(DY + cd, rc, rd, D, 1, mc, md)
+    q = _ld(Q + cd, rc, rd, D, 1, mc, md)
+    kk = _ld(Kx + kd, rk, rd, D, 1, mk, md)
+    err = _ld(ERR + kd, rk, rd, D, 1, mk, md)
+    # dq = dy + sum_j (a dhp W2 + b dhp S2)_j + (N c s) k
+    dqk = _ld(N_IN + ck, rc, rk, K, 1, mc, mk) * _ld(GC + ck, rc, rk, K, 1, mc, mk) * s[None, :]
+    dq = dy + tl.dot(dqk, kk, input_precision=PRECISION)
+    dq += _sum_shares(PART_DQ, g, NS, C * D, rc, rd, D, mc, md, BC, BD)
+    _st(DQ + cd, dq, rc, rd, D, mc, md)
+    c_t = _ld(GC + ck, rk, rc, 1, K, mk, mc) * s[:, None]
+    out = COEF + g * 4 * K + rk
+    dk = tl.dot(_ld(N_IN + ck, rk, rc, 1, K, mk, mc) * c_t, q, input_precision=PRECISION)
+    dk += _sum_shares(PART_DK, g, NS, K * D, rk, rd, D, mk, md, BK, BD)
+    dk += tl.load(out + 3 * K, mask=mk, other=0.0)[:, None] * kk
+    _st(DK + kd, dk, rk, rd, D, mk, md)
+    derr = tl.dot(_ld(P + ck, rk, rc, 1, K, mk, mc) * c_t, dy, input_precision=PRECISION)
+    derr += _sum_shares(PART_Z, g, NS, K * D, rk, rd, D, mk, md, BK, BD)
+    derr += tl.load(out, mask=mk, other=0.0)[:, None] * err
+    _st(DERR + kd, derr, rk, rd, D, mk, md)
+    a = tl.load(GA + g * C + rc, mask=mc, other=0.0)
+    l1 = L1 + g * ROWS1 * D
+    _st(l1, a[:, None] * dy, rc, rd, D, mc, md)
+    _st(l1 + C * D, err, rk, rd, D, mk, md)
+    if HAS_S:
+        _st(LS1 + cd, tl.load(GB + g * C + rc, mask=mc, other=0.0)[:, None] * dy, rc, rd, D, mc, md)
+    r2 = R2 + g * (C + K) * D
+    _st(r2, q, rc, rd, D, mc, md)
+    _st(r2 + C * D, kk, rk, rd, D, mk, md)
+
+
+@triton.jit
+def _chain_kernel(PRE, BACK, E, W1, W2, DE_READ, DE_UPDATE, DACT, COEF, R1, L2, PART_Z, PART_DK, C, K, D, F, ROWS1,
+                  L2_OBJ: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Program ``(j, g)``: ``d back`` and ``d pre`` of slice ``j`` (``d pre`` without the prediction's
+    term for ``l2``), and its shares of ``d back W1^T`` (and of ``d pre W2`` for ``dot``)."""
+    j = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    ns = tl.num_programs(0)
+    rf, rk = j * BF + tl.arange(0, BF), tl.arange(0, BK)
+    mf, mk = rf < F, rk < K
+    kf = g * K * F
+    pre = _ld(PRE + kf, rk, rf, F, 1, mk, mf)
+    out = COEF + g * 4 * K + rk
+    de = _ld(DE_READ + kf, rk, rf, F, 1, mk, mf) + _ld(DE_UPDATE + kf, rk, rf, F, 1, mk, mf)
+    de += tl.load(out + 2 * K, mask=mk, other=0.0)[:, None] * _ld(E + kf, rk, rf, F, 1, mk, mf)
+    dact = _ld(DACT + kf, rk, rf, F, 1, mk, mf) + tl.load(out + K, mask=mk, other=0.0)[:, None] * _gelu(pre)
+    slope = _gelu_slope(pre)
+    dback = de * slope
+    dpre = de * _ld(BACK + kf, rk, rf, F, 1, mk, mf) * _gelu_curvature(pre) + dact * slope
+    _st(R1 + g * ROWS1 * F + C * F, dback, rk, rf, F, mk, mf)
+    _st(L2 + g * (C + K) * F + C * F, dpre, rk, rf, F, mk, mf)
+    share = g * ns + j
+    for d0 in range(0, D, BD):
+        rd = d0 + tl.arange(0, BD)
+        md = rd < D
+        _st(PART_Z + share * K * D,
+            tl.dot(dback, _ld(W1 + g * D * F, rf, rd, 1, F, mf, md), input_precision=PRECISION), rk, rd, D, mk, md)
+        if not L2_OBJ:
+            _st(PART_DK + share * K * D,
+                tl.dot(dpre, _ld(W2 + g * F * D, rf, rd, D, 1, mf, md), input_precision=PRECISION), rk, rd, D, mk, md)
+
+
+@triton.jit
+def _error_kernel(DERR, PART_Z, PART_DK, DK, DV, L1, C, K, D, NS, ROWS1,
+                  L2_OBJ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    """Program ``(w, g)``: ``d err``, then ``dv``; ``l2``: ``d pred`` (rows C+K.. of L1) and ``dk``'s
+    identity term; ``dot``: ``dk``'s last shares."""
+    w = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    rd, rk = w * BD + tl.arange(0, BD), tl.arange(0, BK)
+    md, mk = rd < D, rk < K
+    kd = g * K * D
+    derr = _ld(DERR + kd, rk, rd, D, 1, mk, md) + _sum_shares(PART_Z, g, NS, K * D, rk, rd, D, mk, md, BK, BD)
+    dk = _ld(DK + kd, rk, rd, D, 1, mk, md)
+    if L2_OBJ:
+        dpred = 2.0 * derr
+        _st(L1 + g * ROWS1 * D + (C + K) * D, dpred, rk, rd, D, mk, md)
+        _st(DV + kd, -dpred, rk, rd, D, mk, md)
+        dk += dpred
+    else:
+        _st(DV + kd, -derr, rk, rd, D, mk, md)
+        dk += _sum_shares(PART_DK, g, NS, K * D, rk, rd, D, mk, md, BK, BD)
+    _st(DK + kd, dk, rk, rd, D, mk, md)
+
+
+@triton.jit
+def _prediction_kernel(PRE, W1, W2, L1, L2, PART_DK, C, K, D, F, ROWS1,
+                       BK: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+    """``l2``, program ``(j, g)``: ``d pre += (d pred W1) gelu'(pre)`` on slice ``j``, and its share of
+    ``d pre W2``."""
+    j = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    ns = tl.num_programs(0)
+    rf, rk = j * BF + tl.arange(0, BF), tl.arange(0, BK)
+    mf, mk = rf < F, rk < K
+    dact = tl.zeros((BK, BF), tl.float32)
+    for d0 in range(0, D, BD):
+        rd = d0 + tl.arange(0, BD)
+        md = rd < D
+        dpred = _ld(L1 + g * ROWS1 * D + (C + K) * D, rk, rd, D, 1, mk, md)
+        dact += tl.dot(dpred, _ld(W1 + g * D * F, rd, rf, F, 1, md, mf), input_precision=PRECISION)
+    l2 = L2 + g * (C + K) * F + C * F
+    dpre = _ld(l2, rk, rf, F, 1, mk, mf) + dact * _gelu_slope(_ld(PRE + g * K * F, rk, rf, F, 1, mk, mf))
+    _st(l2, dpre, rk, rf, F, mk, mf)
+    share = g * ns + j
+    for d0 in range(0, D, BD):
+        rd = d0 + tl.arange(0, BD)
+        md = rd < D
+        _st(PART_DK + share * K * D,
+            tl.dot(dpre, _ld(W2 + g * F * D, rf, rd, D, 1, mf, md), input_precision=PRECISION), rk, rd, D, mk, md)
+
+
+@triton.jit
+def _sum_kernel(DK, PART_DK, K, D, NS, BK: tl.constexpr, BD: tl.constexpr):
+    w = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    rd, rk = w * BD + tl.arange(0, BD), tl.arange(0, BK)
+    md, mk = rd < D, rk < K
+    kd = g * K * D
+    dk = _ld(DK + kd, rk, rd, D, 1, mk, md) + _sum_shares(PART_DK, g, NS, K * D, rk, rd, D, mk, md, BK, BD)
+    _st(DK + kd, dk, rk, rd, D, mk, md)
+
+
+def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] | None, q: torch.Tensor,
+                   k: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor,
+                   sa_last: torch.Tensor | None, sc_last: torch.Tensor | None, parts: ForwardParts,
+                   d_y: torch.Tensor, dW_new: dict[str, torch.Tensor], dS_new: dict[str, torch.Tensor] | None):
+    """Every gradient of :func:`~.titans_chunk_forward_triton.chunk_forward`'s chunk, arguments
+    flattened to ``G = batch * heads``: ``(dW, dS, dq, dk, dv, da, db, dc, d sa_last, d sc_last)``
+    (weights as dicts; ``dS, db, d sa_last, d sc_last`` are ``None`` without momentum).
+
+    The same values as :mod:`.titans_chunk`'s written-out backward, summed in another order."""
+    G, C, D = q.shape
+    K, F = k.shape[1], spec.hidden
+    has_s = S is not None
+    l2, clip = spec.objective == "l2", spec.grad_clip
+    contiguous = lambda x: None if x is None else x.contiguous()  # noqa: E731
+    q, k, a, b, c, sc_last, d_y = map(contiguous, (q, k, a, b, c, sc_last, d_y))
+    W1, W2 = W["w1"].contiguous(), W["w2"].contiguous()
+    dW1n, dW2n = dW_new["w1"].contiguous(), dW_new["w2"].contiguous()
+    S1, S2 = (S["w1"].contiguous(), S["w2"].contiguous()) if has_s else (W1, W2)
+    dS1n, dS2n = (dS_new["w1"].contiguous(), dS_new["w2"].contiguous()) if has_s else (dW1n, dW2n)
+    BF, BD = min(BLOCKS["slice"], _pow2(F)), min(BLOCKS["width"], _pow2(D))
+    BC, BK = _pow2(C), _pow2(K)
+    NS = triton.cdiv(F, BF)
+    new = lambda *shape: q.new_empty(*shape)  # noqa: E731
+    # The stacked factors of every weight's uses: W1 (rows: C queries, K errors, K predictions for l2),
+    # W2 (C queries, K keys), S1 and S2 (C queries).
+    rows1 = C + 2 * K if l2 else C + K
+    L1, R1, L2, R2 = new(G, rows1, D), new(G, rows1, F), new(G, C + K, F), new(G, C + K, D)
+    LS1, LS2 = (new(G, C, D), new(G, C, F)) if has_s else (L1, L2)
+    m, n, dc = new(G, C, K), new(G, C, K), new(G, C, K)
+    part_n, part_da, part_db = new(G, NS, C, K), new(G, NS, C), new(G, NS, C)
+    de_read, de_update, dact = new(G, K, F), new(G, K, F), new(G, K, F)
+    part_dq, part_z, part_dk = new(G, NS, C, D), new(G, NS, K, D), new(G, NS, K, D)
+    part_r, part_t = new(G, NS, K), new(G, NS, K)
+    da, db, dsc, coef = new(G, C), new(G, C), new(G, K), new(G, 4, K)
+    dq, dk, dv, derr = new(G, C, D), new(G, K, D), new(G, K, D), new(G, K, D)
+    gb, gsc = (b, sc_last) if has_s else (a, parts.scale)
+    prec = _precision()
+    launch = dict(num_warps=BLOCKS["warps"], num_stages=BLOCKS["stages"])
+    slices, width = (NS, G), (triton.cdiv(D, BD), G)
+    _slices_kernel[(2 * NS, G)](
+        d_y, parts.err, k, parts.hidden, parts.pre, parts.hidden_pre, parts.e, parts.qw,
+        parts.qs if has_s else parts.qw, parts.qk, a, gb, c, gsc, parts.scale, W1, S1, W2, S2,
+        dW1n, dS1n, dW2n, dS2n, m, L2, LS2, R1, part_n, part_da, part_db, de_read, part_dq,
+        dact, de_update, part_z, part_dk, part_r, part_t, C, K, D, F, rows1,
+        HAS_S=has_s, L2_OBJ=l2, BC=BC, BK=BK, BF=BF, BD=BD, PRECISION=prec, **launch)
+    _gates_kernel[(G,)](
+        d_y, parts.hw, parts.hs if has_s else parts.hw, m, parts.p, parts.qk, c, gsc, parts.scale,
+        parts.a2, parts.err2, parts.k2, parts.part_e2, part_n, part_da, part_db, part_r, part_t,
+        n, da, db, dc, dsc, coef, float(clip) if clip is not None else 0.0, C, K, D, NS,
+        HAS_S=has_s, CLIP=clip is not None, BC=BC, BK=BK, BD=BD, **launch)
+    _width_kernel[width](
+        d_y, q, k, parts.err, parts.p, a, gb, c, parts.scale, n, coef, part_dq, part_dk, part_z,
+        dq, dk, derr, L1, LS1, R2, C, K, D, NS, rows1, HAS_S=has_s, BC=BC, BK=BK, BD=BD, PRECISION=prec, **launch)
+    _chain_kernel[slices](
+        parts.pre, parts.back, parts.e, W1, W2, de_read, de_update, dact, coef, R1, L2, part_z, part_dk,
+        C, K, D, F, rows1, L2_OBJ=l2, BK=BK, BF=BF, BD=BD, PRECISION=prec, **launch)
+    _error_kernel[width](derr, part_z, part_dk, dk, dv, L1, C, K, D, NS, rows1, L2_OBJ=l2, BK=BK, BD=BD, **launch)
+    if l2:
+        _prediction_kernel[slices](parts.pre, W1, W2, L1, L2, part_dk, C, K, D, F, rows1,
+                                   BK=BK, BF=BF, BD=BD, PRECISION=prec, **launch)
+        _sum_kernel[width](dk, part_dk, K, D, NS, BK=BK, BD=BD, **launch)
+    # The weights: the final update's term plus every use, with the gates' inner products.
+    a_last, b_last = a[:, -1], (b[:, -1] if has_s else None)
+    dW1, dS1, da1, db1, dsa1 = final_update_backward_stacked(
+        W1, S1 if has_s else None, dW1n, dS1n if has_s else None, a_last, b_last, sa_last,
+        (L1, R1, rows1), (LS1, parts.hidden, C) if has_s else None)
+    dW2, dS2, da2, db2, dsa2 = final_update_backward_stacked(
+        W2, S2 if has_s else None, dW2n, dS2n if has_s else None, a_last, b_last, sa_last,
+        (L2, R2, C + K), (LS2, q, C) if has_s else None)
+    da[:, -1] += da1 + da2
+    dW = {"w1": dW1, "w2": dW2}
+    if not has_s:
+        return dW, None, dq, dk, dv, da, None, dc, None, None
+    db[:, -1] += db1 + db2
+    return dW, {"w1": dS1, "w2": dS2}, dq, dk, dv, da, db, dc, dsa1 + dsa2, dsc
