@@ -1,0 +1,133 @@
+"""The Titans chunk's builds side by side on the GPU: errors against float64, then speed.
+
+``python benchmarks/titans_chunk_builds.py`` on the GPU machine. Builds (selected by the
+switches the package reads at call time, so all run in one process):
+
+- ``cublas``: the chunk's forward through cuBLAS, its written-out PyTorch backward
+  (``MNEMO_CHUNK_FORWARD=torch``);
+- ``sliced_fwd``: the sliced Triton forward, the PyTorch backward (``MNEMO_CHUNK_BACKWARD=torch``);
+- ``sliced``: the sliced Triton forward and backward (the default).
+
+Errors: ``chunk_titans`` at the layer's shape (4 heads x 256, MLP x4, chunk 64, clip 10,
+momentum), B=2, T=512, every output and gradient against float64, relative to the largest
+entry, float32 with exact products and with TF32 on bf16 inputs. Speed: forward and
+forward+backward at 16K tokens (T=2048, B=8 and T=8192, B=2), TF32, bf16 inputs, median of
+``REPEATS`` loops. ``BUILDS=sliced,cublas`` picks builds; ``SKIP_ERRORS=1`` times only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+
+from mnemo.kernels.titans import TitansMemorySpec, TitansState, chunk_titans
+
+H, D = 4, 256
+SPEC = TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=4, grad_clip=10.0)
+BUILDS = {"cublas": {"MNEMO_CHUNK_FORWARD": "torch"}, "sliced_fwd": {"MNEMO_CHUNK_BACKWARD": "torch"}, "sliced": {}}
+NAMES = ["q", "k", "v", "alpha", "eta", "theta", "w1", "w2"]
+
+
+@contextlib.contextmanager
+def build(name):
+    saved = {key: os.environ.get(key) for key in ("MNEMO_CHUNK_FORWARD", "MNEMO_CHUNK_BACKWARD")}
+    for key in saved:
+        os.environ.pop(key, None)
+    os.environ.update(BUILDS[name])
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def inputs(B, T, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    init = {n: (torch.randn(H, *s, generator=gen) * 0.02).cuda() for n, s in SPEC.shapes.items()}
+    q, k, v = (torch.randn(B, T, H, D, generator=gen).cuda().to(dtype) for _ in range(3))
+    alpha = (torch.rand(B, T, H, generator=gen) * 0.1 + 0.9).cuda()
+    eta = (torch.rand(B, T, H, generator=gen) * 0.5).cuda()
+    theta = (torch.rand(B, T, H, generator=gen) * 0.1).cuda()
+    return [q, k, v, alpha, eta, theta, init["w1"], init["w2"]]
+
+
+def run(xs, B):
+    q, k, v, alpha, eta, theta, w1, w2 = xs
+    out, state = chunk_titans(SPEC, q, k, v, alpha, eta, theta, TitansState.initial({"w1": w1, "w2": w2}, B))
+    return [out, state.weights["w1"], state.weights["w2"], state.momentum["w1"], state.momentum["w2"]]
+
+
+def grads(xs, B, cotangents):
+    leaves = [x.detach().requires_grad_() for x in xs]
+    outs = run(leaves, B)
+    return outs, torch.autograd.grad(outs, leaves, [c.to(o.dtype) for c, o in zip(cotangents, outs)])
+
+
+def errors(B=2, T=512):
+    for label, dtype, precision in (("float32, highest", torch.float32, "highest"), ("bf16 inputs, TF32", torch.bfloat16, "high")):
+        xs = inputs(B, T, dtype)
+        torch.set_float32_matmul_precision("highest")
+        with build("cublas"):
+            gen = torch.Generator().manual_seed(1)
+            ref_outs = run([x.double() for x in xs], B)
+            cot = [torch.randn(o.shape, generator=gen).cuda().double() for o in ref_outs]
+            ref_outs, ref_grads = grads([x.double() for x in xs], B, cot)
+        torch.set_float32_matmul_precision(precision)
+        for name in BUILDS:
+            with build(name):
+                outs, gs = grads(xs, B, cot)
+            err = lambda x, y: ((x.double() - y).abs().max() / y.abs().max()).item()  # noqa: E731
+            o = " ".join(f"{e:.1e}" for e in (err(x, y) for x, y in zip(outs, ref_outs)))
+            g = " ".join(f"{n}={err(x, y):.1e}" for n, x, y in zip(NAMES, gs, ref_grads))
+            print(f"errors [{label}] {name:10s} outputs(y W1' W2' S1' S2') {o} | grads {g}", flush=True)
+
+
+def timings():
+    torch.set_float32_matmul_precision("high")
+    repeats = int(os.environ.get("REPEATS", 3))
+    for B, T in ((8, 2048), (2, 8192)):
+        xs = [x.requires_grad_() if x.is_floating_point() else x for x in inputs(B, T, torch.bfloat16)]
+        for name in [b for b in os.environ.get("BUILDS", ",".join(BUILDS)).split(",") if b]:
+            with build(name):
+                def forward():
+                    with torch.no_grad():
+                        run(xs, B)
+
+                def step():
+                    for x in xs:
+                        x.grad = None
+                    run(xs, B)[0].float().sum().backward()
+
+                row = []
+                for fn in (forward, step):
+                    for _ in range(2):
+                        fn()
+                    loops = []
+                    for _ in range(repeats):
+                        torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        for _ in range(3):
+                            fn()
+                        torch.cuda.synchronize()
+                        loops.append((time.perf_counter() - start) / 3 * 1e3)
+                    row.append(sorted(loops)[len(loops) // 2])
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                peak = torch.cuda.max_memory_allocated() / 2**30
+            print(f"time B={B} T={T} {name:10s} forward {row[0]:.1f} ms  fwd+bwd {row[1]:.1f} ms  peak {peak:.2f} GiB",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    import triton
+
+    print(torch.cuda.get_device_name(0), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    if os.environ.get("SKIP_ERRORS") != "1":
+        errors()
+    timings()
