@@ -12,7 +12,9 @@ Errors: ``chunk_titans`` at the layer's shape (4 heads x 256, MLP x4, chunk 64, 
 momentum), B=2, T=512, every output and gradient against float64, relative to the largest
 entry, float32 with exact products and with TF32 on bf16 inputs. Speed: forward and
 forward+backward at 16K tokens (T=2048, B=8 and T=8192, B=2), TF32, bf16 inputs, median of
-``REPEATS`` loops. ``BUILDS=sliced,cublas`` picks builds; ``SKIP_ERRORS=1`` times only.
+``REPEATS`` loops. ``BUILDS=sliced,cublas`` picks builds; ``SWEEP=backward_warps:4,8`` adds the
+``sliced`` build with each value of a block constant; ``SKIP_ERRORS=1`` times only; ``PROFILE=1``
+prints the ``sliced`` build's kernels by CUDA time.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 
 import torch
 
+from mnemo.kernels.chunk_loop import release_graphs
 from mnemo.kernels.titans import TitansMemorySpec, TitansState, chunk_titans
 
 H, D = 4, 256
@@ -33,6 +36,8 @@ NAMES = ["q", "k", "v", "alpha", "eta", "theta", "w1", "w2"]
 
 @contextlib.contextmanager
 def build(name):
+    # The chunk loop keeps CUDA graphs of its steps by shape: a build captures its own.
+    release_graphs()
     saved = {key: os.environ.get(key) for key in ("MNEMO_CHUNK_FORWARD", "MNEMO_CHUNK_BACKWARD")}
     for key in saved:
         os.environ.pop(key, None)
@@ -93,8 +98,8 @@ def timings():
     repeats = int(os.environ.get("REPEATS", 3))
     for B, T in ((8, 2048), (2, 8192)):
         xs = [x.requires_grad_() if x.is_floating_point() else x for x in inputs(B, T, torch.bfloat16)]
-        for name in [b for b in os.environ.get("BUILDS", ",".join(BUILDS)).split(",") if b]:
-            with build(name):
+        for name, blocks in variants():
+            with build(name), sliced_blocks(blocks):
                 def forward():
                     with torch.no_grad():
                         run(xs, B)
@@ -120,8 +125,43 @@ def timings():
                 torch.cuda.reset_peak_memory_stats()
                 step()
                 peak = torch.cuda.max_memory_allocated() / 2**30
-            print(f"time B={B} T={T} {name:10s} forward {row[0]:.1f} ms  fwd+bwd {row[1]:.1f} ms  peak {peak:.2f} GiB",
+                if os.environ.get("PROFILE") == "1" and name == "sliced" and not blocks:
+                    profile_step(step)
+            label = name + "".join(f" {key}={value}" for key, value in blocks.items())
+            print(f"time B={B} T={T} {label:10s} forward {row[0]:.1f} ms  fwd+bwd {row[1]:.1f} ms  peak {peak:.2f} GiB",
                   flush=True)
+
+
+def variants():
+    """``(build, blocks)`` to time: each of ``BUILDS``, then the ``sliced`` build with each value of
+    ``SWEEP=key:v1,v2`` (a key of :data:`~mnemo.kernels.titans_chunk_forward_triton.BLOCKS`)."""
+    out = [(name, {}) for name in os.environ.get("BUILDS", ",".join(BUILDS)).split(",") if name]
+    if os.environ.get("SWEEP"):
+        key, values = os.environ["SWEEP"].split(":")
+        out += [("sliced", {key: int(value)}) for value in values.split(",")]
+    return out
+
+
+@contextlib.contextmanager
+def sliced_blocks(blocks):
+    from mnemo.kernels import titans_chunk_forward_triton as sliced
+
+    saved = dict(sliced.BLOCKS)
+    sliced.BLOCKS.update(blocks)
+    try:
+        yield
+    finally:
+        sliced.BLOCKS.update(saved)
+
+
+def profile_step(step):
+    """The kernels of one training step by total CUDA time (``PROFILE=1``, the ``sliced`` build)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=50), flush=True)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,12 @@ layer before its activation), ``s`` the clip's scale and ``cs, ss`` the last row
    term of ``de``. The *update* program forms ``M^T``, the final update's terms of
    ``d gelu(pre)``, ``de``, ``d err`` and ``dk``, and its shares of the clip's row
    sums.
-2. :func:`_gates_kernel`, one program per row ``g``: ``N``, ``dc``, the momentum
-   coefficients' gradient, ``da``, ``db`` and the clip's backward (four per-token
-   coefficients).
-3. :func:`_width_kernel`: ``dq``, the first terms of ``dk`` and ``d err``, and the
-   factors that are inputs (``a dy``, ``b dy``, ``err``, ``q``, ``k``).
+2. :func:`_gates_kernel`, programs over blocks of the written tokens: ``N``, ``dc``, the
+   momentum coefficients' gradient and the clip's backward (four per-token
+   coefficients); the first also ``da`` and ``db``.
+3. :func:`_width_kernel`, programs over (rows, width) blocks: ``dq``, the first terms of
+   ``dk`` and ``d err``, and the factors that are inputs (``a dy``, ``b dy``, ``err``,
+   ``q``, ``k``).
 4. :func:`_chain_kernel` (slices): ``d back``, ``d pre`` and the shares of
    ``d back W1^T`` (and, for ``dot``, of ``d pre W2``).
 5. :func:`_error_kernel` (width): ``d err``; for ``l2``, ``d pred = 2 d err``,
@@ -213,25 +214,29 @@ def _slices_kernel(DY, ERR, Kx, H, PRE, HP, E, QW, QS, QK, GA, GB, GC, SC, SCALE
 @triton.jit
 def _gates_kernel(DY, HW, HS, M_IN, P, QK, GC, SC, SCALE, A2, ERR2, K2, PART_E2, PART_N, PART_DA, PART_DB,
                   PART_R, PART_T, N_OUT, DA, DB, DC, DSC, COEF, clip, C, K, D, NS,
-                  HAS_S: tl.constexpr, CLIP: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                  HAS_S: tl.constexpr, CLIP: tl.constexpr, BC: tl.constexpr, BKB: tl.constexpr,
                   BD: tl.constexpr):
-    """Program ``g``: the gates' gradients and the clip's backward, as four per-token coefficients
-    ``COEF (G, 4, K)`` of ``err``, ``gelu(pre)``, ``e`` and ``k`` (zero without a clip)."""
-    g = tl.program_id(0).to(tl.int64)
-    rk, rc = tl.arange(0, BK), tl.arange(0, BC)
+    """Program ``(kb, g)``: columns ``kb`` (a block of the written tokens) of ``N`` and ``dc``, those
+    tokens' gates and the clip's backward, as four per-token coefficients ``COEF (G, 4, K)`` of ``err``,
+    ``gelu(pre)``, ``e`` and ``k`` (zero without a clip); program ``(0, g)`` also takes ``da, db``."""
+    kb = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    rk, rc = kb * BKB + tl.arange(0, BKB), tl.arange(0, BC)
     mk, mc = rk < K, rc < C
     ck = g * C * K
-    n = _sum_shares(PART_N, g, NS, C * K, rc, rk, K, mc, mk, BC, BK)
+    n = _sum_shares(PART_N, g, NS, C * K, rc, rk, K, mc, mk, BC, BKB)
     _st(N_OUT + ck, n, rc, rk, K, mc, mk)
     s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
     coef = _ld(GC + ck, rc, rk, K, 1, mc, mk)
     grad = _ld(M_IN + ck, rc, rk, K, 1, mc, mk) * _ld(P + ck, rc, rk, K, 1, mc, mk)
     grad += n * _ld(QK + ck, rc, rk, K, 1, mc, mk)
-    r = tl.zeros((BK,), tl.float32)
-    t = tl.zeros((BK,), tl.float32)
+    r = tl.zeros((BKB,), tl.float32)
+    t = tl.zeros((BKB,), tl.float32)
+    e2 = tl.zeros((BKB,), tl.float32)
     for j in range(NS):
         r += tl.load(PART_R + (g * NS + j) * K + rk, mask=mk, other=0.0)
         t += tl.load(PART_T + (g * NS + j) * K + rk, mask=mk, other=0.0)
+        e2 += tl.load(PART_E2 + (g * NS + j) * K + rk, mask=mk, other=0.0)
     last = (rc == C - 1).to(tl.float32)
     _st(DC + ck, grad * s[None, :] + last[:, None] * (s * r)[None, :], rc, rk, K, mc, mk)
     c_last = tl.load(GC + ck + (C - 1) * K + rk, mask=mk, other=0.0)
@@ -242,79 +247,82 @@ def _gates_kernel(DY, HW, HS, M_IN, P, QK, GC, SC, SCALE, A2, ERR2, K2, PART_E2,
     a2 = tl.load(A2 + g * K + rk, mask=mk, other=0.0)
     err2 = tl.load(ERR2 + g * K + rk, mask=mk, other=0.0)
     k2 = tl.load(K2 + g * K + rk, mask=mk, other=0.0)
-    e2 = tl.zeros((BK,), tl.float32)
-    for j in range(NS):
-        e2 += tl.load(PART_E2 + (g * NS + j) * K + rk, mask=mk, other=0.0)
     if CLIP:  # s = min(1, clip / sqrt(max(n2, 1e-30))), n2 = |gelu(pre)|^2 |err|^2 + |e|^2 |k|^2
         n2 = a2 * err2 + e2 * k2
         raw = clip / tl.sqrt(tl.maximum(n2, 1e-30))
         dn2 = tl.where((raw <= 1.0) & (n2 >= 1e-30), -0.5 * raw / tl.maximum(n2, 1e-30), 0.0) * ds * 2.0
     else:
-        dn2 = tl.zeros((BK,), tl.float32)
+        dn2 = tl.zeros((BKB,), tl.float32)
     out = COEF + g * 4 * K + rk
     tl.store(out, dn2 * a2, mask=mk)
     tl.store(out + K, dn2 * err2, mask=mk)
     tl.store(out + 2 * K, dn2 * k2, mask=mk)
     tl.store(out + 3 * K, dn2 * e2, mask=mk)
-    da = tl.zeros((BC,), tl.float32)
-    db = tl.zeros((BC,), tl.float32)
-    for d0 in range(0, D, BD):
-        rd = d0 + tl.arange(0, BD)
-        md = rd < D
-        dy = _ld(DY + g * C * D, rc, rd, D, 1, mc, md)
-        da += tl.sum(dy * _ld(HW + g * C * D, rc, rd, D, 1, mc, md), 1)
+    if kb == 0:
+        da = tl.zeros((BC,), tl.float32)
+        db = tl.zeros((BC,), tl.float32)
+        for d0 in range(0, D, BD):
+            rd = d0 + tl.arange(0, BD)
+            md = rd < D
+            dy = _ld(DY + g * C * D, rc, rd, D, 1, mc, md)
+            da += tl.sum(dy * _ld(HW + g * C * D, rc, rd, D, 1, mc, md), 1)
+            if HAS_S:
+                db += tl.sum(dy * _ld(HS + g * C * D, rc, rd, D, 1, mc, md), 1)
+        for j in range(NS):
+            da += tl.load(PART_DA + (g * NS + j) * C + rc, mask=mc, other=0.0)
+            if HAS_S:
+                db += tl.load(PART_DB + (g * NS + j) * C + rc, mask=mc, other=0.0)
+        tl.store(DA + g * C + rc, da, mask=mc)
         if HAS_S:
-            db += tl.sum(dy * _ld(HS + g * C * D, rc, rd, D, 1, mc, md), 1)
-    for j in range(NS):
-        da += tl.load(PART_DA + (g * NS + j) * C + rc, mask=mc, other=0.0)
-        if HAS_S:
-            db += tl.load(PART_DB + (g * NS + j) * C + rc, mask=mc, other=0.0)
-    tl.store(DA + g * C + rc, da, mask=mc)
-    if HAS_S:
-        tl.store(DB + g * C + rc, db, mask=mc)
+            tl.store(DB + g * C + rc, db, mask=mc)
 
 
 @triton.jit
 def _width_kernel(DY, Q, Kx, ERR, P, GA, GB, GC, SCALE, N_IN, COEF, PART_DQ, PART_DK, PART_Z,
                   DQ, DK, DERR, L1, LS1, R2, C, K, D, NS, ROWS1,
-                  HAS_S: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                  HAS_S: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
                   PRECISION: tl.constexpr):
-    """Program ``(w, g)``: block ``w`` of the width of ``dq`` (final), of ``dk`` and ``d err`` (their
-    terms so far), and of the factors of the weights' uses that are inputs."""
-    w = tl.program_id(0)
-    g = tl.program_id(1).to(tl.int64)
-    rd, rk, rc = w * BD + tl.arange(0, BD), tl.arange(0, BK), tl.arange(0, BC)
-    md, mk, mc = rd < D, rk < K, rc < C
+    """Program ``(r, w, g)``: rows ``r`` (queries for ``dq``, written tokens for the others) and block ``w``
+    of the width of ``dq`` (final), of ``dk`` and ``d err`` (their terms so far), and of the factors of
+    the weights' uses that are inputs."""
+    w = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    rr, rd, rk, rc = tl.program_id(0) * BR + tl.arange(0, BR), w * BD + tl.arange(0, BD), tl.arange(0, BK), tl.arange(0, BC)
+    md, mk, mc, mrc, mrk = rd < D, rk < K, rc < C, rr < C, rr < K
     ck, cd, kd = g * C * K, g * C * D, g * K * D
     s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
-    dy = _ld(DY + cd, rc, rd, D, 1, mc, md)
-    q = _ld(Q + cd, rc, rd, D, 1, mc, md)
-    kk = _ld(Kx + kd, rk, rd, D, 1, mk, md)
-    err = _ld(ERR + kd, rk, rd, D, 1, mk, md)
+    s_r = tl.load(SCALE + g * K + rr, mask=mrk, other=0.0)
+    dy = _ld(DY + cd, rr, rd, D, 1, mrc, md)
+    q = _ld(Q + cd, rr, rd, D, 1, mrc, md)
+    kk = _ld(Kx + kd, rr, rd, D, 1, mrk, md)
+    err = _ld(ERR + kd, rr, rd, D, 1, mrk, md)
     # dq = dy + sum_j (a dhp W2 + b dhp S2)_j + (N c s) k
-    dqk = _ld(N_IN + ck, rc, rk, K, 1, mc, mk) * _ld(GC + ck, rc, rk, K, 1, mc, mk) * s[None, :]
-    dq = dy + tl.dot(dqk, kk, input_precision=PRECISION)
-    dq += _sum_shares(PART_DQ, g, NS, C * D, rc, rd, D, mc, md, BC, BD)
-    _st(DQ + cd, dq, rc, rd, D, mc, md)
-    c_t = _ld(GC + ck, rk, rc, 1, K, mk, mc) * s[:, None]
-    out = COEF + g * 4 * K + rk
-    dk = tl.dot(_ld(N_IN + ck, rk, rc, 1, K, mk, mc) * c_t, q, input_precision=PRECISION)
-    dk += _sum_shares(PART_DK, g, NS, K * D, rk, rd, D, mk, md, BK, BD)
-    dk += tl.load(out + 3 * K, mask=mk, other=0.0)[:, None] * kk
-    _st(DK + kd, dk, rk, rd, D, mk, md)
-    derr = tl.dot(_ld(P + ck, rk, rc, 1, K, mk, mc) * c_t, dy, input_precision=PRECISION)
-    derr += _sum_shares(PART_Z, g, NS, K * D, rk, rd, D, mk, md, BK, BD)
-    derr += tl.load(out, mask=mk, other=0.0)[:, None] * err
-    _st(DERR + kd, derr, rk, rd, D, mk, md)
-    a = tl.load(GA + g * C + rc, mask=mc, other=0.0)
+    dqk = _ld(N_IN + ck, rr, rk, K, 1, mrc, mk) * _ld(GC + ck, rr, rk, K, 1, mrc, mk) * s[None, :]
+    dq = dy + tl.dot(dqk, _ld(Kx + kd, rk, rd, D, 1, mk, md), input_precision=PRECISION)
+    dq += _sum_shares(PART_DQ, g, NS, C * D, rr, rd, D, mrc, md, BR, BD)
+    _st(DQ + cd, dq, rr, rd, D, mrc, md)
+    # dk = (N c s)^T q + sum_j (the final update's terms)_j + the clip's; d err = (P c s)^T dy + ...
+    c_t = _ld(GC + ck, rr, rc, 1, K, mrk, mc) * s_r[:, None]
+    out = COEF + g * 4 * K + rr
+    dk = tl.dot(_ld(N_IN + ck, rr, rc, 1, K, mrk, mc) * c_t, _ld(Q + cd, rc, rd, D, 1, mc, md),
+                input_precision=PRECISION)
+    dk += _sum_shares(PART_DK, g, NS, K * D, rr, rd, D, mrk, md, BR, BD)
+    dk += tl.load(out + 3 * K, mask=mrk, other=0.0)[:, None] * kk
+    _st(DK + kd, dk, rr, rd, D, mrk, md)
+    derr = tl.dot(_ld(P + ck, rr, rc, 1, K, mrk, mc) * c_t, _ld(DY + cd, rc, rd, D, 1, mc, md),
+                  input_precision=PRECISION)
+    derr += _sum_shares(PART_Z, g, NS, K * D, rr, rd, D, mrk, md, BR, BD)
+    derr += tl.load(out, mask=mrk, other=0.0)[:, None] * err
+    _st(DERR + kd, derr, rr, rd, D, mrk, md)
+    a = tl.load(GA + g * C + rr, mask=mrc, other=0.0)
     l1 = L1 + g * ROWS1 * D
-    _st(l1, a[:, None] * dy, rc, rd, D, mc, md)
-    _st(l1 + C * D, err, rk, rd, D, mk, md)
+    _st(l1, a[:, None] * dy, rr, rd, D, mrc, md)
+    _st(l1 + C * D, err, rr, rd, D, mrk, md)
     if HAS_S:
-        _st(LS1 + cd, tl.load(GB + g * C + rc, mask=mc, other=0.0)[:, None] * dy, rc, rd, D, mc, md)
+        _st(LS1 + cd, tl.load(GB + g * C + rr, mask=mrc, other=0.0)[:, None] * dy, rr, rd, D, mrc, md)
     r2 = R2 + g * (C + K) * D
-    _st(r2, q, rc, rd, D, mc, md)
-    _st(r2 + C * D, kk, rk, rd, D, mk, md)
+    _st(r2, q, rr, rd, D, mrc, md)
+    _st(r2 + C * D, kk, rr, rd, D, mrk, md)
 
 
 @triton.jit
@@ -455,15 +463,18 @@ def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] 
         parts.qs if has_s else parts.qw, parts.qk, a, gb, c, gsc, parts.scale, W1, S1, W2, S2,
         dW1n, dS1n, dW2n, dS2n, m, L2, LS2, R1, part_n, part_da, part_db, de_read, part_dq,
         dact, de_update, part_z, part_dk, part_r, part_t, C, K, D, F, rows1,
-        HAS_S=has_s, L2_OBJ=l2, BC=BC, BK=BK, BF=BF, BD=BD, PRECISION=prec, **launch)
-    _gates_kernel[(G,)](
+        HAS_S=has_s, L2_OBJ=l2, BC=BC, BK=BK, BF=BF, BD=BD, PRECISION=prec,
+        num_warps=BLOCKS["backward_warps"], num_stages=BLOCKS["stages"])
+    BR, BKB = BLOCKS["backward_rows"], BLOCKS["backward_rows"]
+    _gates_kernel[(triton.cdiv(K, BKB), G)](
         d_y, parts.hw, parts.hs if has_s else parts.hw, m, parts.p, parts.qk, c, gsc, parts.scale,
         parts.a2, parts.err2, parts.k2, parts.part_e2, part_n, part_da, part_db, part_r, part_t,
         n, da, db, dc, dsc, coef, float(clip) if clip is not None else 0.0, C, K, D, NS,
-        HAS_S=has_s, CLIP=clip is not None, BC=BC, BK=BK, BD=BD, **launch)
-    _width_kernel[width](
+        HAS_S=has_s, CLIP=clip is not None, BC=BC, BKB=BKB, BD=BD, **launch)
+    _width_kernel[(triton.cdiv(max(C, K), BR), triton.cdiv(D, BD), G)](
         d_y, q, k, parts.err, parts.p, a, gb, c, parts.scale, n, coef, part_dq, part_dk, part_z,
-        dq, dk, derr, L1, LS1, R2, C, K, D, NS, rows1, HAS_S=has_s, BC=BC, BK=BK, BD=BD, PRECISION=prec, **launch)
+        dq, dk, derr, L1, LS1, R2, C, K, D, NS, rows1, HAS_S=has_s, BR=BR, BC=BC, BK=BK, BD=BD, PRECISION=prec,
+        **launch)
     _chain_kernel[slices](
         parts.pre, parts.back, parts.e, W1, W2, de_read, de_update, dact, coef, R1, L2, part_z, part_dk,
         C, K, D, F, rows1, L2_OBJ=l2, BK=BK, BF=BF, BD=BD, PRECISION=prec, **launch)

@@ -55,10 +55,13 @@ from .titans_chunk_triton import _precision
 __all__ = ["ForwardParts", "covers", "chunk_forward"]
 
 # Slice of the hidden layer per program, block of the key width per step, rows per program of the
-# output's and the error's row kernels, warps (the update's apart) and pipeline stages. Module-level
+# output's and the error's row kernels, warps (the update's apart) and pipeline stages; the backward's
+# (titans_chunk_backward_triton) rows or token columns per program of its gates and width kernels, and
+# its slice programs' warps. Module-level
 # so that tests can shrink them. Swept on an H100 (RESULTS.md): slices of 32 were 1.2-1.5x slower
 # in the forward, 8 warps for the update 1.1-1.2x slower (fewer spills, fewer programs per SM).
-BLOCKS = {"slice": 64, "width": 64, "rows": 16, "error_rows": 4, "warps": 4, "update_warps": 4, "stages": 2}
+BLOCKS = {"slice": 64, "width": 64, "rows": 16, "error_rows": 4, "warps": 4, "update_warps": 4, "stages": 2,
+          "backward_rows": 16, "backward_warps": 4}
 
 
 def covers(spec, C: int, K: int) -> bool:
