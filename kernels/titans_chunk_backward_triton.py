@@ -27,10 +27,10 @@ layer before its activation), ``s`` the clip's scale and ``cs, ss`` the last row
    ``q``, ``k``).
 4. :func:`_chain_kernel` (slices): ``d back``, ``d pre`` and the shares of
    ``d back W1^T`` (and, for ``dot``, of ``d pre W2``).
-5. :func:`_error_kernel` (width): ``d err``; for ``l2``, ``d pred = 2 d err``,
+5. :func:`_error_grad_kernel` (rows, width): ``d err``; for ``l2``, ``d pred = 2 d err``,
    ``dv`` and ``dk``'s identity term.
 6. ``l2`` only: :func:`_prediction_kernel` (slices) adds ``d pred W1`` to ``d pre``
-   and takes its shares of ``d pre W2``; :func:`_sum_kernel` (width) adds them to ``dk``.
+   and takes its shares of ``d pre W2``; :func:`_sum_kernel` (rows, width) adds them to ``dk``.
 
 No product takes a transposed product's result: operands needed transposed are
 loaded transposed from memory (see TRITON_NOTES.md on Triton 3.4-3.7.0 on Hopper).
@@ -68,10 +68,11 @@ def _st(ptr, x, ri, ci, si, mi, mj):
 
 
 @triton.jit
-def _sum_shares(PART, g, NS, n, ri, ci, si, mi, mj, BI: tl.constexpr, BJ: tl.constexpr):
-    """``sum_j PART[g, j]`` on a tile, shares ``(G, NS, n)``-strided (``n`` elements each)."""
+def _sum_shares(PART, g, NS: tl.constexpr, n, ri, ci, si, mi, mj, BI: tl.constexpr, BJ: tl.constexpr):
+    """``sum_j PART[g, j]`` on a tile, shares ``(G, NS, n)``-strided (``n`` elements each), in order of
+    ``j``. The loop is unrolled so that the loads overlap (a rolled loop waits on each one in turn)."""
     acc = tl.zeros((BI, BJ), tl.float32)
-    for j in range(NS):
+    for j in tl.static_range(NS):
         acc += _ld(PART + (g * NS + j) * n, ri, ci, si, 1, mi, mj)
     return acc
 
@@ -213,7 +214,7 @@ def _slices_kernel(DY, ERR, Kx, H, PRE, HP, E, QW, QS, QK, GA, GB, GC, SC, SCALE
 
 @triton.jit
 def _gates_kernel(DY, HW, HS, M_IN, P, QK, GC, SC, SCALE, A2, ERR2, K2, PART_E2, PART_N, PART_DA, PART_DB,
-                  PART_R, PART_T, N_OUT, DA, DB, DC, DSC, COEF, clip, C, K, D, NS,
+                  PART_R, PART_T, N_OUT, DA, DB, DC, DSC, COEF, clip, C, K, D, NS: tl.constexpr,
                   HAS_S: tl.constexpr, CLIP: tl.constexpr, BC: tl.constexpr, BKB: tl.constexpr,
                   BD: tl.constexpr):
     """Program ``(kb, g)``: columns ``kb`` (a block of the written tokens) of ``N`` and ``dc``, those
@@ -233,7 +234,7 @@ def _gates_kernel(DY, HW, HS, M_IN, P, QK, GC, SC, SCALE, A2, ERR2, K2, PART_E2,
     r = tl.zeros((BKB,), tl.float32)
     t = tl.zeros((BKB,), tl.float32)
     e2 = tl.zeros((BKB,), tl.float32)
-    for j in range(NS):
+    for j in tl.static_range(NS):
         r += tl.load(PART_R + (g * NS + j) * K + rk, mask=mk, other=0.0)
         t += tl.load(PART_T + (g * NS + j) * K + rk, mask=mk, other=0.0)
         e2 += tl.load(PART_E2 + (g * NS + j) * K + rk, mask=mk, other=0.0)
@@ -268,7 +269,7 @@ def _gates_kernel(DY, HW, HS, M_IN, P, QK, GC, SC, SCALE, A2, ERR2, K2, PART_E2,
             da += tl.sum(dy * _ld(HW + g * C * D, rc, rd, D, 1, mc, md), 1)
             if HAS_S:
                 db += tl.sum(dy * _ld(HS + g * C * D, rc, rd, D, 1, mc, md), 1)
-        for j in range(NS):
+        for j in tl.static_range(NS):
             da += tl.load(PART_DA + (g * NS + j) * C + rc, mask=mc, other=0.0)
             if HAS_S:
                 db += tl.load(PART_DB + (g * NS + j) * C + rc, mask=mc, other=0.0)
@@ -279,7 +280,7 @@ def _gates_kernel(DY, HW, HS, M_IN, P, QK, GC, SC, SCALE, A2, ERR2, K2, PART_E2,
 
 @triton.jit
 def _width_kernel(DY, Q, Kx, ERR, P, GA, GB, GC, SCALE, N_IN, COEF, PART_DQ, PART_DK, PART_Z,
-                  DQ, DK, DERR, L1, LS1, R2, C, K, D, NS, ROWS1,
+                  DQ, DK, DERR, L1, LS1, R2, C, K, D, NS: tl.constexpr, ROWS1,
                   HAS_S: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
                   PRECISION: tl.constexpr):
     """Program ``(r, w, g)``: rows ``r`` (queries for ``dq``, written tokens for the others) and block ``w``
@@ -359,16 +360,16 @@ def _chain_kernel(PRE, BACK, E, W1, W2, DE_READ, DE_UPDATE, DACT, COEF, R1, L2, 
 
 
 @triton.jit
-def _error_kernel(DERR, PART_Z, PART_DK, DK, DV, L1, C, K, D, NS, ROWS1,
-                  L2_OBJ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
-    """Program ``(w, g)``: ``d err``, then ``dv``; ``l2``: ``d pred`` (rows C+K.. of L1) and ``dk``'s
+def _error_grad_kernel(DERR, PART_Z, PART_DK, DK, DV, L1, C, K, D, NS: tl.constexpr, ROWS1,
+                       L2_OBJ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """Program ``(r, w, g)``: ``d err``, then ``dv``; ``l2``: ``d pred`` (rows C+K.. of L1) and ``dk``'s
     identity term; ``dot``: ``dk``'s last shares."""
-    w = tl.program_id(0)
-    g = tl.program_id(1).to(tl.int64)
-    rd, rk = w * BD + tl.arange(0, BD), tl.arange(0, BK)
+    w = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    rd, rk = w * BD + tl.arange(0, BD), tl.program_id(0) * BR + tl.arange(0, BR)
     md, mk = rd < D, rk < K
     kd = g * K * D
-    derr = _ld(DERR + kd, rk, rd, D, 1, mk, md) + _sum_shares(PART_Z, g, NS, K * D, rk, rd, D, mk, md, BK, BD)
+    derr = _ld(DERR + kd, rk, rd, D, 1, mk, md) + _sum_shares(PART_Z, g, NS, K * D, rk, rd, D, mk, md, BR, BD)
     dk = _ld(DK + kd, rk, rd, D, 1, mk, md)
     if L2_OBJ:
         dpred = 2.0 * derr
@@ -377,7 +378,7 @@ def _error_kernel(DERR, PART_Z, PART_DK, DK, DV, L1, C, K, D, NS, ROWS1,
         dk += dpred
     else:
         _st(DV + kd, -derr, rk, rd, D, mk, md)
-        dk += _sum_shares(PART_DK, g, NS, K * D, rk, rd, D, mk, md, BK, BD)
+        dk += _sum_shares(PART_DK, g, NS, K * D, rk, rd, D, mk, md, BR, BD)
     _st(DK + kd, dk, rk, rd, D, mk, md)
 
 
@@ -409,13 +410,13 @@ def _prediction_kernel(PRE, W1, W2, L1, L2, PART_DK, C, K, D, F, ROWS1,
 
 
 @triton.jit
-def _sum_kernel(DK, PART_DK, K, D, NS, BK: tl.constexpr, BD: tl.constexpr):
-    w = tl.program_id(0)
-    g = tl.program_id(1).to(tl.int64)
-    rd, rk = w * BD + tl.arange(0, BD), tl.arange(0, BK)
+def _sum_kernel(DK, PART_DK, K, D, NS: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    w = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    rd, rk = w * BD + tl.arange(0, BD), tl.program_id(0) * BR + tl.arange(0, BR)
     md, mk = rd < D, rk < K
     kd = g * K * D
-    dk = _ld(DK + kd, rk, rd, D, 1, mk, md) + _sum_shares(PART_DK, g, NS, K * D, rk, rd, D, mk, md, BK, BD)
+    dk = _ld(DK + kd, rk, rd, D, 1, mk, md) + _sum_shares(PART_DK, g, NS, K * D, rk, rd, D, mk, md, BR, BD)
     _st(DK + kd, dk, rk, rd, D, mk, md)
 
 
@@ -457,7 +458,7 @@ def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] 
     gb, gsc = (b, sc_last) if has_s else (a, parts.scale)
     prec = _precision()
     launch = dict(num_warps=BLOCKS["warps"], num_stages=BLOCKS["stages"])
-    slices, width = (NS, G), (triton.cdiv(D, BD), G)
+    slices = (NS, G)
     _slices_kernel[(2 * NS, G)](
         d_y, parts.err, k, parts.hidden, parts.pre, parts.hidden_pre, parts.e, parts.qw,
         parts.qs if has_s else parts.qw, parts.qk, a, gb, c, gsc, parts.scale, W1, S1, W2, S2,
@@ -478,11 +479,13 @@ def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] 
     _chain_kernel[slices](
         parts.pre, parts.back, parts.e, W1, W2, de_read, de_update, dact, coef, R1, L2, part_z, part_dk,
         C, K, D, F, rows1, L2_OBJ=l2, BK=BK, BF=BF, BD=BD, PRECISION=prec, **launch)
-    _error_kernel[width](derr, part_z, part_dk, dk, dv, L1, C, K, D, NS, rows1, L2_OBJ=l2, BK=BK, BD=BD, **launch)
+    rows_k = (triton.cdiv(K, BR), triton.cdiv(D, BD), G)
+    _error_grad_kernel[rows_k](derr, part_z, part_dk, dk, dv, L1, C, K, D, NS, rows1, L2_OBJ=l2, BR=BR, BD=BD,
+                               **launch)
     if l2:
         _prediction_kernel[slices](parts.pre, W1, W2, L1, L2, part_dk, C, K, D, F, rows1,
                                    BK=BK, BF=BF, BD=BD, PRECISION=prec, **launch)
-        _sum_kernel[width](dk, part_dk, K, D, NS, BK=BK, BD=BD, **launch)
+        _sum_kernel[rows_k](dk, part_dk, K, D, NS, BR=BR, BD=BD, **launch)
     # The weights: the final update's term plus every use, with the gates' inner products.
     a_last, b_last = a[:, -1], (b[:, -1] if has_s else None)
     dW1, dS1, da1, db1, dsa1 = final_update_backward_stacked(

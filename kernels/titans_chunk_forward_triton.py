@@ -59,9 +59,10 @@ __all__ = ["ForwardParts", "covers", "chunk_forward"]
 # (titans_chunk_backward_triton) rows or token columns per program of its gates and width kernels, and
 # its slice programs' warps. Module-level
 # so that tests can shrink them. Swept on an H100 (RESULTS.md): slices of 32 were 1.2-1.5x slower
-# in the forward, 8 warps for the update 1.1-1.2x slower (fewer spills, fewer programs per SM).
+# in the forward, 8 warps for the update 1.1-1.2x slower (fewer spills, fewer programs per SM); 8 warps
+# for the backward's slice programs 2% faster than 4.
 BLOCKS = {"slice": 64, "width": 64, "rows": 16, "error_rows": 4, "warps": 4, "update_warps": 4, "stages": 2,
-          "backward_rows": 16, "backward_warps": 4}
+          "backward_rows": 16, "backward_warps": 8}
 
 
 def covers(spec, C: int, K: int) -> bool:
@@ -136,7 +137,7 @@ def _pre_kernel(Q, Kx, W1, W2, S2, PRE, QW, QS, QK, PART_PRED, PART_A2, C, K, D,
 
 
 @triton.jit
-def _error_kernel(Kx, V, PART_PRED, PART_A2, ERR, ERR2, K2, A2, K, D, NS,
+def _error_kernel(Kx, V, PART_PRED, PART_A2, ERR, ERR2, K2, A2, K, D, NS: tl.constexpr,
                   L2: tl.constexpr, BR: tl.constexpr, BDF: tl.constexpr):
     g = tl.program_id(1).to(tl.int64)
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -149,12 +150,12 @@ def _error_kernel(Kx, V, PART_PRED, PART_A2, ERR, ERR2, K2, A2, K, D, NS,
     a2 = tl.zeros((BR,), tl.float32)
     if L2:
         pred = kk
-        for j in range(NS):
+        for j in tl.static_range(NS):  # unrolled: the shares' loads overlap
             pred += tl.load(PART_PRED + ((g * NS + j) * K + rr[:, None]) * D + rd[None, :], mask=m, other=0.0)
         err = 2.0 * (pred - vv)
     else:
         err = -vv
-    for j in range(NS):
+    for j in tl.static_range(NS):
         a2 += tl.load(PART_A2 + (g * NS + j) * K + rr, mask=mr, other=0.0)
     tl.store(ERR + offs, err, mask=m)
     tl.store(ERR2 + g * K + rr, tl.sum(err * err, 1), mask=mr)
@@ -280,7 +281,7 @@ def _read_update_kernel(Kx, W1, W2, S1, S2, W1_OUT, W2_OUT, S1_OUT, S2_OUT, PRE,
 
 
 @triton.jit
-def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, P, Y, C, K, D, NS,
+def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, P, Y, C, K, D, NS: tl.constexpr,
                    HAS_S: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
                    PRECISION: tl.constexpr):
     """Program ``(r, w)``: rows block ``r`` of the chunk's queries, block ``w`` of the value width."""
@@ -294,7 +295,7 @@ def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, 
     hw = tl.zeros((BR, BD), tl.float32)
     hs = tl.zeros((BR, BD), tl.float32)
     p = tl.zeros((BR, BK), tl.float32)
-    for j in range(NS):
+    for j in tl.static_range(NS):  # unrolled: the shares' loads overlap
         part = ((g * NS + j) * C + rr[:, None]) * D + rd[None, :]
         hw += tl.load(PART_HW + part, mask=m, other=0.0)
         if HAS_S:

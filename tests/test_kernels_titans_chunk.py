@@ -183,8 +183,11 @@ def test_the_chunk_through_the_triton_ends_equals_autograd_over_the_operator():
     g_want = torch.autograd.grad(want, leaves, cotangents)
     for x, y in zip(got, want):
         torch.testing.assert_close(x.detach().cpu().double(), y.detach(), rtol=1e-4, atol=1e-4)
+    # Gradients span five decades here (dk: 0.4 to 6,000), so each is held to its largest entry: float32
+    # gives 1e-7 to 6e-7 of it on both backwards (the sliced one, and MNEMO_CHUNK_BACKWARD=torch).
     for i, (x, y) in enumerate(zip(g_got, g_want)):
-        torch.testing.assert_close(x.cpu().double(), y, rtol=1e-4, atol=1e-4, msg=lambda m: f"gradient {i}: {m}")
+        error = ((x.cpu().double() - y).abs().max() / y.abs().max()).item()
+        assert error < 1e-5, f"gradient {i}: relative error {error:.1e}"
 
 
 @pytest.mark.parametrize("first", [True, False])
