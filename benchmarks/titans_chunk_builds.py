@@ -75,7 +75,8 @@ def grads(xs, B, cotangents):
 
 
 def errors(B=2, T=512):
-    for label, dtype, precision in (("float32, highest", torch.float32, "highest"), ("bf16 inputs, TF32", torch.bfloat16, "high")):
+    for label, dtype, precision in (("float32, highest", torch.float32, "highest"),
+                                    ("bf16 inputs, TF32", torch.bfloat16, "high")):
         xs = inputs(B, T, dtype)
         torch.set_float32_matmul_precision("highest")
         with build("cublas"):
