@@ -1,8 +1,10 @@
 """Compile mnemo's Triton kernels for a GPU without one: shared memory, registers and spills.
 
-``--kernels key_pass`` (default): the DeepTransformer key pass; ``--kernels titans_forward``: the sliced
-chunk forward of the Titans memory (:mod:`mnemo.kernels.titans_chunk_forward_triton`, at its default
-blocks, 64-token chunks and a 256-wide key, with momentum, ``l2`` and the clip).
+``--kernels key_pass`` (default): the DeepTransformer key pass; ``--kernels titans_forward`` /
+``titans_backward``: the sliced chunk forward / backward of the Titans memory
+(:mod:`mnemo.kernels.titans_chunk_forward_triton`, :mod:`mnemo.kernels.titans_chunk_backward_triton`, at
+their default blocks, 64-token chunks, a 256-wide key and 16 hidden slices, with momentum, ``l2`` and
+the clip).
 
 Triton compiles for a named target on any machine (``GPUTarget("cuda", 90, 32)`` is Hopper), and its
 bundled ``ptxas -v`` reports registers and spills. That tells, before a GPU run, whether a launch fits an
@@ -29,10 +31,12 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
 
 from mnemo.kernels import deep_attention_key_pass_triton as key_pass  # noqa: E402
+from mnemo.kernels import titans_chunk_backward_triton as titans_backward  # noqa: E402
 from mnemo.kernels import titans_chunk_forward_triton as titans_forward  # noqa: E402
 
 INTS = {"m", "first", "lo", "hi", "top", "N", "T", "BH", "DK", "DV", "HID"}
-TITANS_INTS = {"C", "K", "D", "F", "NS"}
+TITANS_INTS = {"C", "K", "D", "F", "NS", "ROWS1"}
+TITANS_SLICES = 16  # the benchmark's hidden layer (1024) in slices of 64
 FLOATS = {"scale", "clip"}
 
 
@@ -64,6 +68,8 @@ def ptxas_report(ptx: str, arch: int) -> str:
 
 
 def _compile(fn, reads: str, constants: dict, target, warps: int, stages: int, ints: set = INTS) -> dict:
+    if "NS" in {p.name for p in fn.params if p.is_constexpr}:  # a kernel that unrolls over the slices
+        constants = {**constants, "NS": TITANS_SLICES}
     types, consts = signature(fn, reads, constants, ints)
     hints = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if types[name].startswith("*")}
     kernel = triton_compile(ASTSource(fn, types, consts, hints), target=target,
@@ -85,9 +91,26 @@ def titans_forward_rows(target) -> None:
         print(json.dumps(row), flush=True)
 
 
+def titans_backward_rows(target) -> None:
+    blocks = titans_forward.BLOCKS
+    constants = dict(HAS_S=True, L2_OBJ=True, CLIP=True, BC=64, BK=64, BF=blocks["slice"], BD=blocks["width"],
+                     BR=blocks["backward_rows"], BKB=blocks["backward_rows"], PRECISION="tf32")
+    for fn, warps in ((titans_backward._slices_kernel, blocks["backward_warps"]),
+                      (titans_backward._gates_kernel, blocks["warps"]),
+                      (titans_backward._width_kernel, blocks["warps"]),
+                      (titans_backward._chain_kernel, blocks["warps"]),
+                      (titans_backward._error_grad_kernel, blocks["warps"]),
+                      (titans_backward._prediction_kernel, blocks["warps"]),
+                      (titans_backward._sum_kernel, blocks["warps"])):
+        for w in sorted({warps, 4, 8}) if fn is titans_backward._slices_kernel else (warps,):
+            row = dict(triton=triton.__version__, arch=target.arch, kernel=fn.__name__, warps=w)
+            row.update(_compile(fn, "fp32", constants, target, w, blocks["stages"], TITANS_INTS))
+            print(json.dumps(row), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", choices=("key_pass", "titans_forward"), default="key_pass")
+    parser.add_argument("--kernels", choices=("key_pass", "titans_forward", "titans_backward"), default="key_pass")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--chunks", default="64")
     parser.add_argument("--widths", default="64")
@@ -95,8 +118,8 @@ def main():
     parser.add_argument("--reads", default="bf16,fp32")
     args = parser.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
-    if args.kernels == "titans_forward":
-        titans_forward_rows(target)
+    if args.kernels.startswith("titans"):
+        (titans_forward_rows if args.kernels == "titans_forward" else titans_backward_rows)(target)
         return
     for reads in args.reads.split(","):
         for chunk in map(int, args.chunks.split(",")):
