@@ -343,3 +343,82 @@ def test_the_sliced_backward_follows_the_sliced_forward(monkeypatch):
     assert calls == [1]
     for i, (x, y) in enumerate(zip(grads["fused"], grads["torch"])):
         assert ((x - y).abs().max() / y.abs().max()).item() < 1e-5, f"gradient of leaf {i}"
+
+
+def _loop_inputs(spec, B, T, H, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEVICE)  # noqa: E731
+    init = {n: r(H, *s, scale=0.3) for n, s in spec.shapes.items()}
+    q, k, v = r(B, T, H, spec.d_k), r(B, T, H, spec.d_k), r(B, T, H, spec.d_v)
+    alpha = (torch.rand(B, T, H, generator=gen) * 0.1 + 0.9).to(DEVICE)
+    eta = (torch.rand(B, T, H, generator=gen) * 0.5).to(DEVICE)
+    theta = (torch.rand(B, T, H, generator=gen) * 0.1).to(DEVICE)
+    return init, [q, k, v, alpha, eta, theta]
+
+
+def _titans_loop(spec, init, q, k, v, alpha, eta, theta):
+    from mnemo.kernels.titans import TitansState, chunk_titans
+
+    B, T = q.shape[:2]
+    lengths = torch.tensor([T, T - 13], device=q.device)  # a row that ends inside a chunk
+    return chunk_titans(spec, q, k, v, alpha, eta, theta, TitansState.initial(init, B), chunk_size=8,
+                        lengths=lengths)[0]
+
+
+def _atlas_loop(spec, init, q, k, v, alpha, eta, theta, optimizer):
+    from mnemo.kernels.atlas import AtlasState, chunk_atlas
+
+    B, T, H = q.shape[:3]
+    state = AtlasState.initial(spec, init, B, H, 3, optimizer)
+    return chunk_atlas(spec, q, k, v, alpha, theta, eta, alpha, state, optimizer=optimizer, omega_window=3,
+                       chunk_size=8)[0]
+
+
+def _mc_loop(spec, init, q, k, v, alpha, eta, theta):
+    from mnemo.kernels.memory_caching import MCOptions, MCState, chunk_mc_titans
+
+    B = q.shape[0]
+    opts = MCOptions(segment_size=16, aggregation="grm", chunk_size=8)
+    return chunk_mc_titans(spec, opts, q, k, v, q.flip(1), alpha, eta, theta, init, MCState.initial(init, B, spec.d_v))[0]
+
+
+@pytest.mark.parametrize("loop", ["titans", "atlas_gd", "atlas_momentum", "mc_grm"])
+def test_the_chunk_loops_through_the_sliced_kernels_equal_the_torch_path(loop, monkeypatch):
+    """Titans (a row ending mid-chunk), Atlas with GD and momentum (an Omega window of 3: 10 written tokens
+    per chunk of 8) and MC-Titans (grm, segments of 16) with their chunks run through the sliced Triton
+    forward and backward, against the same loops on the PyTorch path: output and every gradient held to
+    float64, within 4x the PyTorch path's float32 error (and 1e-6 of the largest entry). ``eta``'s
+    gradient sums terms that cancel: the two float32 paths differ there by 1.8e-5 of its largest entry."""
+    pytest.importorskip("triton")
+    from mnemo.kernels import titans_chunk_backward_triton as sliced_backward
+    from mnemo.kernels import titans_chunk_forward_triton as sliced
+    from mnemo.kernels import use_backend
+
+    monkeypatch.setitem(sliced.BLOCKS, "slice", 16)
+    monkeypatch.setitem(sliced.BLOCKS, "width", 16)
+    calls = []
+    real = sliced_backward.chunk_backward
+    monkeypatch.setattr(sliced_backward, "chunk_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    spec = TitansMemorySpec(depth=2, d_k=16, d_v=16, expansion=2, grad_clip=30.0)
+    run = {"titans": _titans_loop, "mc_grm": _mc_loop,
+           "atlas_gd": lambda *a: _atlas_loop(*a, optimizer="gd"),
+           "atlas_momentum": lambda *a: _atlas_loop(*a, optimizer="momentum")}[loop]
+    init, xs = _loop_inputs(spec, B=2, T=32, H=2)
+    results = {}
+    for name, backend, dtype in (("exact", "torch", torch.float64), ("torch", "torch", torch.float32),
+                                 ("triton", "triton", torch.float32)):
+        leaves = [x.to(dtype).requires_grad_() for x in xs] + [w.to(dtype).requires_grad_() for w in init.values()]
+        with use_backend(backend):
+            out = run(spec, dict(zip(init, leaves[len(xs):])), *leaves[:len(xs)])
+            weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, dtype)
+            grads = torch.autograd.grad((out * weight).sum(), leaves, allow_unused=True)
+        results[name] = [out] + [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
+    assert calls, "the sliced backward was not taken"
+
+    def error(x, y):
+        return ((x.double() - y).abs().max() / y.abs().max().clamp(min=1e-30)).item()
+
+    for i, (x, y, z) in enumerate(zip(results["triton"], results["torch"], results["exact"])):
+        bound = max(4 * error(y, z), 1e-6)
+        assert error(x, z) < bound, (f"{loop}: {'output' if i == 0 else f'gradient {i}'}: {error(x, z):.1e} "
+                                     f"(PyTorch path {error(y, z):.1e})")
