@@ -313,19 +313,27 @@ def test_the_sliced_forward_is_taken_where_it_covers_the_memory(monkeypatch):
     assert calls == [1]
 
 
-def test_the_sliced_backward_follows_the_sliced_forward(monkeypatch):
-    """A chunk whose forward ran sliced runs its backward through the Triton launches;
-    ``MNEMO_CHUNK_BACKWARD=torch`` takes the written-out PyTorch backward, with the same gradients."""
+@pytest.fixture
+def sliced_backward_calls(monkeypatch):
+    """Slices and width blocks of 16, and a list that records each call of the sliced backward."""
     pytest.importorskip("triton")
-    import mnemo.kernels.titans_chunk_backward_triton as sliced_backward
+    from mnemo.kernels import titans_chunk_backward_triton as sliced_backward
     from mnemo.kernels import titans_chunk_forward_triton as sliced
-    from mnemo.kernels import use_backend
 
     monkeypatch.setitem(sliced.BLOCKS, "slice", 16)
     monkeypatch.setitem(sliced.BLOCKS, "width", 16)
     calls = []
     real = sliced_backward.chunk_backward
     monkeypatch.setattr(sliced_backward, "chunk_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_the_sliced_backward_follows_the_sliced_forward(sliced_backward_calls, monkeypatch):
+    """A chunk whose forward ran sliced runs its backward through the Triton launches;
+    ``MNEMO_CHUNK_BACKWARD=torch`` takes the written-out PyTorch backward, with the same gradients."""
+    from mnemo.kernels import use_backend
+
+    calls = sliced_backward_calls
     spec = SLICED["l2"]
     gen = torch.Generator().manual_seed(2)
     r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEVICE).requires_grad_()  # noqa: E731
@@ -383,22 +391,15 @@ def _mc_loop(spec, init, q, k, v, alpha, eta, theta):
 
 
 @pytest.mark.parametrize("loop", ["titans", "atlas_gd", "atlas_momentum", "mc_grm"])
-def test_the_chunk_loops_through_the_sliced_kernels_equal_the_torch_path(loop, monkeypatch):
+def test_the_chunk_loops_through_the_sliced_kernels_equal_the_torch_path(loop, sliced_backward_calls):
     """Titans (a row ending mid-chunk), Atlas with GD and momentum (an Omega window of 3: 10 written tokens
     per chunk of 8) and MC-Titans (grm, segments of 16) with their chunks run through the sliced Triton
     forward and backward, against the same loops on the PyTorch path: output and every gradient held to
     float64, within 4x the PyTorch path's float32 error (and 1e-6 of the largest entry). ``eta``'s
     gradient sums terms that cancel: the two float32 paths differ there by 1.8e-5 of its largest entry."""
-    pytest.importorskip("triton")
-    from mnemo.kernels import titans_chunk_backward_triton as sliced_backward
-    from mnemo.kernels import titans_chunk_forward_triton as sliced
     from mnemo.kernels import use_backend
 
-    monkeypatch.setitem(sliced.BLOCKS, "slice", 16)
-    monkeypatch.setitem(sliced.BLOCKS, "width", 16)
-    calls = []
-    real = sliced_backward.chunk_backward
-    monkeypatch.setattr(sliced_backward, "chunk_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = sliced_backward_calls
     spec = TitansMemorySpec(depth=2, d_k=16, d_v=16, expansion=2, grad_clip=30.0)
     run = {"titans": _titans_loop, "mc_grm": _mc_loop,
            "atlas_gd": lambda *a: _atlas_loop(*a, optimizer="gd"),
