@@ -36,7 +36,8 @@ NAMES = ["q", "k", "v", "alpha", "eta", "theta", "w1", "w2"]
 
 @contextlib.contextmanager
 def build(name):
-    # The chunk loop keeps CUDA graphs of its steps by shape: a build captures its own.
+    # Each build captures its own CUDA graphs (the switches are part of their key); the last build's
+    # are freed so that its memory does not count in the next one's peak.
     release_graphs()
     saved = {key: os.environ.get(key) for key in ("MNEMO_CHUNK_FORWARD", "MNEMO_CHUNK_BACKWARD")}
     for key in saved:

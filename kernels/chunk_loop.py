@@ -54,6 +54,8 @@ from functools import partial
 
 import torch
 
+from .backend import requested_backend
+
 __all__ = [
     "GraphedStep",
     "graphed_step",
@@ -259,6 +261,18 @@ def _step_key(step: Step):
     return parts
 
 
+# The switches a step's kernels are chosen by when it is captured (see kernels/titans_chunk.py).
+_KERNEL_SWITCHES = ("MNEMO_CHUNK_FORWARD", "MNEMO_CHUNK_BACKWARD")
+
+
+def _selection() -> tuple:
+    """What, besides its shapes, decides which kernels a captured step replays: autocast, the float32
+    matmul precision, the backend asked for and the chunk kernels' switches. Part of a graph's key, so that
+    changing any of them within a process captures anew instead of replaying the other choice's kernels."""
+    return (_autocast_state(), torch.get_float32_matmul_precision(), requested_backend(),
+            tuple(os.environ.get(name) for name in _KERNEL_SWITCHES))
+
+
 def _signature(tensors: Sequence[torch.Tensor]):
     return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
 
@@ -287,8 +301,7 @@ def graphed_step(step: Step, carry: Tensors, x: Tensors, consts: Tensors, need_x
         return None
     need_x = tuple(need_x) or (False,) * len(x)
     need_consts = tuple(need_consts) or (False,) * len(consts)
-    key = (base, _signature(carry), _signature(x), _signature(consts), need_x, need_consts, _autocast_state(),
-           torch.get_float32_matmul_precision())
+    key = (base, _signature(carry), _signature(x), _signature(consts), need_x, need_consts, _selection())
     graphed = _GRAPHS.get(key)
     if graphed is False:
         return None

@@ -485,3 +485,31 @@ def test_mc_titans_whole_segments_run_in_one_loop_and_equal_the_reference(agg, l
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     for a, b in zip(grads((out * weight).sum(), leaves), expected):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_a_graph_key_changes_with_what_selects_the_kernels(monkeypatch):
+    """A captured chunk replays the kernels chosen when it was captured: the backend asked for, the chunk
+    kernels' switches, autocast and the float32 matmul precision are part of its key, so that changing any
+    of them within a process captures anew."""
+    from mnemo.kernels import use_backend
+    from mnemo.kernels.chunk_loop import _selection
+
+    monkeypatch.delenv("MNEMO_CHUNK_FORWARD", raising=False)
+    monkeypatch.delenv("MNEMO_CHUNK_BACKWARD", raising=False)
+    monkeypatch.delenv("MNEMO_BACKEND", raising=False)
+    seen = {_selection()}
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            seen.add(_selection())
+    for name, value in (("MNEMO_CHUNK_FORWARD", "torch"), ("MNEMO_CHUNK_BACKWARD", "torch")):
+        monkeypatch.setenv(name, value)
+        seen.add(_selection())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        seen.add(_selection())
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if before == "highest" else "highest")
+    try:
+        seen.add(_selection())
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert len(seen) == 7
