@@ -237,6 +237,20 @@ def _sliced_forward_wanted(spec, q, k) -> bool:
     return covers(spec, q.shape[-2], k.shape[-2]) and resolve_backend(q, has_triton_impl=True) == "triton"
 
 
+def _merge_heads(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``(B, H, ...)`` as ``(B * H, ...)``: the sliced kernels' ``G`` rows."""
+    return None if x is None else x.flatten(0, 1)
+
+
+def _merge_heads_of(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    return None if tensors is None else {n: x.flatten(0, 1) for n, x in tensors.items()}
+
+
+def _split_heads(x: torch.Tensor | None, lead: torch.Size) -> torch.Tensor | None:
+    """``(B * H, ...)`` back to ``lead + (...)``."""
+    return None if x is None else x.view(*lead, *x.shape[1:])
+
+
 def _sliced_backward_wanted() -> bool:
     """Whether a chunk whose forward ran sliced also runs its backward sliced (the default;
     ``MNEMO_CHUNK_BACKWARD=torch`` takes the written-out PyTorch backward instead, to compare the two)."""
@@ -246,7 +260,7 @@ def _sliced_backward_wanted() -> bool:
 def _from_parts(spec, parts, lead, k):
     """The factors, intermediates and read products of the backward from the sliced forward's
     :class:`~.titans_chunk_forward_triton.ForwardParts` (``(G, ...)``, viewed as ``lead + ...``)."""
-    view = lambda x: None if x is None else x.view(*lead, *x.shape[1:])  # noqa: E731
+    view = lambda x: _split_heads(x, lead)  # noqa: E731
     pre, back, e, err, scale = map(view, (parts.pre, parts.back, parts.e, parts.err, parts.scale))
     act = F.gelu(pre)
     clipped = spec.grad_clip is not None
@@ -270,14 +284,12 @@ class _ChunkMemory(torch.autograd.Function):
         if _sliced_forward_wanted(spec, q, k):
             from .titans_chunk_forward_triton import chunk_forward
 
-            lead = q.shape[:2]
-            flat = lambda x: None if x is None else x.flatten(0, 1)  # noqa: E731
+            lead = ctx.lead = q.shape[:2]
             y, W_new, S_new, ctx.parts = chunk_forward(
-                spec, {n: flat(w) for n, w in W.items()}, {n: flat(w) for n, w in S.items()} if momentum else None,
-                *map(flat, (q, k, v, a, b, c, sa_last, sc_last)))
-            ctx.lead = lead
+                spec, _merge_heads_of(W), _merge_heads_of(S),
+                *map(_merge_heads, (q, k, v, a, b, c, sa_last, sc_last)))
             out = [W_new[n] for n in names] + ([S_new[n] for n in names] if momentum else [])
-            return (y.view(*lead, *y.shape[1:]), *(t.view(*lead, *t.shape[1:]) for t in out))
+            return tuple(_split_heads(t, lead) for t in (y, *out))
         ctx.parts = None
         factors, inner = _factors(spec, W, k, v)
         if spec.grad_clip is not None:
@@ -442,13 +454,11 @@ class _ChunkMemory(torch.autograd.Function):
         from .titans_chunk_backward_triton import chunk_backward
 
         spec, momentum, m, lead = ctx.spec, ctx.momentum, ctx.m, ctx.lead
-        flat = lambda x: None if x is None else x.flatten(0, 1)  # noqa: E731
-        dW_new = {n: flat(d) for n, d in zip(names, d_new[:m])}
-        dS_new = {n: flat(d) for n, d in zip(names, d_new[m:2 * m])} if momentum else None
+        dW_new = _merge_heads_of(dict(zip(names, d_new[:m])))
+        dS_new = _merge_heads_of(dict(zip(names, d_new[m:2 * m]))) if momentum else None
         dW, dS, dq, dk, dv, da, db, dc, dsa, dsc = chunk_backward(
-            spec, {n: flat(w) for n, w in W.items()}, {n: flat(w) for n, w in S.items()} if momentum else None,
-            *map(flat, (q, k, a, b, c, sa_last, sc_last)), ctx.parts, flat(d_y), dW_new, dS_new)
-        view = lambda x: x.view(*lead, *x.shape[1:])  # noqa: E731
+            spec, _merge_heads_of(W), _merge_heads_of(S), *map(_merge_heads, (q, k, a, b, c, sa_last, sc_last)),
+            ctx.parts, _merge_heads(d_y), dW_new, dS_new)
+        weights = [dW[n] for n in names] + ([dS[n] for n in names] if momentum else [])
         d_gates = (da, db, dc, dsa, dsc) if momentum else (da, dc)
-        return (None, None, None, *(view(dW[n]) for n in names), *((view(dS[n]) for n in names) if momentum else ()),
-                *map(view, (dq, dk, dv)), *map(view, d_gates))
+        return (None, None, None, *(_split_heads(t, lead) for t in (*weights, dq, dk, dv, *d_gates)))

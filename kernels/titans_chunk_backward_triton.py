@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .titans_chunk_forward_triton import BLOCKS, ForwardParts, _gelu, _gelu_slope, _pow2
+from .titans_chunk_forward_triton import BLOCKS, ForwardParts, _contiguous, _gelu, _gelu_slope, _pow2
 from .titans_chunk_triton import _precision, final_update_backward_stacked
 
 __all__ = ["chunk_backward"]
@@ -446,8 +446,7 @@ def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] 
     K, F = k.shape[1], spec.hidden
     has_s = S is not None
     l2, clip = spec.objective == "l2", spec.grad_clip
-    contiguous = lambda x: None if x is None else x.contiguous()  # noqa: E731
-    q, k, a, b, c, sc_last, d_y = map(contiguous, (q, k, a, b, c, sc_last, d_y))
+    q, k, a, b, c, sc_last, d_y = _contiguous(q, k, a, b, c, sc_last, d_y)
     W1, W2 = W["w1"].contiguous(), W["w2"].contiguous()
     dW1n, dW2n = dW_new["w1"].contiguous(), dW_new["w2"].contiguous()
     S1, S2 = (S["w1"].contiguous(), S["w2"].contiguous()) if has_s else (W1, W2)

@@ -351,6 +351,11 @@ class ForwardParts:
     part_e2: torch.Tensor
 
 
+def _contiguous(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Each tensor contiguous (the kernels index rows of ``G``), ``None`` kept."""
+    return [None if x is None else x.contiguous() for x in tensors]
+
+
 def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
@@ -365,8 +370,7 @@ def chunk_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] |
     G, C, D = q.shape
     K, F = k.shape[1], spec.hidden
     has_s = S is not None
-    contiguous = lambda x: None if x is None else x.contiguous()  # noqa: E731
-    q, k, v, a, b, c, sa_last, sc_last = map(contiguous, (q, k, v, a, b, c, sa_last, sc_last))
+    q, k, v, a, b, c, sa_last, sc_last = _contiguous(q, k, v, a, b, c, sa_last, sc_last)
     W1, W2 = W["w1"].contiguous(), W["w2"].contiguous()
     S1, S2 = (S["w1"].contiguous(), S["w2"].contiguous()) if has_s else (W1, W2)
     BF, BD, BR = min(BLOCKS["slice"], _pow2(F)), min(BLOCKS["width"], _pow2(D)), BLOCKS["rows"]
