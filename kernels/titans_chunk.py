@@ -232,9 +232,12 @@ def _sliced_forward_wanted(spec, q, k) -> bool:
     keeps the cuBLAS forward, to compare the two)."""
     if os.environ.get("MNEMO_CHUNK_FORWARD", "triton") == "torch" or q.dtype != torch.float32:
         return False
+    # The backend first: the kernels' module imports Triton, which a plain install does not bring.
+    if resolve_backend(q, has_triton_impl=True) != "triton":
+        return False
     from .titans_chunk_forward_triton import covers
 
-    return covers(spec, q.shape[-2], k.shape[-2]) and resolve_backend(q, has_triton_impl=True) == "triton"
+    return covers(spec, q.shape[-2], k.shape[-2])
 
 
 def _merge_heads(x: torch.Tensor | None) -> torch.Tensor | None:

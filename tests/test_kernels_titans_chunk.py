@@ -423,3 +423,21 @@ def test_the_chunk_loops_through_the_sliced_kernels_equal_the_torch_path(loop, s
         bound = max(4 * error(y, z), 1e-6)
         assert error(x, z) < bound, (f"{loop}: {'output' if i == 0 else f'gradient {i}'}: {error(x, z):.1e} "
                                      f"(PyTorch path {error(y, z):.1e})")
+
+
+def test_a_covered_chunk_runs_without_triton(monkeypatch):
+    """``pip install mnemo`` brings no Triton: a chunk that the sliced kernels cover runs forward and
+    backward on the PyTorch path, without importing their modules."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    for name in ("mnemo.kernels.titans_chunk_forward_triton", "mnemo.kernels.titans_chunk_backward_triton"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    spec = SLICED["l2_clip"]
+    gen = torch.Generator().manual_seed(4)
+    W = {n: (torch.randn(1, 2, *s, generator=gen) * 0.5).requires_grad_() for n, s in spec.shapes.items()}
+    q, k, v = (torch.randn(1, 2, 8, 24, generator=gen).requires_grad_() for _ in range(3))
+    a, c = torch.rand(1, 2, 8, generator=gen), torch.rand(1, 2, 8, 8, generator=gen)
+    y, W_new, _ = chunk_memory(spec, W, None, q, k, v, a, None, c, None, None)
+    torch.autograd.grad([y.sum(), *(w.sum() for w in W_new.values())], [*W.values(), q, k, v])
+    assert "mnemo.kernels.titans_chunk_forward_triton" not in sys.modules
