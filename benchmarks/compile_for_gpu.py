@@ -84,8 +84,9 @@ def titans_forward_rows(target) -> None:
     for fn, warps, extra in ((titans_forward._pre_kernel, blocks["warps"], {}),
                              (titans_forward._error_kernel, blocks["warps"], dict(BR=blocks["error_rows"])),
                              (titans_forward._back_kernel, blocks["warps"], {}),
-                             (titans_forward._read_update_kernel, blocks["update_warps"], {}),
-                             (titans_forward._output_kernel, blocks["warps"], {})):
+                             (titans_forward._read_kernel, blocks["read_warps"], dict(BW=blocks["read_width"])),
+                             (titans_forward._update_kernel, blocks["update_warps"], dict(BD=blocks["update_width"])),
+                             (titans_forward._output_kernel, blocks["warps"], dict(BD=blocks["output_width"]))):
         row = dict(triton=triton.__version__, arch=target.arch, kernel=fn.__name__, warps=warps)
         row.update(_compile(fn, "fp32", {**constants, **extra}, target, warps, blocks["stages"], TITANS_INTS))
         print(json.dumps(row), flush=True)

@@ -13,7 +13,7 @@ momentum), B=2, T=512, every output and gradient against float64, relative to th
 entry, float32 with exact products and with TF32 on bf16 inputs. Speed: forward and
 forward+backward at 16K tokens (T=2048, B=8 and T=8192, B=2), TF32, bf16 inputs, median of
 ``REPEATS`` loops. ``BUILDS=sliced,cublas`` picks builds; ``SWEEP=backward_warps:4,8`` adds the
-``sliced`` build with each value of a block constant; ``SKIP_ERRORS=1`` times only; ``PROFILE=1``
+``sliced`` build with each value of a block constant (``;`` between keys); ``SKIP_ERRORS=1`` times only; ``PROFILE=1``
 prints the ``sliced`` build's kernels by CUDA time.
 """
 
@@ -137,10 +137,11 @@ def timings():
 
 def variants():
     """``(build, blocks)`` to time: each of ``BUILDS``, then the ``sliced`` build with each value of
-    ``SWEEP=key:v1,v2`` (a key of :data:`~mnemo.kernels.titans_chunk_forward_triton.BLOCKS`)."""
+    ``SWEEP=key:v1,v2`` (a key of :data:`~mnemo.kernels.titans_chunk_forward_triton.BLOCKS`; several keys
+    separated by ``;``, each swept from the defaults)."""
     out = [(name, {}) for name in os.environ.get("BUILDS", ",".join(BUILDS)).split(",") if name]
-    if os.environ.get("SWEEP"):
-        key, values = os.environ["SWEEP"].split(":")
+    for sweep in filter(None, os.environ.get("SWEEP", "").split(";")):
+        key, values = sweep.split(":")
         out += [("sliced", {key: int(value)}) for value in values.split(",")]
     return out
 

@@ -380,9 +380,11 @@ def _backward_one(step: Step, graphed: GraphedStep | None, carry: Tensors, x: Te
 
 def _stretch_step(step: Step, carry: Tensors, xs: Tensors, consts: Tensors) -> tuple[Tensors, Tensors]:
     """``step`` over every chunk of ``xs`` (chunk index first), as one step: stacked outputs, final carry."""
+    # unbind, not one index per chunk: under autograd each index's backward is a zero tensor the size of
+    # the whole stretch and an add of it, per input and chunk; unbind's is one stack per input.
     ys = []
-    for j in range(xs[0].shape[0]):
-        y, carry = step(carry, _chunk(xs, j), consts)
+    for x in zip(*(t.unbind(0) for t in xs)):
+        y, carry = step(carry, x, consts)
         ys.append(y)
     return _stack(ys), carry
 
@@ -543,6 +545,10 @@ def run_chunks(
     if any(x.shape[0] != n for x in xs):
         raise ValueError(f"every per-chunk input must have {n} chunks first, got {[x.shape[0] for x in xs]}")
     _stretch(n, checkpoint_every)  # a bad spacing is an error whichever way the loop runs
+    # Chunk-first and contiguous, once per call: callers lay their inputs out chunk-first by views, and a
+    # step's kernels would otherwise copy each chunk's slices contiguous, several launches per chunk. A
+    # caller that drops its views' buffers passes contiguous inputs (no copy here, no second copy held).
+    xs = tuple(x.contiguous() for x in xs)
     tensors = carry + xs + consts
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         if recompute is None:

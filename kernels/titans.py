@@ -557,7 +557,8 @@ def chunk_titans(
     xs = []
     for x in (q, k, v.to(dtype), alpha, eta, theta):
         buf, live, slot = align_rows(x.to(dtype), shift, lengths, total)
-        xs.append(chunks_first(buf.transpose(1, 2), C))  # (n, B, H, C, ...)
+        # (n, B, H, C, ...), contiguous here so that the aligned buffer is freed (run_chunks would copy it)
+        xs.append(chunks_first(buf.transpose(1, 2), C).contiguous())
     live_chunks = live.reshape(B, n, C).movedim(1, 0)
     starts = torch.arange(n, device=q.device)[:, None] * C
     stops = (end[None] > starts) & (end[None] < starts + C)  # (n, B): rows whose last token is inside

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from .titans_chunk_forward_triton import BLOCKS, ForwardParts, _contiguous, _gelu, _gelu_slope, _pow2
-from .titans_chunk_triton import _precision, final_update_backward_stacked
+from .titans_chunk_triton import _precision, final_update_backward_parts
 
 __all__ = ["chunk_backward"]
 
@@ -433,6 +433,24 @@ def _sum_kernel(DK, PART_DK, K, D, NS: tl.constexpr, BR: tl.constexpr, BD: tl.co
     _st(DK + kd, dk, rk, rd, D, mk, md)
 
 
+@triton.jit
+def _last_gates_kernel(PART1, PART2, DA, DB, DSA, P1, P2, C, HAS_S: tl.constexpr, BP: tl.constexpr):
+    """Program ``g``: the final updates' gate products summed over both weights' tiles, added to the last
+    token's ``da`` and ``db`` and written as ``d sa_last`` (seven small launches before)."""
+    g = tl.program_id(0).to(tl.int64)
+    r1, r2 = tl.arange(0, BP), tl.arange(0, BP)
+    m1, m2 = r1 < P1, r2 < P2
+    for i in tl.static_range(3 if HAS_S else 1):
+        t = (tl.sum(tl.load(PART1 + (g * P1 + r1) * 3 + i, mask=m1, other=0.0), 0)
+             + tl.sum(tl.load(PART2 + (g * P2 + r2) * 3 + i, mask=m2, other=0.0), 0))
+        if i == 0:
+            tl.store(DA + g * C + C - 1, tl.load(DA + g * C + C - 1) + t)
+        elif i == 1:
+            tl.store(DB + g * C + C - 1, tl.load(DB + g * C + C - 1) + t)
+        else:
+            tl.store(DSA + g, t)
+
+
 def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] | None, q: torch.Tensor,
                    k: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor,
                    sa_last: torch.Tensor | None, sc_last: torch.Tensor | None, parts: ForwardParts,
@@ -500,15 +518,17 @@ def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] 
         _sum_kernel[rows_k](dk, part_dk, K, D, NS, BR=BR, BD=BD, **launch)
     # The weights: the final update's term plus every use, with the gates' inner products.
     a_last, b_last = a[:, -1], (b[:, -1] if has_s else None)
-    dW1, dS1, da1, db1, dsa1 = final_update_backward_stacked(
+    dW1, dS1, part1 = final_update_backward_parts(
         W1, S1 if has_s else None, dW1n, dS1n if has_s else None, a_last, b_last, sa_last,
         (L1, R1, rows1), (LS1, parts.hidden, C) if has_s else None)
-    dW2, dS2, da2, db2, dsa2 = final_update_backward_stacked(
+    dW2, dS2, part2 = final_update_backward_parts(
         W2, S2 if has_s else None, dW2n, dS2n if has_s else None, a_last, b_last, sa_last,
         (L2, R2, C + K), (LS2, q, C) if has_s else None)
-    da[:, -1] += da1 + da2
+    dsa = new(G) if has_s else None
+    P1, P2 = part1.shape[1], part2.shape[1]
+    _last_gates_kernel[(G,)](part1, part2, da, db if has_s else da, dsa if has_s else da, P1, P2, C,
+                             HAS_S=has_s, BP=triton.next_power_of_2(max(P1, P2)))
     dW = {"w1": dW1, "w2": dW2}
     if not has_s:
         return dW, None, dq, dk, dv, da, None, dc, None, None
-    db[:, -1] += db1 + db2
-    return dW, {"w1": dS1, "w2": dS2}, dq, dk, dv, da, db, dc, dsa1 + dsa2, dsc
+    return dW, {"w1": dS1, "w2": dS2}, dq, dk, dv, da, db, dc, dsa, dsc

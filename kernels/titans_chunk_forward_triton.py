@@ -8,9 +8,9 @@ is a few microseconds of launch for a few microseconds of work.
 
 Everything a chunk computes is either local to a slice of the hidden layer (columns
 ``j`` of ``W1``, rows ``j`` of ``W2`` and of their momenta, the hidden activations
-``j``) or a sum over slices of ``(chunk, width)``-sized terms. So a chunk is five
+``j``) or a sum over slices of ``(chunk, width)``-sized terms. So a chunk is six
 launches, each over ``(hidden slices, batch * heads)`` programs or over blocks of rows
-(and of the width, for the output):
+(and of the width, for the update and the output):
 
 1. :func:`_pre_kernel`: ``pre = k W2^T``, ``q W2^T``, ``q S2^T`` of the slice, the
    slice's share of the prediction ``gelu(pre) W1^T`` and of ``||gelu(pre)||^2``;
@@ -18,10 +18,11 @@ launches, each over ``(hidden slices, batch * heads)`` programs or over blocks o
 2. :func:`_error_kernel` (rows): the error ``dL/dM(k)`` from the summed shares, and
    the squared norms the clip needs.
 3. :func:`_back_kernel`: the slice's ``back = err W1`` and factor ``e = back * gelu'(pre)``.
-4. :func:`_read_update_kernel`: the clip's scale; the queries' hidden layer through the
-   online weights, its shares of ``h W1^T``, ``h S1^T`` and ``h gelu(pre)^T``; and the
-   slice's final weights and momenta, written once.
-5. :func:`_output_kernel` (rows): the shares summed, and the read ``y``.
+4. :func:`_read_kernel`: the clip's scale; the queries' hidden layer through the
+   online weights, its shares of ``h W1^T``, ``h S1^T`` and ``h gelu(pre)^T``;
+5. :func:`_update_kernel` (slices and width blocks): the slice's final weights and
+   momenta, written once;
+6. :func:`_output_kernel` (rows): the shares summed, and the read ``y``.
 
 The shares are summed by a fixed loop, not atomics, so results are the same from run
 to run. The intermediates a backward needs (``pre``, ``back``, ``e``, the hidden
@@ -30,11 +31,12 @@ layer and the read's products) are outputs, in :class:`ForwardParts`.
 No product takes a transposed product's result: operands needed transposed are
 loaded transposed from memory (see TRITON_NOTES.md on Triton 3.4-3.7.0 on Hopper).
 
-On an H100 at the benchmark shape (4 heads x 256, MLP x4, chunk 64, 16K tokens) the
-chunked forward takes 21.8 / 34.1 ms at T=2048 / 8192 against 30.2 / 47.7 ms through
-cuBLAS (RESULTS.md). The read-and-update launch is most of it (220 / 82 us per chunk,
-about 2.5x the time to stream the weights and momenta in and out once): its programs
-hold a slice's hidden layer and activations through eight products and spill registers.
+On an H200 at the benchmark shape (4 heads x 256, MLP x4, chunk 64, 16K tokens, TF32) the
+chunked forward (no gradients, a prompt's prefill) takes 19.1-20.0 / 26.3-28.5 ms at T=2048 / 8192
+against 24.0 / 57.2 ms through cuBLAS (RESULTS.md). The read and the update were one launch of
+``(slices, batch * heads)`` programs until then: at T=8192 (batch 2, 8 rows of ``G``) that is 128
+programs of four warps streaming every weight, one per SM, at 76 us per chunk; apart, the update over
+width blocks too, they take 26 + 33 us.
 
 Scope (:func:`covers`): depth 2 without gate or linear skip, objectives ``l2`` and
 ``dot``, any clip, with or without momentum, float32. Shapes as in
@@ -54,14 +56,16 @@ from .titans_chunk_triton import _precision
 
 __all__ = ["ForwardParts", "covers", "chunk_forward"]
 
-# Slice of the hidden layer per program, block of the key width per step, rows per program of the
-# output's and the error's row kernels, warps (the update's apart) and pipeline stages; the backward's
-# (titans_chunk_backward_triton) rows or token columns per program of its gates and width kernels, and
-# its slice programs' warps. Module-level
-# so that tests can shrink them. Swept on an H100 (RESULTS.md): slices of 32 were 1.2-1.5x slower
-# in the forward, 8 warps for the update 1.1-1.2x slower (fewer spills, fewer programs per SM); 8 warps
-# for the backward's slice programs 2% faster than 4.
-BLOCKS = {"slice": 64, "width": 64, "rows": 16, "error_rows": 4, "warps": 4, "update_warps": 4, "stages": 2,
+# Slice of the hidden layer per program, block of the key width per step, width blocks of the read's,
+# update's and output's programs, rows per program of the output's and the error's row kernels, warps and
+# pipeline stages; the backward's (titans_chunk_backward_triton) rows or token columns per program of its
+# gates and width kernels, and its slice programs' warps. Module-level so that tests can shrink them.
+# Swept on an H100 and an H200 (RESULTS.md): slices of 32 were 1.2-1.5x slower in the forward; the update
+# over width blocks of 64 (32 and 128 slower), the read over blocks of 128 (64 and the whole width of
+# 256 slower at T=8192); 8 warps for the read or the update 4-5% slower; 8 warps for the backward's slice
+# programs 2% faster than 4.
+BLOCKS = {"slice": 64, "width": 64, "read_width": 128, "update_width": 64, "output_width": 64, "rows": 16,
+          "error_rows": 4, "warps": 4, "read_warps": 4, "update_warps": 4, "stages": 2,
           "backward_rows": 16, "backward_warps": 8}
 
 
@@ -201,19 +205,24 @@ def _clip_scale(PART_E2, ERR2, K2, A2, g, rk, mk, K, NS, CLIP: tl.constexpr, cli
 
 
 @triton.jit
-def _read_update_kernel(Kx, W1, W2, S1, S2, W1_OUT, W2_OUT, S1_OUT, S2_OUT, PRE, E, ERR, QW, QS, QK,
-                        GA, GB, GC, SA, SC, PART_E2, ERR2, K2, A2, SCALE, HP, H, PART_HW, PART_HS, PART_P,
-                        clip, C, K, D, F,
-                        HAS_S: tl.constexpr, CLIP: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                        BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+def _read_kernel(W1, S1, PRE, E, QW, QS, QK, GA, GB, GC, PART_E2, ERR2, K2, A2, SCALE, HP, H, PART_HW, PART_HS,
+                 PART_P, clip, C, K, D, F,
+                 HAS_S: tl.constexpr, CLIP: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                 BF: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr, PRECISION: tl.constexpr):
+    """Program ``(j, w, g)``: the clip's scale, the queries' hidden layer on slice ``j`` through every token's
+    online weights, and its shares of ``h W1^T`` and ``h S1^T`` on width block ``w`` (``BW`` columns, in
+    steps of ``BD``) and of ``h gelu(pre)^T``. Every width block computes the hidden layer again (three
+    ``(chunk, slice)`` loads and one product, from L2) so that enough programs stream ``W1`` and ``S1``;
+    the first one writes it."""
     j, g, ns, rf, rk, rc, mf, mk, mc = _slice_program(C, K, F, BC, BK, BF)
+    w = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
     s = _clip_scale(PART_E2, ERR2, K2, A2, g, rk, mk, K, ns, CLIP, clip, BK)
-    if j == 0:
+    if (j == 0) & (w == 0):
         tl.store(SCALE + g * K + rk, s, mask=mk)
     kf = mk[:, None] & mf[None, :]
     cf = mc[:, None] & mf[None, :]
     ck = mc[:, None] & mk[None, :]
-    # The queries' hidden layer through every token's online weights.
     a = tl.load(GA + g * C + rc, mask=mc, other=0.0)
     e = tl.load(E + g * K * F + rk[:, None] * F + rf[None, :], mask=kf, other=0.0)
     coef = tl.load(GC + g * C * K + rc[:, None] * K + rk[None, :], mask=ck, other=0.0)
@@ -225,26 +234,18 @@ def _read_update_kernel(Kx, W1, W2, S1, S2, W1_OUT, W2_OUT, S1_OUT, S2_OUT, PRE,
         b = tl.load(GB + g * C + rc, mask=mc, other=0.0)
         hp += b[:, None] * tl.load(QS + cf_offs, mask=cf, other=0.0)
     h = _gelu(hp)
-    tl.store(HP + cf_offs, hp, mask=cf)
-    tl.store(H + cf_offs, h, mask=cf)
-    act = _gelu(tl.load(PRE + g * K * F + rk[:, None] * F + rf[None, :], mask=kf, other=0.0))
-    act_t = _gelu(tl.load(PRE + g * K * F + rk[None, :] * F + rf[:, None], mask=mf[:, None] & mk[None, :], other=0.0))
-    tl.store(PART_P + ((g * ns + j) * C + rc[:, None]) * K + rk[None, :],
-             tl.dot(h, act_t, input_precision=PRECISION), mask=ck)
-    # The final update's coefficients: the last query's row, and the momentum's.
-    a_last = tl.load(GA + g * C + C - 1)
-    c_last = tl.load(GC + g * C * K + (C - 1) * K + rk, mask=mk, other=0.0) * s
-    if HAS_S:
-        b_last = tl.load(GB + g * C + C - 1)
-        sa = tl.load(SA + g)
-        sc = tl.load(SC + g * K + rk, mask=mk, other=0.0) * s
-    # W1 and S1 (D, F): tiles of rows rd, columns rf; the read takes them transposed.
-    for d0 in range(0, D, BD):
+    if w == 0:
+        tl.store(HP + cf_offs, hp, mask=cf)
+        tl.store(H + cf_offs, h, mask=cf)
+        act_t = _gelu(tl.load(PRE + g * K * F + rk[None, :] * F + rf[:, None], mask=mf[:, None] & mk[None, :],
+                              other=0.0))
+        tl.store(PART_P + ((g * ns + j) * C + rc[:, None]) * K + rk[None, :],
+                 tl.dot(h, act_t, input_precision=PRECISION), mask=ck)
+    # W1 and S1 (D, F), read transposed: tiles of columns rf, rows rd.
+    for d0 in range(w * BW, tl.minimum(D, (w + 1) * BW), BD):
         rd = d0 + tl.arange(0, BD)
         md = rd < D
-        m1 = md[:, None] & mf[None, :]
         m1t = mf[:, None] & md[None, :]
-        o1 = g * D * F + rd[:, None] * F + rf[None, :]
         o1t = g * D * F + rd[None, :] * F + rf[:, None]
         cd = mc[:, None] & md[None, :]
         part = ((g * ns + j) * C + rc[:, None]) * D + rd[None, :]
@@ -253,31 +254,51 @@ def _read_update_kernel(Kx, W1, W2, S1, S2, W1_OUT, W2_OUT, S1_OUT, S2_OUT, PRE,
         if HAS_S:
             tl.store(PART_HS + part,
                      tl.dot(h, tl.load(S1 + o1t, mask=m1t, other=0.0), input_precision=PRECISION), mask=cd)
-        err_t = tl.load(ERR + g * K * D + rk[None, :] * D + rd[:, None], mask=md[:, None] & mk[None, :], other=0.0)
-        w1_new = a_last * tl.load(W1 + o1, mask=m1, other=0.0)
-        w1_new += tl.dot(err_t * c_last[None, :], act, input_precision=PRECISION)
-        if HAS_S:
-            s1 = tl.load(S1 + o1, mask=m1, other=0.0)
-            w1_new += b_last * s1
-            tl.store(S1_OUT + o1, sa * s1 + tl.dot(err_t * sc[None, :], act, input_precision=PRECISION), mask=m1)
-        tl.store(W1_OUT + o1, w1_new, mask=m1)
-    # W2 and S2 (F, D): tiles of rows rf, columns rd.
-    e_t = tl.load(E + g * K * F + rk[None, :] * F + rf[:, None], mask=mf[:, None] & mk[None, :], other=0.0)
-    e_last = e_t * c_last[None, :]
+
+
+@triton.jit
+def _update_kernel(Kx, W1, W2, S1, S2, W1_OUT, W2_OUT, S1_OUT, S2_OUT, PRE, E, ERR, GA, GB, GC, SA, SC, SCALE,
+                   C, K, D, F,
+                   HAS_S: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """Program ``(j, w, g)``: the final values of ``W1, S1`` (columns of slice ``j``) and ``W2, S2`` (its
+    rows) on width block ``w``. Apart from the read, and over width blocks too, so that enough programs
+    stream the weights: one program per slice held the whole width (four warps per SM at T=8192, B=2)."""
+    j, w = tl.program_id(0), tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    rf, rk, rd = j * BF + tl.arange(0, BF), tl.arange(0, BK), w * BD + tl.arange(0, BD)
+    mf, mk, md = rf < F, rk < K, rd < D
+    s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
+    a_last = tl.load(GA + g * C + C - 1)
+    c_last = tl.load(GC + g * C * K + (C - 1) * K + rk, mask=mk, other=0.0) * s
     if HAS_S:
-        e_mom = e_t * sc[None, :]
-    for d0 in range(0, D, BD):
-        rd = d0 + tl.arange(0, BD)
-        md = rd < D
-        m2 = mf[:, None] & md[None, :]
-        o2 = g * F * D + rf[:, None] * D + rd[None, :]
-        kk = tl.load(Kx + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
-        w2_new = a_last * tl.load(W2 + o2, mask=m2, other=0.0) + tl.dot(e_last, kk, input_precision=PRECISION)
-        if HAS_S:
-            s2 = tl.load(S2 + o2, mask=m2, other=0.0)
-            w2_new += b_last * s2
-            tl.store(S2_OUT + o2, sa * s2 + tl.dot(e_mom, kk, input_precision=PRECISION), mask=m2)
-        tl.store(W2_OUT + o2, w2_new, mask=m2)
+        b_last = tl.load(GB + g * C + C - 1)
+        sa = tl.load(SA + g)
+        sc = tl.load(SC + g * K + rk, mask=mk, other=0.0) * s
+    # W1 and S1 (D, F): the tile of rows rd, columns rf.
+    act = _gelu(tl.load(PRE + g * K * F + rk[:, None] * F + rf[None, :], mask=mk[:, None] & mf[None, :], other=0.0))
+    err_t = tl.load(ERR + g * K * D + rk[None, :] * D + rd[:, None], mask=md[:, None] & mk[None, :], other=0.0)
+    m1 = md[:, None] & mf[None, :]
+    o1 = g * D * F + rd[:, None] * F + rf[None, :]
+    w1_new = a_last * tl.load(W1 + o1, mask=m1, other=0.0)
+    w1_new += tl.dot(err_t * c_last[None, :], act, input_precision=PRECISION)
+    if HAS_S:
+        s1 = tl.load(S1 + o1, mask=m1, other=0.0)
+        w1_new += b_last * s1
+        tl.store(S1_OUT + o1, sa * s1 + tl.dot(err_t * sc[None, :], act, input_precision=PRECISION), mask=m1)
+    tl.store(W1_OUT + o1, w1_new, mask=m1)
+    # W2 and S2 (F, D): the tile of rows rf, columns rd.
+    e_t = tl.load(E + g * K * F + rk[None, :] * F + rf[:, None], mask=mf[:, None] & mk[None, :], other=0.0)
+    kk = tl.load(Kx + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
+    m2 = mf[:, None] & md[None, :]
+    o2 = g * F * D + rf[:, None] * D + rd[None, :]
+    w2_new = a_last * tl.load(W2 + o2, mask=m2, other=0.0)
+    w2_new += tl.dot(e_t * c_last[None, :], kk, input_precision=PRECISION)
+    if HAS_S:
+        s2 = tl.load(S2 + o2, mask=m2, other=0.0)
+        w2_new += b_last * s2
+        tl.store(S2_OUT + o2, sa * s2 + tl.dot(e_t * sc[None, :], kk, input_precision=PRECISION), mask=m2)
+    tl.store(W2_OUT + o2, w2_new, mask=m2)
 
 
 @triton.jit
@@ -400,14 +421,20 @@ def chunk_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] |
     _back_kernel[slices](err, W1, pre, back, e, part_e2, K, D, F, BK=BK, BF=BF, BD=BD, PRECISION=prec,
                          **launch)
     gb, gsa, gsc = (b, sa_last, sc_last) if has_s else (a, a, a)
-    _read_update_kernel[slices](k, W1, W2, S1, S2, W1_out, W2_out, S1_out, S2_out, pre, e, err, qw, qs, qk,
-                                a, gb, c, gsa, gsc, part_e2, err2, k2, a2, scale, hp, h, part_hw, part_hs, part_p,
-                                float(clip) if clip is not None else 0.0, C, K, D, F,
-                                HAS_S=has_s, CLIP=clip is not None, BC=BC, BK=BK, BF=BF, BD=BD, PRECISION=prec,
-                                num_warps=BLOCKS["update_warps"], num_stages=BLOCKS["stages"])
-    _output_kernel[(triton.cdiv(C, BR), triton.cdiv(D, BD), G)](
+    BW = max(BD, min(BLOCKS["read_width"], _pow2(D)))
+    _read_kernel[(NS, triton.cdiv(D, BW), G)](W1, S1, pre, e, qw, qs, qk, a, gb, c, part_e2, err2, k2, a2, scale, hp, h, part_hw,
+                         part_hs, part_p, float(clip) if clip is not None else 0.0, C, K, D, F,
+                         HAS_S=has_s, CLIP=clip is not None, BC=BC, BK=BK, BF=BF, BD=BD, BW=BW,
+                         PRECISION=prec, num_warps=BLOCKS["read_warps"], num_stages=BLOCKS["stages"])
+    BDU = min(BLOCKS["update_width"], _pow2(D))
+    _update_kernel[(NS, triton.cdiv(D, BDU), G)](
+        k, W1, W2, S1, S2, W1_out, W2_out, S1_out, S2_out, pre, e, err, a, gb, c, gsa, gsc, scale, C, K, D, F,
+        HAS_S=has_s, BK=BK, BF=BF, BD=BDU, PRECISION=prec, num_warps=BLOCKS["update_warps"],
+        num_stages=BLOCKS["stages"])
+    BDO = min(BLOCKS["output_width"], _pow2(D))
+    _output_kernel[(triton.cdiv(C, BR), triton.cdiv(D, BDO), G)](
         q, err, a, gb, c, scale, part_hw, part_hs, part_p, hw, hs, p, y, C, K, D, NS,
-        HAS_S=has_s, BR=BR, BK=BK, BD=BD, PRECISION=prec, **launch)
+        HAS_S=has_s, BR=BR, BK=BK, BD=BDO, PRECISION=prec, **launch)
     parts = ForwardParts(pre=pre, back=back, e=e, err=err, scale=scale, qw=qw, qs=qs if has_s else None, qk=qk,
                          hidden_pre=hp, hidden=h, hw=hw, hs=hs if has_s else None, p=p,
                          a2=a2, err2=err2, k2=k2, part_e2=part_e2)

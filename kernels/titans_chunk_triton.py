@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["final_update", "final_update_backward", "final_update_backward_stacked"]
+__all__ = ["final_update", "final_update_backward", "final_update_backward_parts", "final_update_backward_stacked"]
 
 # Swept on an H100 (RESULTS.md): 32 x 128 tiles, two stages, four warps: 80 / 105 us for the update / its
 # backward at 32 x (256 x 1024) against 150 / 213 us for 64 x 64 tiles with the default three stages.
@@ -77,20 +77,22 @@ def _final_update_kernel(W, S, W_OUT, S_OUT, UW, US, BF, A, B, SA, M, N, K,
 
 @triton.jit
 def _final_update_backward_kernel(W, S, DWN, DSN, DW, DS, LW, RW, LS, RS, A, B, SA, PART, M, N, KW, KS,
-                                  HAS_S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                                  PRECISION: tl.constexpr):
+                                  GATE_STRIDE, HAS_S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                  BK: tl.constexpr, PRECISION: tl.constexpr):
+    # ``A`` and ``B`` are read at ``g * GATE_STRIDE``: a chunk's last gates are a column of its ``(G, C)``
+    # gates, read in place (a contiguous copy of each was two more launches per chunk).
     g, rm, rn, mm, mn, mask, offs = _tile(M, N, BM, BN)
     part = PART + (g * tl.num_programs(0) + tl.program_id(0)) * 3
     dwn = tl.load(DWN + offs, mask=mask, other=0.0)
     w = tl.load(W + offs, mask=mask, other=0.0)
     acc = _rank_product(tl.zeros((BM, BN), tl.float32), LW, RW, g, KW, M, N, rm, rn, mm, mn, BK, PRECISION)
-    tl.store(DW + offs, tl.load(A + g) * dwn + acc, mask=mask)
+    tl.store(DW + offs, tl.load(A + g * GATE_STRIDE) * dwn + acc, mask=mask)
     tl.store(part, tl.sum(tl.sum(dwn * w, 1), 0))
     if HAS_S:
         dsn = tl.load(DSN + offs, mask=mask, other=0.0)
         s = tl.load(S + offs, mask=mask, other=0.0)
         acc_s = _rank_product(tl.zeros((BM, BN), tl.float32), LS, RS, g, KS, M, N, rm, rn, mm, mn, BK, PRECISION)
-        tl.store(DS + offs, tl.load(B + g) * dwn + tl.load(SA + g) * dsn + acc_s, mask=mask)
+        tl.store(DS + offs, tl.load(B + g * GATE_STRIDE) * dwn + tl.load(SA + g) * dsn + acc_s, mask=mask)
         tl.store(part + 1, tl.sum(tl.sum(dwn * s, 1), 0))
         tl.store(part + 2, tl.sum(tl.sum(dsn * s, 1), 0))
 
@@ -155,6 +157,21 @@ def final_update_backward_stacked(W: torch.Tensor, S: torch.Tensor | None, dW_ne
                                   uses_s: tuple[torch.Tensor, torch.Tensor, int] | None):
     """:func:`final_update_backward` on contiguous ``(G, M, N)`` weights, ``(G,)`` gates and uses
     already stacked: ``(L (G, rows, M), R (G, rows, N), rows)`` (what a kernel wrote in place)."""
+    dW, dS, part = final_update_backward_parts(W, S, dW_new, dS_new, a, b, sa, uses_w, uses_s)
+    dots = part.sum(1)
+    if S is None:
+        return dW, None, dots[:, 0], None, None
+    return dW, dS, dots[:, 0], dots[:, 1], dots[:, 2]
+
+
+def final_update_backward_parts(W: torch.Tensor, S: torch.Tensor | None, dW_new: torch.Tensor,
+                                dS_new: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor | None,
+                                sa: torch.Tensor | None, uses_w: tuple[torch.Tensor, torch.Tensor, int],
+                                uses_s: tuple[torch.Tensor, torch.Tensor, int] | None):
+    """:func:`final_update_backward_stacked` with the gates' inner products left as per-tile partial sums
+    ``(G, tiles, 3)`` (``<dW', W>, <dW', S>, <dS', S>``; only the first is written without ``S``), for a
+    caller that sums them with others in one launch. ``a`` and ``b`` may be strided columns (``(G,)``
+    views of ``(G, C)`` gates); ``sa`` is contiguous."""
     G, M, N = W.shape
     has_s = S is not None
     LW, RW, KW = uses_w
@@ -162,13 +179,14 @@ def final_update_backward_stacked(W: torch.Tensor, S: torch.Tensor | None, dW_ne
     dW = torch.empty_like(W)
     dS = torch.empty_like(W) if has_s else dW
     grid = _grid(M, N, G)
-    part = W.new_zeros(G, grid[0], 3)
-    gates = [(x if x is not None else a).contiguous() for x in (a, b, sa)]
+    part = W.new_empty(G, grid[0], 3)  # every program writes its own entries
+    stride = a.stride(0)
+    if has_s and b.stride(0) != stride or a.dim() != 1:
+        raise ValueError(f"the gates a, b must be (G,) views with one stride, got {a.stride()} and "
+                         f"{None if b is None else b.stride()}")
+    sa = sa.contiguous() if has_s else a
     _final_update_backward_kernel[grid](
-        W, S if has_s else W, dW_new, dS_new if has_s else W, dW, dS, LW, RW, LS, RS, *gates, part, M, N, KW, KS,
-        HAS_S=has_s, BM=_BM, BN=_BN, BK=_BK, PRECISION=_precision(),
+        W, S if has_s else W, dW_new, dS_new if has_s else W, dW, dS, LW, RW, LS, RS, a, b if has_s else a, sa,
+        part, M, N, KW, KS, stride, HAS_S=has_s, BM=_BM, BN=_BN, BK=_BK, PRECISION=_precision(),
         num_warps=_WARPS, num_stages=_STAGES)
-    dots = part.sum(1)
-    if not has_s:
-        return dW, None, dots[:, 0], None, None
-    return dW, dS, dots[:, 0], dots[:, 1], dots[:, 2]
+    return dW, (dS if has_s else None), part
