@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import time
+import traceback
 
 import torch
 import torch.nn as nn
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from mnemo import AtlasConfig, DeepTransformerConfig, MCTitansConfig, MoMConfig
 from mnemo.kernels.backend import use_backend
+from mnemo.kernels.chunk_loop import release_graphs
 from mnemo.modeling.atlas_layer import AtlasMemory
 from mnemo.modeling.deep_attention_layer import DeepAttention
 from mnemo.modeling.mc_titans_layer import MCTitansLayer
@@ -147,6 +149,9 @@ def main():
             if only and not any(part in name for part in only):
                 continue
             try:
+                # The chunk loops keep CUDA graphs (and their memory pools) of earlier shapes: dropped, so that
+                # each layer's peak is its own, not that of every layer measured before it.
+                release_graphs()
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
                 layer = make().to(DEV, DT)
@@ -155,6 +160,7 @@ def main():
                        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
                 del layer
             except Exception as exc:  # a layer that does not fit is a result too
+                traceback.print_exc()
                 record(layer=name, T=T, B=B, err=repr(exc)[:300])
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "bench_layers.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -254,10 +254,16 @@ def _split_heads(x: torch.Tensor | None, lead: torch.Size) -> torch.Tensor | Non
     return None if x is None else x.view(*lead, *x.shape[1:])
 
 
-def _sliced_backward_wanted() -> bool:
-    """Whether a chunk whose forward ran sliced also runs its backward sliced (the default;
-    ``MNEMO_CHUNK_BACKWARD=torch`` takes the written-out PyTorch backward instead, to compare the two)."""
-    return os.environ.get("MNEMO_CHUNK_BACKWARD", "fused") != "torch"
+def _sliced_backward_wanted(k: torch.Tensor, momentum: bool) -> bool:
+    """Whether a chunk whose forward ran sliced also runs its backward sliced: where its launches fit
+    (:func:`~.titans_chunk_backward_triton.covers`), unless ``MNEMO_CHUNK_BACKWARD=torch`` takes the
+    written-out PyTorch backward instead (to compare the two). Elsewhere the PyTorch backward takes the
+    sliced forward's intermediates."""
+    if os.environ.get("MNEMO_CHUNK_BACKWARD", "fused") == "torch":
+        return False
+    from .titans_chunk_backward_triton import covers
+
+    return covers(k.shape[-2], momentum)
 
 
 def _from_parts(spec, parts, lead, k):
@@ -339,7 +345,7 @@ class _ChunkMemory(torch.autograd.Function):
     def _backward(ctx, d_y, *d_new):
         spec, momentum, m = ctx.spec, ctx.momentum, ctx.m
         names, W, S, q, k, v, a, b, c, sa_last, sc_last = _unpack(spec, momentum, m, ctx.saved_tensors)
-        if ctx.parts is not None and _sliced_backward_wanted():
+        if ctx.parts is not None and _sliced_backward_wanted(k, momentum):
             return _ChunkMemory._sliced_backward(ctx, names, W, S, q, k, a, b, c, sa_last, sc_last, d_y, d_new)
         if ctx.parts is not None:
             factors, inner, saved = _from_parts(spec, ctx.parts, ctx.lead, k)

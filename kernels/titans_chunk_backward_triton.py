@@ -46,7 +46,15 @@ import triton.language as tl
 from .titans_chunk_forward_triton import BLOCKS, ForwardParts, _contiguous, _gelu, _gelu_slope, _pow2
 from .titans_chunk_triton import _precision, final_update_backward_parts
 
-__all__ = ["chunk_backward"]
+__all__ = ["chunk_backward", "covers"]
+
+
+def covers(K: int, momentum: bool) -> bool:
+    """Whether the backward's launches fit a chunk of ``K`` written tokens. With momentum and more than 64
+    of them (Atlas' Omega window: ``K = C + window - 1``, blocks of 128) the slice programs need 288 KB
+    of shared memory, over the 227 KB of an H100 or H200 (measured: Atlas with momentum, 16 heads x 64,
+    chunk 64, window 16); without momentum they fit (OmegaNet, same shape, ran)."""
+    return _pow2(K) <= 64 or not momentum
 
 
 @triton.jit

@@ -356,6 +356,39 @@ def test_the_sliced_backward_follows_the_sliced_forward(sliced_backward_calls, m
         assert ((x - y).abs().max() / y.abs().max()).item() < 1e-5, f"gradient of leaf {i}"
 
 
+@pytest.mark.parametrize("momentum", [True, False], ids=["momentum", "plain"])
+def test_the_sliced_backward_is_left_where_its_launches_do_not_fit(momentum, sliced_backward_calls):
+    """More than 64 written tokens (an Omega window) with momentum: the slice programs would need 288 KB
+    of shared memory on the GPU, so the PyTorch backward takes the sliced forward's intermediates; without
+    momentum the sliced backward runs. Gradients against autograd over the operator either way."""
+    from mnemo.kernels import use_backend
+
+    spec = TitansMemorySpec(depth=2, d_k=16, d_v=16, expansion=2)
+    gen = torch.Generator().manual_seed(4)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen, dtype=torch.float64) * scale).requires_grad_()  # noqa: E731
+    C, K = 8, 72
+    W = {n: r(1, 1, *s, scale=0.3) for n, s in spec.shapes.items()}
+    S = {n: r(1, 1, *s, scale=0.1) for n, s in spec.shapes.items()} if momentum else None
+    q, k, v = r(1, 1, C, 16, scale=0.3), r(1, 1, K, 16, scale=0.3), r(1, 1, K, 16, scale=0.3)
+    a, b, c = r(1, 1, C), r(1, 1, C), r(1, 1, C, K, scale=0.1)
+    sa, sc = r(1, 1), r(1, 1, K, scale=0.1)
+    leaves = [*W.values(), *(S.values() if momentum else ()), q, k, v, a, c]
+    want_out = by_operator(spec, W, S, q, k, v, a, b if momentum else None, c, sa, sc)
+    want_out = flat(*want_out, list(spec.shapes))
+    weights = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in want_out]
+    want = torch.autograd.grad(sum((t * w).sum() for t, w in zip(want_out, weights)), leaves)
+    with use_backend("triton"):
+        args = [{n: x.float() for n, x in W.items()}, {n: x.float() for n, x in S.items()} if momentum else None,
+                *(x.float() for x in (q, k, v, a)), b.float() if momentum else None, c.float(),
+                sa.float() if momentum else None, sc.float() if momentum else None]
+        out = flat(*chunk_memory(spec, *args), list(spec.shapes))
+        f32_leaves = [*args[0].values(), *(args[1].values() if momentum else ()), *args[2:6], args[7]]
+        got = torch.autograd.grad(sum((t * w.float()).sum() for t, w in zip(out, weights)), f32_leaves)
+    assert sliced_backward_calls == ([] if momentum else [1])
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert ((x.double() - y).abs().max() / y.abs().max()).item() < 1e-4, f"gradient of leaf {i}"
+
+
 def _loop_inputs(spec, B, T, H, seed=3):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEVICE)  # noqa: E731
