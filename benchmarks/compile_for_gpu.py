@@ -105,7 +105,8 @@ def titans_backward_rows(target) -> None:
                       (titans_backward._sum_kernel, blocks["warps"])):
         for w in sorted({warps, 4, 8}) if fn is titans_backward._slices_kernel else (warps,):
             row = dict(triton=triton.__version__, arch=target.arch, kernel=fn.__name__, warps=w)
-            row.update(_compile(fn, "fp32", constants, target, w, blocks["stages"], TITANS_INTS))
+            stages = blocks["backward_stages"] if fn is titans_backward._slices_kernel else blocks["stages"]
+            row.update(_compile(fn, "fp32", constants, target, w, stages, TITANS_INTS))
             print(json.dumps(row), flush=True)
 
 

@@ -138,9 +138,12 @@ def timings():
 def variants():
     """``(build, blocks)`` to time: each of ``BUILDS``, then the ``sliced`` build with each value of
     ``SWEEP=key:v1,v2`` (a key of :data:`~mnemo.kernels.titans_chunk_forward_triton.BLOCKS`; several keys
-    separated by ``;``, each swept from the defaults)."""
+    separated by ``;``, each swept from the defaults; ``key=v,key=v`` between them is one variant)."""
     out = [(name, {}) for name in os.environ.get("BUILDS", ",".join(BUILDS)).split(",") if name]
     for sweep in filter(None, os.environ.get("SWEEP", "").split(";")):
+        if "=" in sweep:  # one variant of several constants: key=v,key=v
+            out.append(("sliced", {key: int(value) for key, value in (x.split("=") for x in sweep.split(","))}))
+            continue
         key, values = sweep.split(":")
         out += [("sliced", {key: int(value)}) for value in values.split(",")]
     return out

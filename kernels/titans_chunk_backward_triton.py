@@ -50,11 +50,12 @@ __all__ = ["chunk_backward", "covers"]
 
 
 def covers(K: int, momentum: bool) -> bool:
-    """Whether the backward's launches fit a chunk of ``K`` written tokens. With momentum and more than 64
-    of them (Atlas' Omega window: ``K = C + window - 1``, blocks of 128) the slice programs need 288 KB
-    of shared memory, over the 227 KB of an H100 or H200 (measured: Atlas with momentum, 16 heads x 64,
-    chunk 64, window 16); without momentum they fit (OmegaNet, same shape, ran)."""
-    return _pow2(K) <= 64 or not momentum
+    """Whether the backward's launches fit a chunk of ``K`` written tokens. Their slice programs' shared
+    memory, compiled for sm_90 with Triton 3.6 (with momentum / without): one pipeline stage, 64 / 48 KB
+    for up to 64 tokens and 112 / 80 KB for up to 128 (Atlas' Omega window: ``K = C + window - 1``); two
+    stages, 208 KB and 288 / 192 KB, over the 227 KB an H100 or H200 block may take with momentum and
+    more than 64 tokens (Atlas with momentum at 16 heads x 64, chunk 64, window 16 raised OutOfResources)."""
+    return BLOCKS["backward_stages"] < 2 or _pow2(K) <= 64 or not momentum
 
 
 @triton.jit
@@ -503,7 +504,7 @@ def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] 
         dW1n, dS1n, dW2n, dS2n, m, L2, LS2, R1, part_n, part_da, part_db, de_read, part_dq,
         dact, de_update, part_z, part_dk, part_r, part_t, C, K, D, F, rows1,
         HAS_S=has_s, L2_OBJ=l2, BC=BC, BK=BK, BF=BF, BD=BD, PRECISION=prec,
-        num_warps=BLOCKS["backward_warps"], num_stages=BLOCKS["stages"])
+        num_warps=BLOCKS["backward_warps"], num_stages=BLOCKS["backward_stages"])
     BR, BKB = BLOCKS["backward_rows"], BLOCKS["backward_rows"]
     _gates_kernel[(triton.cdiv(K, BKB), G)](
         d_y, parts.hw, parts.hs if has_s else parts.hw, m, parts.p, parts.qk, c, gsc, parts.scale,
