@@ -6,7 +6,7 @@ way: whatever is local to a slice ``j`` of the hidden layer runs in programs ove
 ``(slices, batch * heads)``, whatever sums over slices runs in programs over blocks of
 the key width, and the shares are summed by a fixed loop (no atomics: the same bits
 from run to run). The weights' gradients are the final update's backward
-(:func:`~.titans_chunk_triton.final_update_backward_stacked`) over every use of each
+(:func:`~.titans_chunk_triton.final_update_backward_parts`) over every use of each
 weight, whose factors the launches below write straight into the stacked buffers.
 
 With ``M = dy err^T``, ``N = dhp e^T`` (``dhp``: the gradient of the queries' hidden
@@ -31,10 +31,13 @@ layer before its activation), ``s`` the clip's scale and ``cs, ss`` the last row
    ``dv`` and ``dk``'s identity term.
 6. ``l2`` only: :func:`_prediction_kernel` (slices) adds ``d pred W1`` to ``d pre``
    and takes its shares of ``d pre W2``; :func:`_sum_kernel` (rows, width) adds them to ``dk``.
+7. The weights' gradients (:func:`~.titans_chunk_triton.final_update_backward_parts`, one launch per
+   weight) and :func:`_last_gates_kernel`, which sums both weights' gate products into the last
+   token's ``da``, ``db`` and ``d sa_last``.
 
 No product takes a transposed product's result: operands needed transposed are
 loaded transposed from memory (see TRITON_NOTES.md on Triton 3.4-3.7.0 on Hopper).
-Scope and shapes as in :mod:`.titans_chunk_forward_triton` (:func:`covers`).
+Scope and shapes as in :mod:`.titans_chunk_forward_triton`, where the launches fit (:func:`covers`).
 """
 
 from __future__ import annotations

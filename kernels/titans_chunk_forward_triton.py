@@ -280,27 +280,29 @@ def _update_kernel(Kx, W1, W2, S1, S2, W1_OUT, W2_OUT, S1_OUT, S2_OUT, PRE, E, E
     # W1 and S1 (D, F): the tile of rows rd, columns rf.
     act = _gelu(tl.load(PRE + g * K * F + rk[:, None] * F + rf[None, :], mask=mk[:, None] & mf[None, :], other=0.0))
     err_t = tl.load(ERR + g * K * D + rk[None, :] * D + rd[:, None], mask=md[:, None] & mk[None, :], other=0.0)
-    m1 = md[:, None] & mf[None, :]
-    o1 = g * D * F + rd[:, None] * F + rf[None, :]
-    w1_new = a_last * tl.load(W1 + o1, mask=m1, other=0.0)
-    w1_new += tl.dot(err_t * c_last[None, :], act, input_precision=PRECISION)
-    if HAS_S:
-        s1 = tl.load(S1 + o1, mask=m1, other=0.0)
-        w1_new += b_last * s1
-        tl.store(S1_OUT + o1, sa * s1 + tl.dot(err_t * sc[None, :], act, input_precision=PRECISION), mask=m1)
-    tl.store(W1_OUT + o1, w1_new, mask=m1)
+    _update_tile(W1, S1, W1_OUT, S1_OUT, g * D * F + rd[:, None] * F + rf[None, :], md[:, None] & mf[None, :],
+                 err_t, act, a_last, b_last if HAS_S else a_last, sa if HAS_S else a_last, c_last,
+                 sc if HAS_S else c_last, HAS_S, PRECISION)
     # W2 and S2 (F, D): the tile of rows rf, columns rd.
     e_t = tl.load(E + g * K * F + rk[None, :] * F + rf[:, None], mask=mf[:, None] & mk[None, :], other=0.0)
     kk = tl.load(Kx + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
-    m2 = mf[:, None] & md[None, :]
-    o2 = g * F * D + rf[:, None] * D + rd[None, :]
-    w2_new = a_last * tl.load(W2 + o2, mask=m2, other=0.0)
-    w2_new += tl.dot(e_t * c_last[None, :], kk, input_precision=PRECISION)
+    _update_tile(W2, S2, W2_OUT, S2_OUT, g * F * D + rf[:, None] * D + rd[None, :], mf[:, None] & md[None, :],
+                 e_t, kk, a_last, b_last if HAS_S else a_last, sa if HAS_S else a_last, c_last,
+                 sc if HAS_S else c_last, HAS_S, PRECISION)
+
+
+@triton.jit
+def _update_tile(W, S, W_OUT, S_OUT, offs, mask, left, right, a_last, b_last, sa, c_last, sc,
+                 HAS_S: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of a weight's final value ``a W + b S + (left c) right`` and its momentum's
+    ``sa S + (left sc) right`` (``left`` is the tile's rows by the written tokens)."""
+    w_new = a_last * tl.load(W + offs, mask=mask, other=0.0)
+    w_new += tl.dot(left * c_last[None, :], right, input_precision=PRECISION)
     if HAS_S:
-        s2 = tl.load(S2 + o2, mask=m2, other=0.0)
-        w2_new += b_last * s2
-        tl.store(S2_OUT + o2, sa * s2 + tl.dot(e_t * sc[None, :], kk, input_precision=PRECISION), mask=m2)
-    tl.store(W2_OUT + o2, w2_new, mask=m2)
+        s = tl.load(S + offs, mask=mask, other=0.0)
+        w_new += b_last * s
+        tl.store(S_OUT + offs, sa * s + tl.dot(left * sc[None, :], right, input_precision=PRECISION), mask=mask)
+    tl.store(W_OUT + offs, w_new, mask=mask)
 
 
 @triton.jit
