@@ -80,7 +80,7 @@ def _compile(fn, reads: str, constants: dict, target, warps: int, stages: int, i
 def titans_forward_rows(target) -> None:
     blocks = titans_forward.BLOCKS
     constants = dict(HAS_S=True, L2=True, CLIP=True, BC=64, BK=64, BF=blocks["slice"], BD=blocks["width"],
-                     BR=blocks["rows"], BDF=256, PRECISION="tf32")
+                     BR=blocks["rows"], BDF=256, U=blocks["share_unroll"], PRECISION="tf32")
     for fn, warps, extra in ((titans_forward._pre_kernel, blocks["warps"], {}),
                              (titans_forward._error_kernel, blocks["warps"], dict(BR=blocks["error_rows"])),
                              (titans_forward._back_kernel, blocks["warps"], {}),
@@ -95,7 +95,8 @@ def titans_forward_rows(target) -> None:
 def titans_backward_rows(target) -> None:
     blocks = titans_forward.BLOCKS
     constants = dict(HAS_S=True, L2_OBJ=True, CLIP=True, BC=64, BK=64, BF=blocks["slice"], BD=blocks["width"],
-                     BR=blocks["backward_rows"], BKB=blocks["backward_rows"], PRECISION="tf32")
+                     BR=blocks["backward_rows"], BKB=blocks["backward_rows"], U=blocks["share_unroll"],
+                     PRECISION="tf32")
     for fn, warps in ((titans_backward._slices_kernel, blocks["backward_warps"]),
                       (titans_backward._gates_kernel, blocks["warps"]),
                       (titans_backward._width_kernel, blocks["warps"]),

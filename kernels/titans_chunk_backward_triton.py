@@ -80,11 +80,14 @@ def _st(ptr, x, ri, ci, si, mi, mj):
 
 
 @triton.jit
-def _sum_shares(PART, g, NS, n, ri, ci, si, mi, mj, BI: tl.constexpr, BJ: tl.constexpr):
-    """``sum_j PART[g, j]`` on a tile, shares ``(G, NS, n)``-strided (``n`` elements each), in order of ``j``."""
+def _sum_shares(PART, g, NS, n, ri, ci, si, mi, mj, BI: tl.constexpr, BJ: tl.constexpr, U: tl.constexpr):
+    """``sum_j PART[g, j]`` on a tile, shares ``(G, NS, n)``-strided (``n`` elements each), in order of ``j``,
+    ``U`` shares per step of the loop (their loads overlap; all ``NS`` unrolled cost registers)."""
     acc = tl.zeros((BI, BJ), tl.float32)
-    for j in range(NS):
-        acc += _ld(PART + (g * NS + j) * n, ri, ci, si, 1, mi, mj)
+    for j0 in range(0, NS, U):
+        for u in tl.static_range(U):
+            j = j0 + u
+            acc += _ld(PART + (g * NS + j) * n, ri, ci, si, 1, mi & ((tl.zeros((BI,), tl.int32) + j) < NS), mj)
     return acc
 
 
@@ -304,7 +307,7 @@ def _gates_kernel(DY, HW, HS, M_IN, P, QK, GC, SC, SCALE, A2, ERR2, K2, PART_E2,
 def _width_kernel(DY, Q, Kx, ERR, P, GA, GB, GC, SCALE, N_IN, COEF, PART_DQ, PART_DK, PART_Z,
                   DQ, DK, DERR, L1, LS1, R2, C, K, D, NS, ROWS1,
                   HAS_S: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  U: tl.constexpr, PRECISION: tl.constexpr):
     """Program ``(r, w, g)``: rows ``r`` (queries for ``dq``, written tokens for the others) and block ``w``
     of the width of ``dq`` (final), of ``dk`` and ``d err`` (their terms so far), and of the factors of
     the weights' uses that are inputs."""
@@ -323,19 +326,19 @@ def _width_kernel(DY, Q, Kx, ERR, P, GA, GB, GC, SCALE, N_IN, COEF, PART_DQ, PAR
     # dq = dy + sum_j (a dhp W2 + b dhp S2)_j + (N c s) k
     dqk = _ld(N_IN + ck, rr, rk, K, 1, mrc, mk) * _ld(GC + ck, rr, rk, K, 1, mrc, mk) * s[None, :]
     dq = dy + tl.dot(dqk, _ld(Kx + kd, rk, rd, D, 1, mk, md), input_precision=PRECISION)
-    dq += _sum_shares(PART_DQ, g, NS, C * D, rr, rd, D, mrc, md, BR, BD)
+    dq += _sum_shares(PART_DQ, g, NS, C * D, rr, rd, D, mrc, md, BR, BD, U)
     _st(DQ + cd, dq, rr, rd, D, mrc, md)
     # dk = (N c s)^T q + sum_j (the final update's terms)_j + the clip's; d err = (P c s)^T dy + ...
     c_t = _ld(GC + ck, rr, rc, 1, K, mrk, mc) * s_r[:, None]
     out = COEF + g * 4 * K + rr
     dk = tl.dot(_ld(N_IN + ck, rr, rc, 1, K, mrk, mc) * c_t, _ld(Q + cd, rc, rd, D, 1, mc, md),
                 input_precision=PRECISION)
-    dk += _sum_shares(PART_DK, g, NS, K * D, rr, rd, D, mrk, md, BR, BD)
+    dk += _sum_shares(PART_DK, g, NS, K * D, rr, rd, D, mrk, md, BR, BD, U)
     dk += tl.load(out + 3 * K, mask=mrk, other=0.0)[:, None] * kk
     _st(DK + kd, dk, rr, rd, D, mrk, md)
     derr = tl.dot(_ld(P + ck, rr, rc, 1, K, mrk, mc) * c_t, _ld(DY + cd, rc, rd, D, 1, mc, md),
                   input_precision=PRECISION)
-    derr += _sum_shares(PART_Z, g, NS, K * D, rr, rd, D, mrk, md, BR, BD)
+    derr += _sum_shares(PART_Z, g, NS, K * D, rr, rd, D, mrk, md, BR, BD, U)
     derr += tl.load(out, mask=mrk, other=0.0)[:, None] * err
     _st(DERR + kd, derr, rr, rd, D, mrk, md)
     a = tl.load(GA + g * C + rr, mask=mrc, other=0.0)
@@ -516,8 +519,8 @@ def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] 
         HAS_S=has_s, CLIP=clip is not None, BC=BC, BKB=BKB, BD=BD, **launch)
     _width_kernel[(triton.cdiv(max(C, K), BR), triton.cdiv(D, BD), G)](
         d_y, q, k, parts.err, parts.p, a, gb, c, parts.scale, n, coef, part_dq, part_dk, part_z,
-        dq, dk, derr, L1, LS1, R2, C, K, D, NS, rows1, HAS_S=has_s, BR=BR, BC=BC, BK=BK, BD=BD, PRECISION=prec,
-        **launch)
+        dq, dk, derr, L1, LS1, R2, C, K, D, NS, rows1, HAS_S=has_s, BR=BR, BC=BC, BK=BK, BD=BD,
+        U=BLOCKS["share_unroll"], PRECISION=prec, **launch)
     _chain_kernel[slices](
         parts.pre, parts.back, parts.e, W1, W2, de_read, de_update, dact, coef, R1, L2, part_z, part_dk,
         C, K, D, F, rows1, L2_OBJ=l2, BK=BK, BF=BF, BD=BD, PRECISION=prec, **launch)

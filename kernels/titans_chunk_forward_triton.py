@@ -68,7 +68,7 @@ __all__ = ["ForwardParts", "covers", "chunk_forward"]
 # eight warps and two stages, which were 2% faster than four warps and two stages.
 BLOCKS = {"slice": 64, "width": 64, "read_width": 128, "update_width": 64, "output_width": 64, "rows": 16,
           "error_rows": 4, "warps": 4, "read_warps": 4, "update_warps": 4, "stages": 2,
-          "backward_rows": 16, "backward_warps": 4, "backward_stages": 1}
+          "share_unroll": 4, "backward_rows": 16, "backward_warps": 4, "backward_stages": 1}
 
 
 def covers(spec, C: int, K: int) -> bool:
@@ -307,7 +307,7 @@ def _update_tile(W, S, W_OUT, S_OUT, offs, mask, left, right, a_last, b_last, sa
 
 @triton.jit
 def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, P, Y, C, K, D, NS,
-                   HAS_S: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                   HAS_S: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, U: tl.constexpr,
                    PRECISION: tl.constexpr):
     """Program ``(r, w)``: rows block ``r`` of the chunk's queries, block ``w`` of the value width."""
     g = tl.program_id(2).to(tl.int64)
@@ -320,14 +320,17 @@ def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, 
     hw = tl.zeros((BR, BD), tl.float32)
     hs = tl.zeros((BR, BD), tl.float32)
     p = tl.zeros((BR, BK), tl.float32)
-    # A rolled loop: unrolled, the three shares' loads took this kernel from 26.5 to 213.5 us per chunk
-    # on an H100 (registers), where the error kernel's two went from 8 to 3.5 us at T=8192 (RESULTS.md).
-    for j in range(NS):
-        part = ((g * NS + j) * C + rr[:, None]) * D + rd[None, :]
-        hw += tl.load(PART_HW + part, mask=m, other=0.0)
-        if HAS_S:
-            hs += tl.load(PART_HS + part, mask=m, other=0.0)
-        p += tl.load(PART_P + ((g * NS + j) * C + rr[:, None]) * K + rk[None, :], mask=mp, other=0.0)
+    # U shares per step: all NS unrolled took this kernel from 26.5 to 213.5 us per chunk on an H100
+    # (registers), a rolled loop waits on each share's loads in turn (RESULTS.md).
+    for j0 in range(0, NS, U):
+        for u in tl.static_range(U):
+            j = j0 + u
+            ok = ((tl.zeros((BR,), tl.int32) + j) < NS)[:, None]  # a tensor: the interpreter masks by arrays
+            part = ((g * NS + j) * C + rr[:, None]) * D + rd[None, :]
+            hw += tl.load(PART_HW + part, mask=m & ok, other=0.0)
+            if HAS_S:
+                hs += tl.load(PART_HS + part, mask=m & ok, other=0.0)
+            p += tl.load(PART_P + ((g * NS + j) * C + rr[:, None]) * K + rk[None, :], mask=mp & ok, other=0.0)
     offs = g * C * D + rr[:, None] * D + rd[None, :]
     tl.store(HW + offs, hw, mask=m)
     if w == 0:
@@ -438,7 +441,7 @@ def chunk_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] |
     BDO = min(BLOCKS["output_width"], _pow2(D))
     _output_kernel[(triton.cdiv(C, BR), triton.cdiv(D, BDO), G)](
         q, err, a, gb, c, scale, part_hw, part_hs, part_p, hw, hs, p, y, C, K, D, NS,
-        HAS_S=has_s, BR=BR, BK=BK, BD=BDO, PRECISION=prec, **launch)
+        HAS_S=has_s, BR=BR, BK=BK, BD=BDO, U=BLOCKS["share_unroll"], PRECISION=prec, **launch)
     parts = ForwardParts(pre=pre, back=back, e=e, err=err, scale=scale, qw=qw, qs=qs if has_s else None, qk=qk,
                          hidden_pre=hp, hidden=h, hw=hw, hs=hs if has_s else None, p=p,
                          a2=a2, err2=err2, k2=k2, part_e2=part_e2)
