@@ -32,11 +32,11 @@ No product takes a transposed product's result: operands needed transposed are
 loaded transposed from memory (see TRITON_NOTES.md on Triton 3.4-3.7.0 on Hopper).
 
 On an H200 at the benchmark shape (4 heads x 256, MLP x4, chunk 64, 16K tokens, TF32) the
-chunked forward (no gradients, a prompt's prefill) takes 19.1-20.0 / 26.3-28.5 ms at T=2048 / 8192
-against 24.0 / 57.2 ms through cuBLAS (RESULTS.md). The read and the update were one launch of
-``(slices, batch * heads)`` programs until then: at T=8192 (batch 2, 8 rows of ``G``) that is 128
-programs of four warps streaming every weight, one per SM, at 76 us per chunk; apart, the update over
-width blocks too, they take 26 + 33 us.
+chunked forward without gradients (a prompt's prefill) takes 18.6-21.0 / 26.3-32.5 ms at T=2048 /
+8192 against 22.2-24.0 / 40.3-57.2 ms through cuBLAS (RESULTS.md). The read and the update were one
+launch of ``(slices, batch * heads)`` programs until then: at T=8192 (batch 2, 8 rows of ``G``) that
+is 128 programs of four warps streaming every weight, one per SM, at 76 us per chunk; apart, over
+width blocks too, they take 24 + 33 us.
 
 Scope (:func:`covers`): depth 2 without gate or linear skip, objectives ``l2`` and
 ``dot``, any clip, with or without momentum, float32. Shapes as in
