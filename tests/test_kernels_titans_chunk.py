@@ -163,6 +163,26 @@ def test_triton_final_update_backward_equals_the_torch_one(momentum, n_uses):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, msg=lambda m: f"output {i}: {m}")
 
 
+def test_the_final_update_backward_reads_strided_last_gates_in_place():
+    """The last token's gates as columns of ``(G, C)`` gates (strided views, as the chunk passes them) give
+    the same bits as contiguous copies; gates of two strides are refused by name."""
+    pytest.importorskip("triton")
+    from mnemo.kernels.titans_chunk_triton import final_update_backward_stacked
+
+    gen = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    G, M, N, C = 3, 40, 24, 5
+    W, S, dW, dS = r(G, M, N), r(G, M, N), r(G, M, N), r(G, M, N)
+    a, b, sa = r(G, C), r(G, C), r(G)
+    uses = (r(G, 6, M), r(G, 6, N), 6)
+    strided = final_update_backward_stacked(W, S, dW, dS, a[:, -1], b[:, -1], sa, uses, uses)
+    copied = final_update_backward_stacked(W, S, dW, dS, a[:, -1].clone(), b[:, -1].clone(), sa, uses, uses)
+    for x, y in zip(strided, copied):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="one stride"):
+        final_update_backward_stacked(W, S, dW, dS, a[:, -1], b[:, -1].clone(), sa, uses, uses)
+
+
 def test_the_chunk_through_the_triton_ends_equals_autograd_over_the_operator():
     pytest.importorskip("triton")
     from mnemo.kernels import use_backend
