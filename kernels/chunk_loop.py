@@ -81,10 +81,6 @@ def _stretch(n: int, checkpoint_every: int | None) -> int:
     return next((d for d in range(r, max(2, r // 2) - 1, -1) if n % d == 0), r)
 
 
-def _chunk(xs: Sequence[torch.Tensor], j: int) -> Tensors:
-    return tuple(x[j] for x in xs)
-
-
 def _stack(per_chunk: list[Tensors]) -> Tensors:
     return tuple(torch.stack(ys) for ys in zip(*per_chunk))
 
@@ -319,13 +315,21 @@ def graphed_step(step: Step, carry: Tensors, x: Tensors, consts: Tensors, need_x
     return graphed
 
 
-def _forward(step: Step, graphed: GraphedStep | None, carry: Tensors, xs: Tensors, consts: Tensors,
-             every: int | None = None) -> tuple[Tensors, Tensors, list[Tensors]]:
+# Chunks per captured unit of a loop without gradients (a prompt's prefill): one replay and one copy of the
+# carry in and out per unit instead of per chunk.
+_PREFILL_UNIT = 8
+
+
+def _forward(step: Step, carry: Tensors, xs: Tensors, consts: Tensors, every: int | None = None,
+             captured: bool = False) -> tuple[Tensors, Tensors, list[Tensors]]:
     """Every chunk from ``carry``: their outputs stacked, the final carry and (``every``) the carries after
-    chunks ``every - 1``, ``2 every - 1``, ... before the last."""
+    chunks ``every - 1``, ``2 every - 1``, ... before the last.
+
+    ``captured``: in CUDA graphs, units of ``every`` (else :data:`_PREFILL_UNIT`) chunks, then the chunks
+    after the last whole unit one at a time, so that inputs of any length take two captures."""
     n = xs[0].shape[0]
     kept: list[Tensors] = []
-    if graphed is None:
+    if not captured:
         if not every:
             return (*_stretch_step(step, carry, xs, consts), kept)
         parts = []
@@ -335,17 +339,18 @@ def _forward(step: Step, graphed: GraphedStep | None, carry: Tensors, xs: Tensor
             if lo + every < n:
                 kept.append(carry)
         return tuple(torch.cat(p) for p in zip(*parts)), carry, kept
-    stacked = tuple(t.new_empty((n, *t.shape)) for t in graphed.ys)
-    graphed.load(carry, consts=consts)
-    for j in range(n):
-        graphed.load(x=_chunk(xs, j))
-        graphed.fwd.replay()
-        for out, y in zip(stacked, graphed.ys):
-            out[j].copy_(y)
-        graphed.load(graphed.carry_out)
-        if every and (j + 1) % every == 0 and j + 1 < n:
-            kept.append(tuple(t.clone() for t in graphed.carry))
-    return stacked, tuple(t.clone() for t in graphed.carry), kept
+    stretch = partial(_stretch_step, step)
+    u = every or _PREFILL_UNIT
+    whole = n - n % u
+    units = [(lo, lo + u) for lo in range(0, whole, u)] + [(j, j + 1) for j in range(whole, n)]
+    graphs = {L: graphed_step(stretch, carry, _slice(xs, 0, L), consts) for L in {hi - lo for lo, hi in units}}
+    parts = []
+    for lo, hi in units:
+        ys, carry = _run_unit(stretch, graphs[hi - lo], carry, _slice(xs, lo, hi), consts)
+        parts.append(ys)
+        if every and hi % every == 0 and hi < n:
+            kept.append(carry)
+    return tuple(torch.cat(p) for p in zip(*parts)), carry, kept
 
 
 def _backward_one(step: Step, graphed: GraphedStep | None, carry: Tensors, x: Tensors, consts_in: Tensors,
@@ -567,6 +572,6 @@ def run_chunks(
             return ys, carry, [tuple(flat[i:i + m]) for i in range(0, n_snap, m)]
         graphs = False  # autograd records the loop below: replays would overwrite what it saved
     with tf32_products(tf32):
-        graphed = graphed_step(step, carry, _chunk(xs, 0), consts) if _graphs_wanted(tensors, n, graphs) else None
-        ys, carry, kept = _forward(step, graphed, carry, xs, consts, _stretch(n, checkpoint_every) if snapshots else None)
+        ys, carry, kept = _forward(step, carry, xs, consts, _stretch(n, checkpoint_every) if snapshots else None,
+                                   _graphs_wanted(tensors, n, graphs))
     return (ys, carry, kept) if snapshots else (ys, carry)

@@ -67,6 +67,39 @@ def test_graphed_chunks_equal_eager_chunks(run, dtype, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("run", [titans, mc_titans, atlas_muon])
+def test_graphed_prefill_equals_eager_chunks(run, monkeypatch):
+    """Without gradients the chunks run in captured units (8 chunks, or MC's stretches of 4) and the chunks
+    after the last whole unit one at a time: 13 chunks here, so both kinds run. Same values as uncaptured."""
+    inputs = make_inputs()
+    init, *xs = inputs
+    with torch.no_grad():
+        graphed = run(init, *xs)
+        monkeypatch.setenv("MNEMO_CHUNK_GRAPHS", "0")
+        eager = run(init, *xs)
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_prefills_of_any_length_take_two_captures():
+    """Units of 8 chunks and single chunks: a prompt of another length captures nothing new."""
+    from mnemo.kernels import chunk_loop
+
+    init, q, k, v, u, alpha, eta, theta = make_inputs()
+    chunk_loop.release_graphs()
+
+    def prefill(length):
+        with torch.no_grad():
+            return chunk_titans(SPEC, q[:, :length], k[:, :length], v[:, :length], alpha[:, :length],
+                                eta[:, :length], theta[:, :length], TitansState.initial(init, B), chunk_size=16)[0]
+
+    prefill(200)  # 13 chunks: one unit of 8, five single chunks
+    captured = len(chunk_loop._GRAPHS)
+    assert captured == 2
+    prefill(150)  # 10 chunks
+    prefill(60)   # 4 chunks
+    assert len(chunk_loop._GRAPHS) == captured
+
+
 def test_graphed_chunks_under_autocast_equal_eager_ones(monkeypatch):
     """Within bf16 rounding: the matmuls run in bf16 here, and the captured ones round like the eager
     ones only up to the last bit (max abs difference 3.8e-4 measured on an H100). A graph that replayed
