@@ -33,7 +33,8 @@ the host launching them, not by the GPU. There steps are captured in CUDA graphs
 per set of input shapes (:class:`GraphedStep`): with gradients a whole backward
 unit is one captured step, its forward and its re-run with the backward, so a unit
 costs one replay each way and the weight-sized carry is copied in and out once per
-unit; without gradients (prefill) a chunk is one replay. ``MNEMO_CHUNK_GRAPHS=0``
+unit; without gradients (prefill) a unit of 8 chunks (or of the snapshot spacing) is one
+replay, and the chunks after the last whole unit one replay each. ``MNEMO_CHUNK_GRAPHS=0``
 turns this off.
 
 Where the steps are not captured (CPU, or graphs off), recomputing costs the host
