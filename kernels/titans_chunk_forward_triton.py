@@ -32,8 +32,9 @@ No product takes a transposed product's result: operands needed transposed are
 loaded transposed from memory (see TRITON_NOTES.md on Triton 3.4-3.7.0 on Hopper).
 
 On an H200 at the benchmark shape (4 heads x 256, MLP x4, chunk 64, 16K tokens, TF32) the
-chunked forward without gradients (a prompt's prefill) takes 18.6-21.0 / 26.3-32.5 ms at T=2048 /
-8192 against 22.2-24.0 / 40.3-57.2 ms through cuBLAS (RESULTS.md). The read and the update were one
+chunked forward without gradients (a prompt's prefill) takes 17.2 / 19.9 ms at T=2048 / 8192
+against 22.2-24.0 / 40.3-57.2 ms through cuBLAS (RESULTS.md; the chunk loop's per-chunk replays
+before units of chunks). The read and the update were one
 launch of ``(slices, batch * heads)`` programs until then: at T=8192 (batch 2, 8 rows of ``G``) that
 is 128 programs of four warps streaming every weight, one per SM, at 76 us per chunk; apart, over
 width blocks too, they take 24 + 33 us.
