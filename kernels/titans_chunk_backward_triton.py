@@ -46,7 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .titans_chunk_forward_triton import BLOCKS, ForwardParts, _contiguous, _gelu, _gelu_slope, _pow2
+from .titans_chunk_forward_triton import (BLOCKS, ForwardParts, _contiguous, _gelu, _gelu_slope, _pow2,
+                                           _share_exists)
 from .titans_chunk_triton import _precision, final_update_backward_parts
 
 __all__ = ["chunk_backward", "covers"]
@@ -87,7 +88,7 @@ def _sum_shares(PART, g, NS, n, ri, ci, si, mi, mj, BI: tl.constexpr, BJ: tl.con
     for j0 in range(0, NS, U):
         for u in tl.static_range(U):
             j = j0 + u
-            acc += _ld(PART + (g * NS + j) * n, ri, ci, si, 1, mi & ((tl.zeros((BI,), tl.int32) + j) < NS), mj)
+            acc += _ld(PART + (g * NS + j) * n, ri, ci, si, 1, mi & _share_exists(j, NS, BI), mj)
     return acc
 
 
@@ -453,11 +454,10 @@ def _last_gates_kernel(PART1, PART2, DA, DB, DSA, P1, P2, C, HAS_S: tl.constexpr
     """Program ``g``: the final updates' gate products summed over both weights' tiles, added to the last
     token's ``da`` and ``db`` and written as ``d sa_last`` (seven small launches before)."""
     g = tl.program_id(0).to(tl.int64)
-    r1, r2 = tl.arange(0, BP), tl.arange(0, BP)
-    m1, m2 = r1 < P1, r2 < P2
+    r = tl.arange(0, BP)
     for i in tl.static_range(3 if HAS_S else 1):
-        t = (tl.sum(tl.load(PART1 + (g * P1 + r1) * 3 + i, mask=m1, other=0.0), 0)
-             + tl.sum(tl.load(PART2 + (g * P2 + r2) * 3 + i, mask=m2, other=0.0), 0))
+        t = (tl.sum(tl.load(PART1 + (g * P1 + r) * 3 + i, mask=r < P1, other=0.0), 0)
+             + tl.sum(tl.load(PART2 + (g * P2 + r) * 3 + i, mask=r < P2, other=0.0), 0))
         if i == 0:
             tl.store(DA + g * C + C - 1, tl.load(DA + g * C + C - 1) + t)
         elif i == 1:

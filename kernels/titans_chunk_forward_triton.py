@@ -88,6 +88,13 @@ def _gelu_slope(x):
 
 
 @triton.jit
+def _share_exists(j, NS, B: tl.constexpr):
+    """``j < NS`` as a ``(B,)`` mask, for loops that take several shares per step past the last one (a
+    tensor, not a scalar: Triton's interpreter masks loads by arrays only)."""
+    return (tl.zeros((B,), tl.int32) + j) < NS
+
+
+@triton.jit
 def _slice_program(C, K, F, BC: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr):
     """A slice program's slice ``j``, row ``g`` (batch * head), slice count, and its hidden columns, key
     rows and query rows with their masks."""
@@ -217,9 +224,9 @@ def _read_kernel(W1, S1, PRE, E, QW, QS, QK, GA, GB, GC, PART_E2, ERR2, K2, A2, 
     steps of ``BD``) and of ``h gelu(pre)^T``. Every width block computes the hidden layer again (three
     ``(chunk, slice)`` loads and one product, from L2) so that enough programs stream ``W1`` and ``S1``;
     the first one writes it."""
-    j, g, ns, rf, rk, rc, mf, mk, mc = _slice_program(C, K, F, BC, BK, BF)
+    j, _, ns, rf, rk, rc, mf, mk, mc = _slice_program(C, K, F, BC, BK, BF)
     w = tl.program_id(1)
-    g = tl.program_id(2).to(tl.int64)
+    g = tl.program_id(2).to(tl.int64)  # a third grid axis: the width blocks are the second
     s = _clip_scale(PART_E2, ERR2, K2, A2, g, rk, mk, K, ns, CLIP, clip, BK)
     if (j == 0) & (w == 0):
         tl.store(SCALE + g * K + rk, s, mask=mk)
@@ -326,7 +333,7 @@ def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, 
     for j0 in range(0, NS, U):
         for u in tl.static_range(U):
             j = j0 + u
-            ok = ((tl.zeros((BR,), tl.int32) + j) < NS)[:, None]  # a tensor: the interpreter masks by arrays
+            ok = _share_exists(j, NS, BR)[:, None]
             part = ((g * NS + j) * C + rr[:, None]) * D + rd[None, :]
             hw += tl.load(PART_HW + part, mask=m & ok, other=0.0)
             if HAS_S:
