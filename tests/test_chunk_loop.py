@@ -513,3 +513,48 @@ def test_a_graph_key_changes_with_what_selects_the_kernels(monkeypatch):
     finally:
         torch.set_float32_matmul_precision(before)
     assert len(seen) == 7
+
+
+class _ReplayedOnCpu:
+    """A stand-in for :class:`~mnemo.kernels.chunk_loop.GraphedStep` on the CPU: static input and output
+    buffers that every ``fwd.replay()`` overwrites, as a CUDA graph's do, so that a caller which keeps a
+    buffer instead of copying it reads a later unit's values."""
+
+    def __init__(self, step, carry, x, consts, *args, **kwargs):
+        from mnemo.kernels.chunk_loop import GraphedStep
+
+        self.load = GraphedStep.load.__get__(self)
+        self.step = step
+        self.carry, self.x, self.consts = (tuple(t.clone() for t in ts) for ts in (carry, x, consts))
+        self.ys, self.carry_out = (tuple(t.clone() for t in ts) for ts in step(self.carry, self.x, self.consts))
+        self.fwd = self
+
+    def replay(self):
+        ys, carry_out = self.step(self.carry, self.x, self.consts)
+        for dst, src in zip(self.ys + self.carry_out, ys + carry_out):
+            dst.copy_(src)
+
+
+@pytest.mark.parametrize("n", [3, 8, 13, 16])
+@pytest.mark.parametrize("snapshots", [False, True])
+def test_the_captured_prefill_units_equal_the_plain_loop(n, snapshots, monkeypatch):
+    """Without gradients the captured loop runs units of 8 chunks (or of the snapshot spacing) and single
+    chunks after the last whole unit. With replays that overwrite their buffers (a CPU stand-in for CUDA
+    graphs), outputs, final carry and snapshots equal the uncaptured loop's; 13 chunks leave a tail."""
+    from mnemo.kernels import chunk_loop
+
+    gen = torch.Generator().manual_seed(3)
+    h0, kept0 = torch.randn(B, D, generator=gen), torch.randn(B, D, generator=gen)
+    xs = (torch.randn(n, B, D, generator=gen), torch.rand(n, B, generator=gen) > 0.3)
+    w = torch.randn(D, D, generator=gen) * 0.5
+    loop = dict(checkpoint_every=3, snapshots=snapshots)
+    with torch.no_grad():
+        want = run_chunks(toy_step, (h0, kept0), xs, (w,), graphs=False, **loop)
+        monkeypatch.setattr(chunk_loop, "graphed_step", _ReplayedOnCpu)
+        monkeypatch.setattr(chunk_loop, "_graphs_wanted", lambda *a, **k: True)
+        got = run_chunks(toy_step, (h0, kept0), xs, (w,), **loop)
+    flat = lambda r: [t for part in r for t in (part if isinstance(part, tuple) else  # noqa: E731
+                                                 [x for c in part for x in c])]
+    assert len(flat(got)) == len(flat(want))
+    for x, y in zip(flat(got), flat(want)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
