@@ -458,19 +458,18 @@ def _segment_chunks(x: torch.Tensor, width: int) -> torch.Tensor:
     return x.reshape(B, H, L // width, width, *x.shape[3:]).movedim(2, 0)
 
 
-def _mc_chunk_step(spec: TitansMemorySpec, options: MCOptions, track_start: bool, with_stored: bool, fused: bool,
+def _mc_chunk_step(spec: TitansMemorySpec, options: MCOptions, track_start: bool, with_stored: bool,
                    carry, x, consts):
-    """One inner chunk of :func:`chunk_mc_titans` as a :func:`~.chunk_loop.run_chunks` step.
+    """One inner chunk of :func:`chunk_mc_titans` as a :func:`~.chunk_loop.run_chunks` step, where the
+    chunk reads the cache itself: unfused memories (``soup``, or without the Triton chunk) and the chunk of
+    resumed rows (``with_stored``). Chunks of the fused memory run :func:`~.titans._titans_step` instead and
+    the cache is read for the whole segment after their loop (:func:`_read_segment`).
 
     ``carry``: weights, momenta, (``track_start``) chunk-start weights, in ``spec.shapes`` order,
     then the online segment's ``key_sum, key_count``. ``x``: the chunk's ``q, k, v, u`` and gates
     ``(B, H, C, .)``, ``live (B, C)``, ``stops (B,)`` (rows whose last token is inside),
-    ``use_stored (B,)`` (resumed rows whose first token is inside) and, ``fused``, the chunk's
-    :func:`~.titans.titans_coefficients`. ``consts``: the cache
+    ``use_stored (B,)`` (resumed rows whose first token is inside). ``consts``: the cache
     (``valid``, summaries, weights), then (``with_stored``) the stored chunk-start weights.
-    ``fused`` (without ``with_stored``): the online memory runs through
-    :func:`~.titans_chunk.chunk_memory` and the step returns its reads alone, with no ``consts``:
-    the cache is read for the whole segment after the loop (:func:`_read_segment`).
     """
     names = list(spec.shapes)
     m = len(names)
@@ -479,18 +478,14 @@ def _mc_chunk_step(spec: TitansMemorySpec, options: MCOptions, track_start: bool
     q, k, v, u, alpha, eta, theta, lv, stops, use_stored = x[:10]
     run_sum = key_sum[:, :, None] + (k * lv[:, None, :, None]).cumsum(2)
     run_count = key_count[:, None] + lv.to(k.dtype).cumsum(1)
-    if fused and not with_stored:
-        y, W_new, M_new = chunk_memory(spec, W, M, q, k, v, *x[10:])
-        grad_w = W
-    else:
-        cached_valid, cached_summary = consts[0], consts[1]
-        cached = dict(zip(names, consts[2:2 + m]))
-        grad_w = resumed_grad_weights(W, use_stored, consts[2 + m:]) if with_stored else W
-        online = titans_chunk_operator(spec, W, M, grad_w, k, v, alpha, eta, theta, lv)
-        W_new, M_new = online.final()
-        summary = run_sum / run_count.clamp(min=1)[:, None, :, None]
-        y = mc_read(spec, options.aggregation, options.ssc_topk, q, u, online, summary, cached, cached_summary,
-                    cached_valid)
+    cached_valid, cached_summary = consts[0], consts[1]
+    cached = dict(zip(names, consts[2:2 + m]))
+    grad_w = resumed_grad_weights(W, use_stored, consts[2 + m:]) if with_stored else W
+    online = titans_chunk_operator(spec, W, M, grad_w, k, v, alpha, eta, theta, lv)
+    W_new, M_new = online.final()
+    summary = run_sum / run_count.clamp(min=1)[:, None, :, None]
+    y = mc_read(spec, options.aggregation, options.ssc_topk, q, u, online, summary, cached, cached_summary,
+                cached_valid)
     new_carry = tuple(W_new[n] for n in names) + tuple(M_new[n] for n in names)
     if track_start:
         new_carry += next_chunk_start(stops, grad_w, carry[2 * m:3 * m])
@@ -503,16 +498,17 @@ def _read_segment(spec: TitansMemorySpec, options: MCOptions, q, u, k, lv, key_s
     memory's reads ``online`` and the cache: the cache is constant inside a segment, so every chunk's
     read of it is one batch of matmuls here instead of a per-chunk read inside the loop. Recomputed in
     the backward (its hidden layers are a cached memory's worth per token), with TF32 products for
-    low-precision problems (``tf32``) as inside the loop."""
+    low-precision problems (``tf32``) as inside the loop. Without cached memories every aggregation
+    weighs the online read by exactly 1 (a softmax over one score; the mean over one memory), so the read
+    is the online one, without the segment's running key means: plain Titans, and an MC layer before its
+    first segment closes."""
+    if state.cached_valid.shape[1] == 0:
+        return online
     run_sum = key_sum[:, :, None] + (k * lv[:, None, :, None]).cumsum(2)
     run_count = key_count[:, None] + lv.to(k.dtype).cumsum(1)
     summary = run_sum / run_count.clamp(min=1)[:, None, :, None]
     names = list(spec.shapes)
     cached = [state.cached[n].to(online.dtype) for n in names]
-    if state.cached_valid.shape[1] == 0:
-        return mc_read(spec, options.aggregation, options.ssc_topk, q, u, online, summary, dict(zip(names, cached)),
-                       state.cached_summary(), state.cached_valid)
-
     valid = state.cached_valid  # the state moves on (the segment's close) before the backward runs
 
     def read(q, u, online, summary, cached_summary, *cached):
@@ -739,7 +735,6 @@ def chunk_mc_titans(
             W = {n: torch.where(r, init[n].to(dtype).expand_as(w), w) for n, w in W.items()}
             M = {n: torch.where(r, torch.zeros_like(x), x) for n, x in M.items()}
         s1 = min(s0 + seg, total)
-        consts = _cache_in_buckets(state.cached_valid, state.cached_summary(), [state.cached[n] for n in names])
         # the chunks of a segment come in at most two widths: whole chunks, then its remainder
         for c0, c1 in ((s0, s0 + (s1 - s0) // C * C), (s0 + (s1 - s0) // C * C, s1)):
             if c1 == c0:
@@ -754,24 +749,35 @@ def chunk_mc_titans(
             use_stored = resumed[None] & (shift[None] >= lo) & (shift[None] < lo + width)
             with_stored = any_resumed and s0 == 0
             xs.append(use_stored)
-            if fused:
-                xs += titans_coefficients(*xs[4:8])
-            carry = (*(W[n] for n in names), *(M[n] for n in names), *(chunk_start if track_start else ()),
-                     key_sum, key_count)
-            step = partial(_mc_chunk_step, spec, options, track_start, with_stored, fused)
             outside = fused and not with_stored  # the cache is read after the loop
-            loop_consts = () if outside else consts + (stored if with_stored else ())
-            ys, carry = run_chunks(step, carry, xs, loop_consts, tf32=tf32_wanted(v))
+            start_carry = tuple(chunk_start) if track_start else ()
             if outside:
+                # The online memory alone; the running key sums feed only the cache's gates, read after
+                # the loop, so the stretch's keys are added once below instead of a cumulative sum (and
+                # its backward) per chunk inside the loop.
+                xs = xs[:3] + xs[4:9] + list(titans_coefficients(*xs[4:8]))
+                carry = (*(W[n] for n in names), *(M[n] for n in names), *start_carry)
+                ys, carry = run_chunks(partial(_titans_step, spec, track_start, True), carry, xs, (),
+                                       tf32=tf32_wanted(v))
                 seg_of = lambda name: bufs[name][:, :, c0:c1]  # noqa: E731
                 y = _read_segment(spec, options, seg_of("q"), seg_of("u"), seg_of("k"), live[:, c0:c1], key_sum,
                                   key_count, chunks_last(ys[0]), state, tf32_wanted(v))
                 ys = (_segment_chunks(y, width),)
+                lv = live[:, c0:c1].to(dtype)
+                key_sum = key_sum + (seg_of("k") * lv[:, None, :, None]).sum(2)
+                key_count = key_count + lv.sum(1)
+            else:
+                carry = (*(W[n] for n in names), *(M[n] for n in names), *start_carry, key_sum, key_count)
+                step = partial(_mc_chunk_step, spec, options, track_start, with_stored)
+                cache = _cache_in_buckets(state.cached_valid, state.cached_summary(),
+                                          [state.cached[n] for n in names])
+                ys, carry = run_chunks(step, carry, xs, cache + (stored if with_stored else ()),
+                                       tf32=tf32_wanted(v))
+                key_sum, key_count = carry[-2], carry[-1]
             outputs.append(ys[0])
             W, M = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
             if track_start:
                 chunk_start = carry[2 * m:3 * m]
-            key_sum, key_count = carry[-2], carry[-1]
         state.key_sum, state.key_count = key_sum, key_count
         if S_seg:
             closes = live[:, s1 - 1]

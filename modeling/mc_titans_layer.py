@@ -2,7 +2,8 @@
 
 Projections ``q, k, v`` (optionally followed by Titans' short convolutions,
 ``conv_size``) and the gate projection ``u`` (its own, as the MC paper's ablation
-requires), per-head data-dependent gates named by role (retention,
+requires; read only once a memory is cached, so plain Titans, ``segment_size=None``, leaves it
+without gradient), per-head data-dependent gates named by role (retention,
 momentum, learning rate), learned initial memory weights, and the gated RMSNorm
 output of the MoM family (a choice of this package: FAMILIES.md does not fix
 Titans' output head). The memory itself is the kernel API's ``mc_titans``.
