@@ -5,7 +5,8 @@ at T=2048 (B=8) and T=8192 (B=2). Prints one JSON line per measurement and write
 ``$OUT/bench_layers.json``. Run on the GPU machine with mnemo importable.
 ``ONLY=name[,name]`` picks layers (by substring), ``TF32=1`` lets float32 matmuls use TF32 tensor cores
 (``torch.set_float32_matmul_precision("high")``), ``ITERS=n`` times n steps, ``LENGTHS=2048,8192,32768``
-picks the sequence lengths (batch ``max(1, TOKENS // T)``).
+picks the sequence lengths (batch ``max(1, TOKENS // T)``). ``SWEEP=key=v1,v2`` times every layer with each
+value of one launch constant of the deep memories' chunk kernels (``titans_chunk_forward_triton.BLOCKS``).
 """
 
 from __future__ import annotations
@@ -143,11 +144,18 @@ def main():
         torch.set_float32_matmul_precision("high")
     iters = int(os.environ.get("ITERS", 5))
     tokens = int(os.environ.get("TOKENS", TOKENS))
+    key, _, values = os.environ.get("SWEEP", "").partition("=")
+    from mnemo.kernels.titans_chunk_forward_triton import BLOCKS
+
+    variants = [(key, int(v)) for v in values.split(",")] if key else [(None, None)]
     for T in (int(x) for x in os.environ.get("LENGTHS", "2048,8192").split(",")):
         B = max(1, tokens // T)
-        for name, make in LAYERS.items():
+        for (name, make), (block, value) in ((item, v) for item in LAYERS.items() for v in variants):
             if only and not any(part in name for part in only):
                 continue
+            if block:
+                BLOCKS[block] = value
+                name = f"{name} {block}={value}"
             try:
                 # The chunk loops keep CUDA graphs (and their memory pools) of earlier shapes: dropped, so that
                 # each layer's peak is its own, not that of every layer measured before it.

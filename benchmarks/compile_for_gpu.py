@@ -77,9 +77,9 @@ def _compile(fn, reads: str, constants: dict, target, warps: int, stages: int, i
     return dict(shared_bytes=kernel.metadata.shared, ptxas=ptxas_report(kernel.asm["ptx"], target.arch))
 
 
-def titans_forward_rows(target) -> None:
+def titans_forward_rows(target, BK: int = 64) -> None:
     blocks = titans_forward.BLOCKS
-    constants = dict(HAS_S=True, L2=True, CLIP=True, BC=64, BK=64, BF=blocks["slice"], BD=blocks["width"],
+    constants = dict(HAS_S=True, L2=True, CLIP=True, BC=64, BK=BK, BF=blocks["slice"], BD=blocks["width"],
                      BR=blocks["rows"], BDF=256, U=blocks["share_unroll"], PRECISION="tf32")
     for fn, warps, extra in ((titans_forward._pre_kernel, blocks["warps"], {}),
                              (titans_forward._error_kernel, blocks["warps"], dict(BR=blocks["error_rows"])),
@@ -87,14 +87,14 @@ def titans_forward_rows(target) -> None:
                              (titans_forward._read_kernel, blocks["read_warps"], dict(BW=blocks["read_width"])),
                              (titans_forward._update_kernel, blocks["update_warps"], dict(BD=blocks["update_width"])),
                              (titans_forward._output_kernel, blocks["warps"], dict(BD=blocks["output_width"]))):
-        row = dict(triton=triton.__version__, arch=target.arch, kernel=fn.__name__, warps=warps)
+        row = dict(triton=triton.__version__, arch=target.arch, kernel=fn.__name__, BK=BK, warps=warps)
         row.update(_compile(fn, "fp32", {**constants, **extra}, target, warps, blocks["stages"], TITANS_INTS))
         print(json.dumps(row), flush=True)
 
 
-def titans_backward_rows(target) -> None:
+def titans_backward_rows(target, BK: int = 64) -> None:
     blocks = titans_forward.BLOCKS
-    constants = dict(HAS_S=True, L2_OBJ=True, CLIP=True, BC=64, BK=64, BF=blocks["slice"], BD=blocks["width"],
+    constants = dict(HAS_S=True, L2_OBJ=True, CLIP=True, BC=64, BK=BK, BF=blocks["slice"], BD=blocks["width"],
                      BR=blocks["backward_rows"], BKB=blocks["backward_rows"], U=blocks["share_unroll"],
                      PRECISION="tf32")
     for fn, warps in ((titans_backward._slices_kernel, blocks["backward_warps"]),
@@ -105,7 +105,7 @@ def titans_backward_rows(target) -> None:
                       (titans_backward._prediction_kernel, blocks["warps"]),
                       (titans_backward._sum_kernel, blocks["warps"])):
         for w in sorted({warps, 4, 8}) if fn is titans_backward._slices_kernel else (warps,):
-            row = dict(triton=triton.__version__, arch=target.arch, kernel=fn.__name__, warps=w)
+            row = dict(triton=triton.__version__, arch=target.arch, kernel=fn.__name__, BK=BK, warps=w)
             stages = blocks["backward_stages"] if fn is titans_backward._slices_kernel else blocks["stages"]
             row.update(_compile(fn, "fp32", constants, target, w, stages, TITANS_INTS))
             print(json.dumps(row), flush=True)
@@ -117,12 +117,14 @@ def main():
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--chunks", default="64")
     parser.add_argument("--widths", default="64")
+    parser.add_argument("--keys", default="64", help="Titans: blocks of written tokens (Atlas' window: 128)")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--reads", default="bf16,fp32")
     args = parser.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
     if args.kernels.startswith("titans"):
-        (titans_forward_rows if args.kernels == "titans_forward" else titans_backward_rows)(target)
+        for keys in map(int, args.keys.split(",")):
+            (titans_forward_rows if args.kernels == "titans_forward" else titans_backward_rows)(target, keys)
         return
     for reads in args.reads.split(","):
         for chunk in map(int, args.chunks.split(",")):

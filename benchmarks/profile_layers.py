@@ -5,7 +5,8 @@ layers of ``bench_layers.py`` (picked by substring, as there) on the same inputs
 16K tokens at ``LENGTHS``, default 2048 and 8192). For each: the step's wall time (median of a few),
 the kernels' summed time and the GPU's busy time in one profiled step (their gap is overlap; a wall
 time well above the busy time means the host set the pace), and the ``ROWS`` (default 25) kernels
-with the most time, by count and mean; ``OPS=1`` adds the PyTorch ops by their kernels' time.
+with the most time, by count and mean; ``OPS=1`` adds the PyTorch ops by their kernels' time,
+``GAPS=1`` the longest stretches of an idle GPU between kernels.
 ``TF32=1`` as in ``bench_layers.py``.
 """
 
@@ -62,6 +63,18 @@ def profile_layer(name: str, B: int, T: int, rows: int) -> None:
     print(f"| kernel | launches | ms | us each |\n|---|---|---|---|")
     for kname, (count, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:rows]:
         print(f"| {kname[:90]} | {count} | {t / 1e3:.2f} | {t / count:.1f} |")
+    if os.environ.get("GAPS") == "1":  # where the GPU waited on the host, and between which kernels
+        spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+        gaps, end, last = [], spans[0][0], ""
+        for lo, hi, kname in spans:
+            if lo > end:
+                gaps.append((lo - end, end - spans[0][0], last, kname))
+            if hi > end:
+                end, last = hi, kname
+        print(f"idle: {sum(g[0] for g in gaps) / 1e3:.2f} ms in {len(gaps)} gaps; the longest:")
+        print("| gap us | at ms | after | before |\n|---|---|---|---|")
+        for gap, at, after, before in sorted(gaps, reverse=True)[:rows]:
+            print(f"| {gap:.0f} | {at / 1e3:.2f} | {after[:50]} | {before[:50]} |")
     if os.environ.get("OPS") == "1":  # the PyTorch ops behind the kernels: which glue to remove
         ops = [e for e in prof.key_averages() if e.key.startswith("aten::") and _self_device_us(e) > 0]
         print(f"| op | calls | self ms on the GPU |\n|---|---|---|")

@@ -357,12 +357,13 @@ def _width_kernel(DY, Q, Kx, ERR, P, GA, GB, GC, SCALE, N_IN, COEF, PART_DQ, PAR
 def _chain_kernel(PRE, BACK, E, W1, W2, DE_READ, DE_UPDATE, DACT, COEF, R1, L2, PART_Z, PART_DK, C, K, D, F, ROWS1,
                   L2_OBJ: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr,
                   PRECISION: tl.constexpr):
-    """Program ``(j, g)``: ``d back`` and ``d pre`` of slice ``j`` (``d pre`` without the prediction's
-    term for ``l2``), and its shares of ``d back W1^T`` (and of ``d pre W2`` for ``dot``)."""
+    """Program ``(j, g, r)``: ``d back`` and ``d pre`` of slice ``j`` (``d pre`` without the prediction's
+    term for ``l2``), and its shares of ``d back W1^T`` (and of ``d pre W2`` for ``dot``), on the ``r``-th
+    block of ``BK`` written tokens (every row is its own)."""
     j = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     ns = tl.num_programs(0)
-    rf, rk = j * BF + tl.arange(0, BF), tl.arange(0, BK)
+    rf, rk = j * BF + tl.arange(0, BF), tl.program_id(2) * BK + tl.arange(0, BK)
     mf, mk = rf < F, rk < K
     kf = g * K * F
     pre = _ld(PRE + kf, rk, rf, F, 1, mk, mf)
@@ -413,12 +414,12 @@ def _error_grad_kernel(DERR, PART_Z, PART_DK, DK, DV, L1, C, K, D, NS: tl.conste
 @triton.jit
 def _prediction_kernel(PRE, W1, W2, L1, L2, PART_DK, C, K, D, F, ROWS1,
                        BK: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
-    """``l2``, program ``(j, g)``: ``d pre += (d pred W1) gelu'(pre)`` on slice ``j``, and its share of
-    ``d pre W2``."""
+    """``l2``, program ``(j, g, r)``: ``d pre += (d pred W1) gelu'(pre)`` on slice ``j``, and its share of
+    ``d pre W2``, on the ``r``-th block of ``BK`` written tokens."""
     j = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     ns = tl.num_programs(0)
-    rf, rk = j * BF + tl.arange(0, BF), tl.arange(0, BK)
+    rf, rk = j * BF + tl.arange(0, BF), tl.program_id(2) * BK + tl.arange(0, BK)
     mf, mk = rf < F, rk < K
     dact = tl.zeros((BK, BF), tl.float32)
     for d0 in range(0, D, BD):
@@ -503,7 +504,6 @@ def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] 
     gb, gsc = (b, sc_last) if has_s else (a, parts.scale)
     prec = _precision()
     launch = dict(num_warps=BLOCKS["warps"], num_stages=BLOCKS["stages"])
-    slices = (NS, G)
     _slices_kernel[(2 * NS, G)](
         d_y, parts.err, k, parts.hidden, parts.pre, parts.hidden_pre, parts.e, parts.qw,
         parts.qs if has_s else parts.qw, parts.qk, a, gb, c, gsc, parts.scale, W1, S1, W2, S2,
@@ -521,15 +521,19 @@ def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] 
         d_y, q, k, parts.err, parts.p, a, gb, c, parts.scale, n, coef, part_dq, part_dk, part_z,
         dq, dk, derr, L1, LS1, R2, C, K, D, NS, rows1, HAS_S=has_s, BR=BR, BC=BC, BK=BK, BD=BD,
         U=BLOCKS["share_unroll"], PRECISION=prec, **launch)
-    _chain_kernel[slices](
+    # The written tokens' rows are independent in the chain and prediction kernels: blocks of them, so that
+    # a window's 79 rows are not padded to 128 (whose tiles spilled) and more programs share the work.
+    BKR = min(BK, max(16, BLOCKS["chain_rows"]))
+    row_slices = (NS, G, triton.cdiv(K, BKR))
+    _chain_kernel[row_slices](
         parts.pre, parts.back, parts.e, W1, W2, de_read, de_update, dact, coef, R1, L2, part_z, part_dk,
-        C, K, D, F, rows1, L2_OBJ=l2, BK=BK, BF=BF, BD=BD, PRECISION=prec, **launch)
+        C, K, D, F, rows1, L2_OBJ=l2, BK=BKR, BF=BF, BD=BD, PRECISION=prec, **launch)
     rows_k = (triton.cdiv(K, BR), triton.cdiv(D, BD), G)
     _error_grad_kernel[rows_k](derr, part_z, part_dk, dk, dv, L1, C, K, D, NS, rows1, L2_OBJ=l2, BR=BR, BD=BD,
                                **launch)
     if l2:
-        _prediction_kernel[slices](parts.pre, W1, W2, L1, L2, part_dk, C, K, D, F, rows1,
-                                   BK=BK, BF=BF, BD=BD, PRECISION=prec, **launch)
+        _prediction_kernel[row_slices](parts.pre, W1, W2, L1, L2, part_dk, C, K, D, F, rows1,
+                                       BK=BKR, BF=BF, BD=BD, PRECISION=prec, **launch)
         _sum_kernel[rows_k](dk, part_dk, K, D, NS, BR=BR, BD=BD, **launch)
     # The weights: the final update's term plus every use, with the gates' inner products.
     a_last, b_last = a[:, -1], (b[:, -1] if has_s else None)

@@ -60,16 +60,19 @@ __all__ = ["ForwardParts", "covers", "chunk_forward"]
 # Slice of the hidden layer per program, block of the key width per step, width blocks of the read's,
 # update's and output's programs, rows per program of the output's and the error's row kernels, warps and
 # pipeline stages; the backward's (titans_chunk_backward_triton) rows or token columns per program of its
-# gates and width kernels, and its slice programs' warps. Module-level so that tests can shrink them.
+# gates and width kernels, its slice programs' warps, and the written tokens per program of its chain and
+# prediction kernels. Module-level so that tests can shrink them.
 # Swept on an H100 and an H200 (RESULTS.md): slices of 32 were 1.2-1.5x slower in the forward; the update
 # over width blocks of 64 (32 and 128 slower), the read over blocks of 128 (64 and the whole width of
 # 256 slower at T=8192); 8 warps for the read or the update 4-5% slower. The backward's slice programs:
 # four warps and one pipeline stage, 64 KB of shared memory where two stages took 208 KB, so that two
 # programs share an SM (its registers allow two of four warps): 8% / 5% faster at T=2048 / 8192 than
-# eight warps and two stages, which were 2% faster than four warps and two stages.
+# eight warps and two stages, which were 2% faster than four warps and two stages. The chain and
+# prediction kernels over blocks of 16 written tokens: Atlas' window (79 tokens) had been padded to one
+# block of 128, whose tiles spilled; Atlas layers 4-9% faster than with one block, Titans 1-4% (H200).
 BLOCKS = {"slice": 64, "width": 64, "read_width": 128, "update_width": 64, "output_width": 64, "rows": 16,
           "error_rows": 4, "warps": 4, "read_warps": 4, "update_warps": 4, "stages": 2,
-          "share_unroll": 4, "backward_rows": 16, "backward_warps": 4, "backward_stages": 1}
+          "share_unroll": 4, "backward_rows": 16, "backward_warps": 4, "backward_stages": 1, "chain_rows": 16}
 
 
 def covers(spec, C: int, K: int) -> bool:
