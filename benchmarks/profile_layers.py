@@ -6,7 +6,8 @@ layers of ``bench_layers.py`` (picked by substring, as there) on the same inputs
 the kernels' summed time and the GPU's busy time in one profiled step (their gap is overlap; a wall
 time well above the busy time means the host set the pace), and the ``ROWS`` (default 25) kernels
 with the most time, by count and mean; ``OPS=1`` adds the PyTorch ops by their kernels' time,
-``GAPS=1`` the longest stretches of an idle GPU between kernels.
+``GAPS=1`` the longest stretches of an idle GPU between kernels, ``CPU=1`` the host's calls by
+their own time.
 ``TF32=1`` as in ``bench_layers.py``.
 """
 
@@ -75,6 +76,12 @@ def profile_layer(name: str, B: int, T: int, rows: int) -> None:
         print("| gap us | at ms | after | before |\n|---|---|---|---|")
         for gap, at, after, before in sorted(gaps, reverse=True)[:rows]:
             print(f"| {gap:.0f} | {at / 1e3:.2f} | {after[:50]} | {before[:50]} |")
+    if os.environ.get("CPU") == "1":  # the host's side: which calls take its time
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        print(f"host: {sum(e.self_cpu_time_total for e in ops) / 1e3:.2f} ms of self time\n"
+              f"| call | calls | self ms on the host |\n|---|---|---|")
+        for e in ops[:rows]:
+            print(f"| {e.key[:80]} | {e.count} | {e.self_cpu_time_total / 1e3:.2f} |")
     if os.environ.get("OPS") == "1":  # the PyTorch ops behind the kernels: which glue to remove
         ops = [e for e in prof.key_averages() if e.key.startswith("aten::") and _self_device_us(e) > 0]
         print(f"| op | calls | self ms on the GPU |\n|---|---|---|")
