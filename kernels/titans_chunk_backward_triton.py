@@ -510,7 +510,8 @@ def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] 
         dW1n, dS1n, dW2n, dS2n, m, L2, LS2, R1, part_n, part_da, part_db, de_read, part_dq,
         dact, de_update, part_z, part_dk, part_r, part_t, C, K, D, F, rows1,
         HAS_S=has_s, L2_OBJ=l2, BC=BC, BK=BK, BF=BF, BD=BD, PRECISION=prec,
-        num_warps=BLOCKS["backward_warps"], num_stages=BLOCKS["backward_stages"])
+        num_warps=BLOCKS["backward_warps_long" if BK > 64 and not has_s else "backward_warps"],
+        num_stages=BLOCKS["backward_stages"])
     BR, BKB = BLOCKS["backward_rows"], BLOCKS["backward_rows"]
     _gates_kernel[(triton.cdiv(K, BKB), G)](
         d_y, parts.hw, parts.hs if has_s else parts.hw, m, parts.p, parts.qk, c, gsc, parts.scale,

@@ -70,9 +70,13 @@ __all__ = ["ForwardParts", "covers", "chunk_forward"]
 # eight warps and two stages, which were 2% faster than four warps and two stages. The chain and
 # prediction kernels over blocks of 16 written tokens: Atlas' window (79 tokens) had been padded to one
 # block of 128, whose tiles spilled; Atlas layers 4-9% faster than with one block, Titans 1-4% (H200).
+# Slice programs over more than 64 written tokens (blocks of 128) without momentum, OmegaNet's window,
+# take 8 warps: OmegaNet 10% / 4% faster at T=2048 / 8192 than with 4 (H200); with momentum 8 warps
+# were 2% slower at T=2048 and 4% faster at 8192, so those stay at 4.
 BLOCKS = {"slice": 64, "width": 64, "read_width": 128, "update_width": 64, "output_width": 64, "rows": 16,
           "error_rows": 4, "warps": 4, "read_warps": 4, "update_warps": 4, "stages": 2,
-          "share_unroll": 4, "backward_rows": 16, "backward_warps": 4, "backward_stages": 1, "chain_rows": 16}
+          "share_unroll": 4, "backward_rows": 16, "backward_warps": 4, "backward_stages": 1, "chain_rows": 16,
+          "backward_warps_long": 8}
 
 
 def covers(spec, C: int, K: int) -> bool:
