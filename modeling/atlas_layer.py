@@ -111,7 +111,7 @@ class AtlasMemory(nn.Module):
         B, T, _ = hidden_states.shape
         H, D = self.num_heads, self.head_dim
         mask = valid.bool() if valid is not None else torch.ones(B, T, dtype=torch.bool, device=hidden_states.device)
-        q, k, v = convolve_qkv(self, hidden_states, mask, cache, H, D)
+        q, k, v = convolve_qkv(self, hidden_states, None if valid is None else mask, cache, H, D)
         coefficients = getattr(self, "feature_coefficients", None)
         q = apply_feature_map(self.feature_map, l2_normalize(q.float()), coefficients)
         k = apply_feature_map(self.feature_map, l2_normalize(k.float()), coefficients)
@@ -134,6 +134,8 @@ class AtlasMemory(nn.Module):
                                   None if momentum is None else momentum[:, 0], gamma[:, 0], state,
                                   live=mask[:, 0], **self.options)
             o = o[:, None] * mask[:, :, None, None]
+        elif valid is None:  # every token real: no compaction (its gathers and scatter are the identity)
+            o, state = chunk_atlas(self.spec, q, k, v, alpha, lr, momentum, gamma, state, **self.options)
         else:
             rows = RowCompaction(mask)
             q, k, v, alpha, lr, momentum, gamma = (rows.compact(x) for x in (q, k, v, alpha, lr, momentum, gamma))

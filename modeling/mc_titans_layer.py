@@ -71,9 +71,7 @@ class MCTitansLayer(nn.Module):
         B, T, _ = hidden_states.shape
         H, D = self.num_heads, self.head_dim
         if self.conv_size:
-            mask = valid.bool() if valid is not None else torch.ones(B, T, dtype=torch.bool,
-                                                                       device=hidden_states.device)
-            q, k, v = convolve_qkv(self, hidden_states, mask, cache, H, D)
+            q, k, v = convolve_qkv(self, hidden_states, None if valid is None else valid.bool(), cache, H, D)
         else:
             q, k, v = (proj(hidden_states).view(B, T, H, D) for proj in (self.q_proj, self.k_proj, self.v_proj))
         u = self.u_proj(hidden_states).view(B, T, H, D)

@@ -38,27 +38,40 @@ class ShortConvolution(nn.Conv1d):
         return F.silu((source * weight.transpose(0, 1)).sum(-2)), source[..., 1:, :]
 
 
-def convolve_qkv(layer: nn.Module, x: torch.Tensor, valid: torch.Tensor, cache, heads: int, head_dim: int):
+def convolve_qkv(layer: nn.Module, x: torch.Tensor, valid: torch.Tensor | None, cache, heads: int,
+                 head_dim: int):
     """``q, k, v`` ``(B, T, heads, head_dim)`` of a layer with ``{q,k,v}_proj`` and ``{q,k,v}_conv1d``.
 
     Each projection is convolved over each row's valid tokens only (padding never
     enters a window), continuing the windows ``conv_q/k/v`` stored in ``cache``
-    and storing the next ones; padded positions come back as zeros.
+    and storing the next ones; padded positions come back as zeros. ``valid=None``:
+    every token is real, so the rows themselves are the packed layout, taken without
+    the device-to-host reads and copies that packing by a mask costs.
     """
     B, T, _ = x.shape
     if T == 1 and cache is not None and all(f"conv_{name}" in cache for name in "qkv"):
-        return _step_qkv(layer, x, valid[:, 0], cache, heads, head_dim)
-    lengths = valid.sum(1)
-    windows = ConvWindows.build(F.pad(lengths.cumsum(0), (1, 0)), layer.q_conv1d.kernel_size[0])
+        live = torch.ones(B, dtype=torch.bool, device=x.device) if valid is None else valid[:, 0]
+        return _step_qkv(layer, x, live, cache, heads, head_dim)
+    kernel_size = layer.q_conv1d.kernel_size[0]
+    if valid is None:
+        windows = ConvWindows.build(torch.arange(B + 1, device=x.device) * T, kernel_size,
+                                    token_sequence=torch.arange(B, device=x.device).repeat_interleave(T))
+    else:
+        lengths = valid.sum(1)
+        windows = ConvWindows.build(F.pad(lengths.cumsum(0), (1, 0)), kernel_size)
     outs = []
     for name in ("q", "k", "v"):
         proj, conv = getattr(layer, f"{name}_proj"), getattr(layer, f"{name}_conv1d")
         window = cache.get(f"conv_{name}") if cache is not None else None
-        y, nxt = conv(proj(x)[valid], windows, window)
+        projected = proj(x)
+        y, nxt = conv(projected.flatten(0, 1) if valid is None else projected[valid], windows, window)
         if cache is not None:
             cache.update(**{f"conv_{name}": nxt})
-        full = y.new_zeros(B, T, y.shape[-1])
-        full[valid] = y
+        if valid is None:
+            full = y.reshape(B, T, -1)
+        else:
+            full = y.new_zeros(B, T, y.shape[-1])
+            full[valid] = y
         outs.append(full.view(B, T, heads, head_dim))
     return outs
 

@@ -222,3 +222,35 @@ def test_every_aggregation_is_plain_atlas_inside_the_first_segment():
         got = _logits(model, ids)
         torch.testing.assert_close(got[:, :SEGMENT], expected[:, :SEGMENT], rtol=0, atol=1e-6)
         assert (got[:, SEGMENT:] - expected[:, SEGMENT:]).abs().max() > 1e-4, aggregation  # the cache is read after
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("build", ["atlas", "omeganet", "mc_titans_conv"])
+def test_rows_without_a_mask_equal_an_all_true_mask(build, device):
+    """``valid=None`` (no padding; the models pass it when their mask is all ones) skips the short
+    convolutions' packing by mask and the rows' compaction: outputs, the stored convolution windows and
+    memory states, and every gradient equal those of an all-true mask, bit for bit (on CUDA through the
+    Triton convolution)."""
+    from conftest import tiny_mc_titans
+
+    from mnemo.modeling.cache import LayerCache
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = tiny_mc_titans(conv_size=3) if build == "mc_titans_conv" else tiny_atlas(preset=build)
+    layer = model.model.layers[0].attn.to(device)
+    x = torch.randn(2, 11, 32, generator=torch.Generator().manual_seed(1)).to(device)
+    runs = []
+    for valid in (None, torch.ones(2, 11, dtype=torch.bool, device=device)):
+        h = x.clone().requires_grad_()
+        cache = LayerCache()
+        out = layer(h, valid, cache)
+        grads = torch.autograd.grad(out.pow(2).sum(), [h, *layer.parameters()], allow_unused=True)
+        runs.append((out, cache.states, grads))
+    (out0, states0, grads0), (out1, states1, grads1) = runs
+    assert torch.equal(out0, out1)
+    assert states0.keys() == states1.keys()
+    for name in states0:
+        assert torch.equal(states0[name], states1[name]), name
+    for g0, g1 in zip(grads0, grads1):
+        assert (g0 is None) == (g1 is None) and (g0 is None or torch.equal(g0, g1))
