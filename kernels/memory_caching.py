@@ -461,9 +461,10 @@ def _segment_chunks(x: torch.Tensor, width: int) -> torch.Tensor:
 def _mc_chunk_step(spec: TitansMemorySpec, options: MCOptions, track_start: bool, with_stored: bool,
                    carry, x, consts):
     """One inner chunk of :func:`chunk_mc_titans` as a :func:`~.chunk_loop.run_chunks` step, where the
-    chunk reads the cache itself: unfused memories (``soup``, or without the Triton chunk) and the chunk of
-    resumed rows (``with_stored``). Chunks of the fused memory run :func:`~.titans._titans_step` instead and
-    the cache is read for the whole segment after their loop (:func:`_read_segment`).
+    chunk reads the cache itself: memories outside :func:`~.titans_chunk.chunk_memory` (``soup``, whose
+    mixes need the weights, or memories it does not support) and the chunk of resumed rows
+    (``with_stored``). The others run :func:`~.titans._titans_step` and the cache is read for the whole
+    segment after their loop (:func:`_read_segment`).
 
     ``carry``: weights, momenta, (``track_start``) chunk-start weights, in ``spec.shapes`` order,
     then the online segment's ``key_sum, key_count``. ``x``: the chunk's ``q, k, v, u`` and gates
