@@ -37,8 +37,11 @@ class RoutingPlan:
     @property
     def memory_ends(self) -> torch.Tensor:
         """``(M,)`` int32, on the device: the end of each memory's packed rows (its slice starts where the
-        previous one ends)."""
-        return self.cu_seqlens[self.batch_size::self.batch_size].to(torch.int32)
+        previous one ends). A fresh tensor of unit stride: ``torch._grouped_mm`` takes it as offsets, and
+        torch 2.14 rejects any other stride ("Offsets must have stride (1,)"), even that of one memory's
+        slice, which ``contiguous()`` leaves as it is."""
+        ends = self.cu_seqlens[self.batch_size::self.batch_size]
+        return ends.to(torch.int32).clone(memory_format=torch.contiguous_format)
 
     def memory_slices(self) -> list[tuple[int, int]]:
         """Packed rows ``[start, end)`` of each memory, on the host (one device-to-host read)."""

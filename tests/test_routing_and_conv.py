@@ -143,3 +143,18 @@ def test_plan_gather_and_combine_equal_index_select_and_index_add():
     (combined * gy).sum().backward()
     torch.testing.assert_close(x.grad, torch.zeros_like(x).index_add(0, plan.token_index, gx), rtol=0, atol=1e-15)
     torch.testing.assert_close(y.grad, gy.index_select(0, plan.token_index), rtol=0, atol=0)
+
+
+def test_memory_ends_are_fresh_offsets_of_unit_stride():
+    """``torch._grouped_mm`` takes the plan's ``memory_ends`` as offsets, and torch 2.14 rejects any stride
+    but 1 ("Offsets must have stride (1,)"); a slice every ``B`` rows of ``cu_seqlens`` had stride ``B``,
+    and with one memory (the Gated DeltaNet baseline) ``contiguous()`` keeps it."""
+    from mnemo.modeling.routing import RoutingPlan
+
+    for memories, batch in ((1, 4), (3, 2), (2, 1)):
+        cu = torch.arange(memories * batch + 1, dtype=torch.int32) * 5
+        empty = torch.empty(0)
+        plan = RoutingPlan(empty, empty, cu, empty, empty, empty, batch)
+        ends = plan.memory_ends
+        assert ends.dtype == torch.int32 and ends.stride() == (1,)
+        assert ends.tolist() == [5 * batch * (m + 1) for m in range(memories)]
