@@ -377,9 +377,9 @@ def _backward_one(step: Step, graphed: GraphedStep | None, carry: Tensors, x: Te
     valid until its next replay: the caller copies them out at once."""
     if graphed is not None:
         graphed.load(carry, x)
-        bufs, given = graphed.d_ys + graphed.d_carry_out, list(d_ys) + list(d_carry)
-        copy_all([b for b, g in zip(bufs, given) if g is not None], [g for g in given if g is not None])
-        absent = [b for b, g in zip(bufs, given) if g is None]
+        pairs = list(zip(graphed.d_ys + graphed.d_carry_out, list(d_ys) + list(d_carry)))
+        copy_all([b for b, g in pairs if g is not None], [g for _, g in pairs if g is not None])
+        absent = [b for b, g in pairs if g is None]
         if absent:
             torch._foreach_zero_(absent)
         graphed.bwd.replay()

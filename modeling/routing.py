@@ -41,7 +41,7 @@ class RoutingPlan:
         torch 2.14 rejects any other stride ("Offsets must have stride (1,)"), even that of one memory's
         slice, which ``contiguous()`` leaves as it is."""
         ends = self.cu_seqlens[self.batch_size::self.batch_size]
-        return ends.to(torch.int32).clone(memory_format=torch.contiguous_format)
+        return ends.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
 
     def memory_slices(self) -> list[tuple[int, int]]:
         """Packed rows ``[start, end)`` of each memory, on the host (one device-to-host read)."""
