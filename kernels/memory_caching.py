@@ -339,17 +339,23 @@ class MCState:
             self.cached_key_sum, self.cached_key_count, self.key_sum, self.key_count, slot, rows)
         self.num_cached = self.num_cached + rows.long()
 
+    def slots_after(self, closes: torch.Tensor) -> int:
+        """The cache's slots after :meth:`append` of ``closes``: a device-to-host read, which a caller may make
+        before queueing the work whose results it appends (so that the read does not wait for that work)."""
+        count = self.num_cached + closes.long().sum(1)
+        return max(self.cached_key_count.shape[1], int(count.max()) if closes.shape[0] else 0)
+
     def append(self, closes: torch.Tensor, weights: dict[str, torch.Tensor], key_sum: torch.Tensor,
-               key_count: torch.Tensor) -> None:
+               key_count: torch.Tensor, slots: int | None = None) -> None:
         """Cache ``n`` memories at once: memory ``j`` (``weights (B, n, H, d_out, d_in)``, its segment's keys
         ``key_sum (B, n, H, d_k)``, ``key_count (B, n)``) for the rows that close segment ``j``
         (``closes (B, n)``, a prefix of each row's segments), after each row's cached memories. The state
         ends as ``n`` calls of :meth:`push` leave it, the online segment's keys aside (the caller's),
-        with one copy of the cache instead of one per memory."""
+        with one copy of the cache instead of one per memory. ``slots``: :meth:`slots_after`, if read."""
         B, n = closes.shape
         N0 = self.cached_key_count.shape[1]
         count = self.num_cached + closes.long().sum(1)
-        N = max(N0, int(count.max()) if B else 0)
+        N = self.slots_after(closes) if slots is None else slots
         slot = torch.arange(N, device=closes.device)[None]
         new = slot - self.num_cached[:, None]
         # Each slot takes a new memory, its old content, or (a new slot left empty) the zero entry at N0 + n.
@@ -519,88 +525,150 @@ def _read_segment(spec: TitansMemorySpec, options: MCOptions, q, u, k, lv, key_s
     return recompute_in_backward(read, (q, u, online, summary, state.cached_summary(), *cached), tf32=tf32)
 
 
-class _CachedReads(torch.autograd.Function):
-    """``y = sum_j g_j M_j(q)`` over each memory's queries ``q[:, :, s_j:]``, ``g_j = g[..., s_j:, j]``.
+# Elements of the hidden layers of one batch of cached reads (256 MiB in float32): consecutive memories
+# are read together while their queries' hidden layers fit in it (at least one memory a batch).
+READ_BATCH_ELEMENTS = 1 << 26
 
-    Memory by memory, so that each memory's weights get one gradient, and with the hidden layers
-    (a memory's worth of width per query) recomputed in the backward. Autograd over the same loop
-    would add every memory's read into a sequence-sized output by a sequence-sized copy.
-    ``picks`` (``ssc``, whose gates are zero but for a few memories per query; see :meth:`picks`):
-    a memory reads only the queries that selected it.
-    """
+
+@dataclass(frozen=True)
+class _ReadBatch:
+    """Cached memories ``[first, last)`` read in one batch of products: every query from ``start`` on
+    (``pick`` is ``None``), or, per memory, the queries at ``pick (G, B, H, width)``: those whose gate of
+    it is nonzero, padded with queries of zero gate to the batch's widest."""
+
+    first: int
+    last: int
+    start: int
+    pick: torch.Tensor | None = None
+
+
+def _read_batches(spec: TitansMemorySpec, g: torch.Tensor, starts: tuple[int, ...], select: bool,
+                  heads: int) -> list[_ReadBatch]:
+    """How :class:`_CachedReads` reads memories ``j < N = len(starts)`` (gates ``g (>= N, B, H, T)``, nonzero
+    from ``starts[j]`` on; queries of ``heads`` heads) in batches of consecutive memories. With ``select``
+    (``ssc``, whose gates are zero but for a few memories per query) a memory reads only the queries that
+    chose it wherever they are at most half of its queries: one device-to-host read of every memory's
+    width. Batches hold memories of one kind and at most ``READ_BATCH_ELEMENTS`` of hidden layer: those
+    that read every query from their start, of one start (the state's memories); the selective ones, of
+    widths within 2x of each other (padding wastes at most half of a batch of small reads)."""
+    N, (_, B, _, T) = len(starts), g.shape
+    per_query = B * heads * (spec.hidden if spec.depth == 2 else spec.d_v)
+    spans = [T - s for s in starts]
+    widths, order = spans, None
+    if select and N:
+        chosen = g > 0
+        counts = chosen[:N].sum(-1).amax((1, 2)).tolist()
+        widths = [c if 2 * c <= span else span for c, span in zip(counts, spans)]
+        if any(w < span for w, span in zip(widths, spans)):
+            # Per memory, the queries that chose it first (in order), then the others: one sort for all.
+            order = torch.argsort((~chosen[:N]).to(torch.int8), dim=-1, stable=True)
+    batches, j = [], 0
+    while j < N:
+        if widths[j] == 0:
+            j += 1
+            continue
+        picked = widths[j] < spans[j]
+        last, widest, narrowest = j + 1, widths[j], widths[j]
+        while last < N and widths[last] and (widths[last] < spans[last]) == picked:
+            if not picked and starts[last] != starts[j]:
+                break  # reading the earlier queries would cost products of zero weight
+            wide, narrow = max(widest, widths[last]), min(narrowest, widths[last])
+            if wide > 2 * narrow or (last + 1 - j) * wide * per_query > READ_BATCH_ELEMENTS:
+                break
+            widest, narrowest, last = wide, narrow, last + 1
+        if picked:
+            batches.append(_ReadBatch(j, last, 0, order[j:last, ..., :widest]))
+        else:
+            batches.append(_ReadBatch(j, last, starts[j]))
+        j = last
+    return batches
+
+
+class _CachedReads(torch.autograd.Function):
+    """``y = sum_j g_j M_j(q)`` over the cached memories ``j`` (weights ``(N, B, H, d_out, d_in)``, gates
+    ``g (N, B, H, T)``), in the batches of :func:`_read_batches`: a few launches for all memories
+    (one batch of products per batch of memories) instead of a few per memory, whose host time set the
+    pace of a layer with many segments. The hidden layers (a memory's worth of width per query) are
+    recomputed in the backward. Sums over the memories of a batch that land on one query go through one
+    ``scatter_add_`` per memory (distinct positions each), so that the result does not depend on the
+    order of atomic additions."""
 
     @staticmethod
-    def forward(ctx, spec: TitansMemorySpec, tf32: bool, starts: tuple[int, ...], picks: list | None, q, g,
-                *weights):
+    def forward(ctx, spec: TitansMemorySpec, tf32: bool, batches: list[_ReadBatch], q, g, *weights):
         names = list(spec.shapes)
-        m = len(names)
-        picks = [None] * len(starts) if picks is None else picks
         y = q.new_zeros(*q.shape[:-1], spec.d_v)
         with tf32_products(tf32):
-            for j, (s, pick) in enumerate(zip(starts, picks)):
-                w = dict(zip(names, weights[j * m:(j + 1) * m]))
-                qj, gj = _CachedReads._take(q, g, j, s, pick)
-                if qj is None:
-                    continue
-                out = gj[..., None] * memory_apply(spec, static_apply(w), qj)
-                if pick is None:
-                    y[:, :, s:] += out
-                else:
-                    y.scatter_add_(2, pick[..., None].expand_as(out), out)
-        ctx.spec, ctx.tf32, ctx.starts, ctx.picks = spec, tf32, starts, picks
+            for batch in batches:
+                w = {n: x[batch.first:batch.last] for n, x in zip(names, weights)}
+                qb, gb = _CachedReads._inputs(q, g, batch)
+                _CachedReads._add(y, gb[..., None] * memory_apply(spec, static_apply(w), qb), batch)
+        ctx.spec, ctx.tf32, ctx.batches = spec, tf32, batches
         ctx.save_for_backward(q, g, *weights)
         return y
 
     @staticmethod
-    def picks(g: torch.Tensor, starts: tuple[int, ...]) -> list[torch.Tensor | None]:
-        """Per memory, the positions ``(B, H, width)`` of the queries that read it (a nonzero gate), gathered
-        per row and head and padded with unread ones (zero gates) to the most any row and head reads: one
-        device-to-host read for all memories. ``None`` (read every query) where that is over half of them."""
-        chosen = g > 0
-        widths = [chosen[..., s:, j].sum(-1).amax() for j, s in enumerate(starts)]
-        widths = torch.stack(widths).tolist() if widths else []
-        picks = []
-        for j, (s, width) in enumerate(zip(starts, widths)):
-            if 2 * width > g.shape[2] - s:
-                picks.append(None)
-                continue
-            order = torch.argsort((~chosen[..., s:, j]).to(torch.int8), dim=-1, stable=True)
-            picks.append(order[..., :width] + s)
-        return picks
+    def _inputs(q: torch.Tensor, g: torch.Tensor, batch: _ReadBatch):
+        """The batch's queries ``(1 or G, B, H, L, d)`` and gates ``(G, B, H, L)``."""
+        g = g[batch.first:batch.last]
+        if batch.pick is None:
+            return q[None, :, :, batch.start:], g[..., batch.start:]
+        pick = batch.pick
+        return (q[None].expand(pick.shape[0], *q.shape).gather(3, pick[..., None].expand(*pick.shape, q.shape[-1])),
+                g.gather(3, pick))
 
     @staticmethod
-    def _take(q, g, j, s, pick):
-        if pick is None:
-            return q[:, :, s:], g[..., s:, j]
-        if pick.shape[-1] == 0:
-            return None, None
-        return q.gather(2, pick[..., None].expand(*pick.shape, q.shape[-1])), g[..., j].gather(2, pick)
+    def _add(target: torch.Tensor, x: torch.Tensor, batch: _ReadBatch) -> None:
+        """``target (B, H, T, .) +=`` the batch's ``x (G, B, H, L, .)`` at its queries."""
+        if batch.pick is None:
+            target[:, :, batch.start:] += x.sum(0) if x.shape[0] > 1 else x[0]
+            return
+        for pick, xj in zip(batch.pick, x):
+            target.scatter_add_(2, pick[..., None].expand_as(xj), xj)
 
     @staticmethod
     def backward(ctx, dy):
         q, g, *weights = ctx.saved_tensors
         spec, names = ctx.spec, list(ctx.spec.shapes)
-        m = len(names)
-        dq, dg, dw = torch.zeros_like(q), torch.zeros_like(g), []
-        for j, (s, pick) in enumerate(zip(ctx.starts, ctx.picks)):
-            wj = [w.detach().requires_grad_() for w in weights[j * m:(j + 1) * m]]
-            qj, gj = _CachedReads._take(q, g, j, s, pick)
-            if qj is None:
-                dw.extend(torch.zeros_like(w) for w in wj)
-                continue
+        dq, dg = torch.zeros_like(q), torch.zeros_like(g)
+        dw, done = [[] for _ in weights], 0  # per weight, the memories' gradients in order, joined once
+        for batch in ctx.batches:
+            if batch.first > done:  # memories no query reads
+                for parts, w in zip(dw, weights):
+                    parts.append(w.new_zeros(batch.first - done, *w.shape[1:]))
+            wb = [w[batch.first:batch.last].detach().requires_grad_() for w in weights]
+            qb, gb = (x.detach().requires_grad_() for x in _CachedReads._inputs(q, g, batch))
             with torch.enable_grad(), tf32_products(ctx.tf32):
-                qj, gj = qj.detach().requires_grad_(), gj.detach().requires_grad_()
-                out = gj[..., None] * memory_apply(spec, static_apply(dict(zip(names, wj))), qj)
-                dyj = dy[:, :, s:] if pick is None else dy.gather(2, pick[..., None].expand_as(out))
-                grads = torch.autograd.grad(out, (qj, gj, *wj), dyj)
-            if pick is None:
-                dq[:, :, s:] += grads[0]
-                dg[..., s:, j] = grads[1]
+                out = gb[..., None] * memory_apply(spec, static_apply(dict(zip(names, wb))), qb)
+                dyb = _CachedReads._inputs(dy, g, batch)[0].expand_as(out)
+                d_q, d_g, *d_w = torch.autograd.grad(out, (qb, gb, *wb), dyb)
+            _CachedReads._add(dq, d_q, batch)
+            if batch.pick is None:
+                dg[batch.first:batch.last, ..., batch.start:] = d_g
             else:
-                dq.scatter_add_(2, pick[..., None].expand_as(grads[0]), grads[0])
-                dg[..., j].scatter_add_(2, pick, grads[1])
-            dw.extend(grads[2:])
-        return None, None, None, None, dq, dg, *dw  # spec, tf32, starts, picks
+                dg[batch.first:batch.last].scatter_(3, batch.pick, d_g)
+            for parts, d in zip(dw, d_w):
+                parts.append(d)
+            done = batch.last
+        for parts, w in zip(dw, weights):
+            if done < w.shape[0]:
+                parts.append(w.new_zeros(w.shape[0] - done, *w.shape[1:]))
+        dw = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in dw)
+        return None, None, None, dq, dg, *dw  # spec, tf32, batches
+
+
+def _entering(state_value: torch.Tensor, per_segment: torch.Tensor, closed: torch.Tensor) -> torch.Tensor:
+    """The online segment's keys (sums or counts) as each of ``n`` segments starts and after the last:
+    ``(B, n + 1, ...)`` from the state's ``(B, ...)``, each segment's own ``per_segment (B, n, ...)`` and the
+    number of segments each row closes, ``closed (B,)``, its first ones. Segment ``i`` starts with the
+    state's keys if it is the first or the row closes none, plus those of the segments from the row's last
+    close up to ``i``: one cumulative sum for all segments instead of a loop over them."""
+    B, n = per_segment.shape[:2]
+    index = torch.arange(n + 1, device=per_segment.device)
+    shape = (B, n + 1) + (1,) * (per_segment.dim() - 2)
+    opened = per_segment * (index[None, :n] >= closed[:, None]).reshape(B, n, *shape[2:])  # after the last close
+    before = torch.cat([torch.zeros_like(opened[:, :1]), opened], 1).cumsum(1)  # segment i: those before it
+    carried = ((index[None] == 0) | (closed[:, None] == 0)).reshape(shape)
+    return carried * state_value[:, None] + before
 
 
 def _segments_in_one_loop(spec: TitansMemorySpec, options: MCOptions, bufs: dict, live: torch.Tensor,
@@ -624,19 +692,15 @@ def _segments_in_one_loop(spec: TitansMemorySpec, options: MCOptions, bufs: dict
     keys = (k * lv[:, None, :, None]).reshape(B, H, n_seg, seg, d_k)
     seg_sum, seg_count = keys.sum(3), lv.reshape(B, n_seg, seg).sum(2)
     closes = live[:, seg - 1::seg]  # (B, n_seg)
-    run_sum, run_count = state.key_sum.to(dtype), state.key_count.to(dtype)
-    enter_sum, enter_count, totals, counts = [], [], [], []
-    for i in range(n_seg):
-        enter_sum.append(run_sum)
-        enter_count.append(run_count)
-        totals.append(run_sum + seg_sum[:, :, i])
-        counts.append(run_count + seg_count[:, i])
-        run_sum = torch.where(closes[:, i, None, None], torch.zeros_like(run_sum), totals[-1])
-        run_count = torch.where(closes[:, i], torch.zeros_like(run_count), counts[-1])
-    key_so_far = keys.cumsum(3) + torch.stack(enter_sum, 2)[:, :, :, None]
-    count_so_far = lv.reshape(B, n_seg, seg).cumsum(2) + torch.stack(enter_count, 1)[:, :, None]
+    closed = closes.sum(1)  # the rows' tokens are a prefix of the segments', so are the segments they close
+    enter_sum = _entering(state.key_sum.to(dtype), seg_sum.movedim(2, 1), closed)  # (B, n_seg + 1, H, d_k)
+    enter_count = _entering(state.key_count.to(dtype), seg_count, closed)
+    run_sum, run_count = enter_sum[:, -1], enter_count[:, -1]  # the online segment's keys after the call
+    enter_sum, enter_count = enter_sum[:, :-1], enter_count[:, :-1]
+    new_sum, new_count = enter_sum + seg_sum.movedim(2, 1), enter_count + seg_count  # (B, n_seg, H, d_k), (B, n_seg)
+    key_so_far = keys.cumsum(3) + enter_sum.movedim(1, 2)[:, :, :, None]
+    count_so_far = lv.reshape(B, n_seg, seg).cumsum(2) + enter_count[:, :, None]
     online_summary = (key_so_far / count_so_far.clamp(min=1)[:, None, :, :, None]).reshape(B, H, total, d_k)
-    new_sum, new_count = torch.stack(totals, 1), torch.stack(counts, 1)  # (B, n_seg, H, d_k), (B, n_seg)
 
     # Every query's gates over the state's cached memories and the ones this call caches before it.
     N0 = state.cached_key_count.shape[1]
@@ -647,8 +711,11 @@ def _segments_in_one_loop(spec: TitansMemorySpec, options: MCOptions, bufs: dict
     g_cached, g_online = mc_gates(options.aggregation, options.ssc_topk, u, online_summary, summaries, valid)
 
     starts = (0,) * N0 + tuple(range(seg, total, seg))
-    # ssc's selection is known before the online memory runs: its device-to-host read waits for little.
-    picks = _CachedReads.picks(g_cached.detach(), starts) if options.aggregation == "ssc" else None
+    g_memories = g_cached.movedim(-1, 0)  # (N, B, H, T)
+    # The device-to-host reads before the online memory runs, where they wait for little: ssc's selection,
+    # the cache's size after this call.
+    batches = _read_batches(spec, g_memories.detach(), starts, options.aggregation == "ssc", H)
+    slots = state.slots_after(closes)
 
     xs = [_segment_chunks(bufs[name], C) for name in ("q", "k", "v", "alpha", "eta", "theta")]
     live_chunks = live.reshape(B, n, C).movedim(1, 0)
@@ -659,12 +726,15 @@ def _segments_in_one_loop(spec: TitansMemorySpec, options: MCOptions, bufs: dict
                                  checkpoint_every=seg // C, tf32=tf32, snapshots=True)
     ends.append(carry)
     online = chunks_last(ys[0])  # (B, H, total, d_v)
-    memories = [state.cached[name][:, i].to(dtype) for i in range(N0) for name in names]
-    memories += [end[i] for end in ends[:-1] for i in range(m)]
-    y = g_online * online + _CachedReads.apply(spec, tf32, starts, picks, q, g_cached, *memories)
+    # Memories first (n_seg, B, H, d_out, d_in), so that a batch of consecutive memories is one contiguous
+    # block of weights (a batch of products without a copy); the state takes them batch first.
+    stacked = {name: torch.stack([end[i] for end in ends]) for i, name in enumerate(names)}
+    memories = [stacked[name][:-1] for name in names]  # the last segment's memory is read by none of these queries
+    if N0:
+        memories = [torch.cat([state.cached[name].to(dtype).movedim(1, 0), x]) for name, x in zip(names, memories)]
+    y = g_online * online + _CachedReads.apply(spec, tf32, batches, q, g_memories, *memories)
 
-    stacked = {name: torch.stack([end[i] for end in ends], 1) for i, name in enumerate(names)}
-    state.append(closes, stacked, new_sum, new_count)
+    state.append(closes, {name: x.movedim(0, 1) for name, x in stacked.items()}, new_sum, new_count, slots)
     state.key_sum, state.key_count = run_sum, run_count
     return [_segment_chunks(y, C)], dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
 

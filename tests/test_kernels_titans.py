@@ -129,17 +129,25 @@ def test_mc_reference_chunk_step_agree(depth, seg, segm, mode, agg):
 
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("agg, seg", [("residual", 4), ("grm", 4), ("ssc", 4), ("ssc", 2), ("mean", 4)])
-def test_mc_whole_segments_in_one_loop_equal_the_reference(depth, agg, seg, monkeypatch):
-    """The training path: whole segments of whole chunks in one loop, the cache read memory by memory
-    after it. Outputs and gradients equal the reference's, from an empty state and from one holding
-    cached memories, with rows ending at different segments; the state it leaves equals the one-token
-    steps' (same slots). ssc over ten segments: most memories read only the queries that chose them."""
+@pytest.mark.parametrize("batch", ["memory by memory", "by width", "all at once"])
+def test_mc_whole_segments_in_one_loop_equal_the_reference(depth, agg, seg, batch, monkeypatch):
+    """The training path: whole segments of whole chunks in one loop, the cache read after it in batches
+    of memories (one memory each, as many as hidden layers of 24 queries hold, or as many as the widths allow).
+    Outputs and gradients equal the reference's, from an empty state and from one holding cached memories,
+    with rows ending at different segments; the state it leaves equals the one-token steps' (same slots).
+    ssc over ten segments: most memories read only the queries that chose them."""
     import mnemo.kernels.memory_caching as mc
 
+    spec = SPECS["linear" if depth == 1 else "mlp"]
+    per_query = B * H * spec.d_v * (spec.expansion if depth == 2 else 1)
+    budget = {"memory by memory": 1, "by width": 24 * per_query, "all at once": 1 << 40}[batch]
+    monkeypatch.setattr(mc, "READ_BATCH_ELEMENTS", budget)
+    calls = []
+    read_batches = mc._read_batches
+    monkeypatch.setattr(mc, "_read_batches", lambda *a: calls.append(read_batches(*a)) or calls[-1])
     taken = []
     one_loop = mc._segments_in_one_loop
     monkeypatch.setattr(mc, "_segments_in_one_loop", lambda *a, **k: taken.append(1) or one_loop(*a, **k))
-    spec = SPECS["linear" if depth == 1 else "mlp"]
     opts = MCOptions(segment_size=seg, aggregation=agg, ssc_topk=1, chunk_size=2)
     init, *xs = inputs(spec, seed=5 + depth)
     xs = [x[:, :20].clone().requires_grad_() for x in xs]
@@ -150,6 +158,10 @@ def test_mc_whole_segments_in_one_loop_equal_the_reference(depth, agg, seg, monk
     first, state = chunk_mc_titans(spec, opts, *(x[:, :8] for x in xs), init, state)
     second, state = chunk_mc_titans(spec, opts, *(x[:, 8:] for x in xs), init, state, lengths=lengths - 8)
     assert len(taken) == 2
+    sizes = [b.last - b.first for batches in calls for b in batches]
+    assert max(sizes) == 1 if batch == "memory by memory" else max(sizes) > 1
+    # by width: the state's two memories (12 queries each) together, the later ones apart
+    assert batch != "by width" or sum(map(len, calls)) > len(calls)
     out = torch.cat([first, second], 1) * (torch.arange(20)[None] < lengths[:, None])[..., None, None]
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     probe = torch.randn_like(ref)
@@ -169,6 +181,66 @@ def test_mc_whole_segments_in_one_loop_equal_the_reference(depth, agg, seg, monk
         torch.testing.assert_close(getattr(state, name), getattr(steps, name), rtol=0, atol=1e-12)
     for name, w in state.cached.items():
         torch.testing.assert_close(w, steps.cached[name], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("budget", [1, 24, 1 << 40])
+def test_cached_reads_in_batches_equal_the_reads_memory_by_memory(depth, budget, monkeypatch):
+    """The cache's reads in batches of memories (:class:`~mnemo.kernels.memory_caching._CachedReads`) equal
+    ``sum_j g_j M_j(q)`` written memory by memory, with gradients, for memories that read every query from
+    their start and memories that read only the few queries whose gate of them is nonzero; batched one by
+    one, by a budget of 24 queries' hidden layers, or all that the widths allow (several selective memories
+    per batch, which add into the same queries). The gates' gradients are compared where a gate is nonzero:
+    elsewhere the aggregation's softmax gives them weight zero."""
+    import mnemo.kernels.memory_caching as mc
+
+    spec = SPECS["linear" if depth == 1 else "mlp"]
+    monkeypatch.setattr(mc, "READ_BATCH_ELEMENTS", budget * 2 * spec.d_v * (spec.expansion if depth == 2 else 1))
+    Tq, starts = 24, (0, 0, 4, 8, 12, 16)
+    N = len(starts)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, Tq, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    weights = [(torch.randn(N, 1, 2, *shape, generator=gen, dtype=torch.float64) * 0.5).requires_grad_()
+               for shape in spec.shapes.values()]
+    g = torch.rand(N, 1, 2, Tq, generator=gen, dtype=torch.float64)
+    g = g * (torch.arange(Tq)[None] >= torch.tensor(starts)[:, None])[:, None, None]
+    few = torch.rand(N, 1, 2, Tq, generator=gen) < 0.2  # memories 2.. read a few queries each
+    few[2:, :, :, -1] = True  # ... at least the last (so every one of them is read)
+    g = torch.where(torch.arange(N)[:, None, None, None] >= 2, g * few, g).requires_grad_()
+
+    batches = mc._read_batches(spec, g.detach(), starts, True, 2)
+    picked = [b.last - b.first for b in batches if b.pick is not None]
+    assert picked and sum(picked) == N - 2 and (max(picked) > 1) == (budget > 1)
+    got = mc._CachedReads.apply(spec, False, batches, q, g, *weights)
+    expected = sum(g[j, ..., None] * memory_apply(spec, static_apply({n: w[j] for n, w in zip(spec.shapes, weights)}),
+                                                  q) for j in range(N))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    probe = torch.randn_like(expected)
+    got_grads = torch.autograd.grad((got * probe).sum(), (q, g, *weights))
+    expected_grads = torch.autograd.grad((expected * probe).sum(), (q, g, *weights))
+    for i, (a, b) in enumerate(zip(got_grads, expected_grads)):
+        if i == 1:
+            a, b = a * (g > 0), b * (g > 0)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_the_keys_entering_each_segment_follow_the_rows_closes():
+    """``_entering`` (one cumulative sum) equals the segment-by-segment running sum that resets where a row
+    closes a segment, from a state with keys of its own, for rows that close all, some or none of the
+    segments."""
+    import mnemo.kernels.memory_caching as mc
+
+    gen = torch.Generator().manual_seed(4)
+    n = 5
+    state = torch.randn(4, 2, 3, generator=gen, dtype=torch.float64)
+    per_segment = torch.randn(4, n, 2, 3, generator=gen, dtype=torch.float64)
+    closed = torch.tensor([n, 2, 0, 1])
+    expected, run = [], state.clone()
+    for i in range(n):
+        expected.append(run)
+        run = torch.where((i < closed)[:, None, None], torch.zeros_like(run), run + per_segment[:, i])
+    expected.append(run)
+    torch.testing.assert_close(mc._entering(state, per_segment, closed), torch.stack(expected, 1), rtol=0, atol=1e-12)
 
 
 def test_logarithmic_segments_are_the_binary_decomposition():
