@@ -339,14 +339,19 @@ class MCState:
             self.cached_key_sum, self.cached_key_count, self.key_sum, self.key_count, slot, rows)
         self.num_cached = self.num_cached + rows.long()
 
-    def slots_after(self, closes: torch.Tensor) -> int:
-        """The cache's slots after :meth:`append` of ``closes``: a device-to-host read, which a caller may make
-        before queueing the work whose results it appends (so that the read does not wait for that work)."""
+    def slots_after(self, closes: torch.Tensor) -> tuple[int, int]:
+        """The cache's slots after :meth:`append` of ``closes`` and the fewest memories a row holds then: a
+        device-to-host read, which a caller may make before queueing the work whose results it appends
+        (so that the read does not wait for that work)."""
+        N0 = self.cached_key_count.shape[1]
+        if not closes.shape[0]:
+            return N0, 0
         count = self.num_cached + closes.long().sum(1)
-        return max(self.cached_key_count.shape[1], int(count.max()) if closes.shape[0] else 0)
+        most, fewest = torch.stack([count.max(), count.min()]).tolist()
+        return max(N0, most), fewest
 
     def append(self, closes: torch.Tensor, weights: dict[str, torch.Tensor], key_sum: torch.Tensor,
-               key_count: torch.Tensor, slots: int | None = None) -> None:
+               key_count: torch.Tensor, slots: tuple[int, int] | None = None) -> None:
         """Cache ``n`` memories at once: memory ``j`` (``weights (B, n, H, d_out, d_in)``, its segment's keys
         ``key_sum (B, n, H, d_k)``, ``key_count (B, n)``) for the rows that close segment ``j``
         (``closes (B, n)``, a prefix of each row's segments), after each row's cached memories. The state
@@ -355,7 +360,13 @@ class MCState:
         B, n = closes.shape
         N0 = self.cached_key_count.shape[1]
         count = self.num_cached + closes.long().sum(1)
-        N = self.slots_after(closes) if slots is None else slots
+        N, fewest = self.slots_after(closes) if slots is None else slots
+        if N0 == 0 and fewest == n:  # every row caches every memory in an empty cache: the memories are the cache
+            self.cached = {name: weights[name].to(c.dtype) for name, c in self.cached.items()}
+            self.cached_key_sum = key_sum.to(self.cached_key_sum.dtype)
+            self.cached_key_count = key_count.to(self.cached_key_count.dtype)
+            self.num_cached = count
+            return
         slot = torch.arange(N, device=closes.device)[None]
         new = slot - self.num_cached[:, None]
         # Each slot takes a new memory, its old content, or (a new slot left empty) the zero entry at N0 + n.

@@ -226,3 +226,43 @@ def test_hand_written_chunks_equal_autograd_over_the_operator_at_real_shapes(nam
     for i, (a, b) in enumerate(zip(fused, plain)):
         err = ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
         assert err < bound, (i, err)
+
+
+@pytest.mark.parametrize("aggregation", ["grm", "ssc"])
+def test_cached_reads_in_batches_equal_the_reads_memory_by_memory_at_real_shapes(aggregation):
+    """The cache's reads of the training path in batches of memories against ``sum_j g_j M_j(q)`` written
+    memory by memory, float32 products, at the benchmark's head shape (4 x 256, MLP x4): 15 memories over
+    2,048 queries, each from the end of its segment of 128; ssc top 2 (selective batches of several
+    memories). The gates' gradients are compared where a gate is nonzero."""
+    import mnemo.kernels.memory_caching as mc
+    from mnemo.kernels.titans import memory_apply, static_apply
+
+    spec, (Bn, Hn, Tn, seg) = WIDE, (2, 4, 2048, 128)
+    starts = tuple(range(seg, Tn, seg))
+    N = len(starts)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.nn.functional.normalize(torch.randn(Bn, Hn, Tn, spec.d_k, generator=gen), dim=-1).cuda().requires_grad_()
+    weights = [(torch.randn(N, Bn, Hn, *shape, generator=gen) * 0.05).cuda().requires_grad_()
+               for shape in spec.shapes.values()]
+    scores = torch.randn(Bn, Hn, Tn, N + 1, generator=gen).cuda() * 3
+    valid = torch.arange(Tn, device="cuda")[:, None] >= torch.tensor(starts + (0,), device="cuda")[None]
+    scores = scores.masked_fill(~valid, float("-inf"))
+    if aggregation == "ssc":
+        scores = torch.cat([mc.ssc_select(scores[..., :N], 2), scores[..., N:]], -1)
+    g = torch.softmax(scores, -1)[..., :N].movedim(-1, 0).contiguous().requires_grad_()  # (N, B, H, T)
+
+    batches = mc._read_batches(spec, g.detach(), starts, aggregation == "ssc", Hn)
+    if aggregation == "ssc":
+        assert max(b.last - b.first for b in batches if b.pick is not None) > 1
+    got = mc._CachedReads.apply(spec, False, batches, q, g, *weights)
+    names = list(spec.shapes)
+    expected = sum(g[j, ..., None] * memory_apply(spec, static_apply({n: w[j] for n, w in zip(names, weights)}), q)
+                   for j in range(N))
+    probe = torch.randn(expected.shape, generator=gen).cuda()
+    got_grads = torch.autograd.grad((got * probe).sum(), (q, g, *weights))
+    expected_grads = torch.autograd.grad((expected * probe).sum(), (q, g, *weights))
+    for i, (a, b) in enumerate(zip((got, *got_grads), (expected, *expected_grads))):
+        if i == 2:
+            a, b = a * (g > 0), b * (g > 0)
+        err = ((a - b).norm() / b.norm()).item()
+        assert err < 1e-5, (i, err)
