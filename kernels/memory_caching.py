@@ -799,7 +799,8 @@ def chunk_mc_titans(
     # Rows whose last token falls inside a chunk: only they change their chunk-start weights, and
     # without any (whole chunks, the training case) the carry leaves those weights out.
     grid = [(c0, min(c0 + C, s0 + seg)) for s0 in range(0, total, seg) for c0 in range(s0, s0 + seg, C)]
-    track_start = bool(torch.stack([(end > c0) & (end < c1) for c0, c1 in grid]).any())
+    bounds = torch.tensor(grid, device=end.device)  # (chunks, 2): one comparison for all, not three launches each
+    track_start = bool(((end[None] > bounds[:, :1]) & (end[None] < bounds[:, 1:])).any())
     chunk_start = stored
     outputs = []
     key_sum, key_count = state.key_sum.to(dtype), state.key_count.to(dtype)
