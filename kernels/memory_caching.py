@@ -539,6 +539,9 @@ def _read_segment(spec: TitansMemorySpec, options: MCOptions, q, u, k, lv, key_s
 # Elements of the hidden layers of one batch of cached reads (256 MiB in float32): consecutive memories
 # are read together while their queries' hidden layers fit in it (at least one memory a batch).
 READ_BATCH_ELEMENTS = 1 << 26
+# Selective memories share a batch when the widest reads at most this many times the queries of the narrowest
+# (a batch's padding, queries of zero gate, is then at most this fraction of its reads less one).
+READ_BATCH_SPREAD = 2
 
 
 @dataclass(frozen=True)
@@ -584,7 +587,7 @@ def _read_batches(spec: TitansMemorySpec, g: torch.Tensor, starts: tuple[int, ..
             if not picked and starts[last] != starts[j]:
                 break  # reading the earlier queries would cost products of zero weight
             wide, narrow = max(widest, widths[last]), min(narrowest, widths[last])
-            if wide > 2 * narrow or (last + 1 - j) * wide * per_query > READ_BATCH_ELEMENTS:
+            if wide > READ_BATCH_SPREAD * narrow or (last + 1 - j) * wide * per_query > READ_BATCH_ELEMENTS:
                 break
             widest, narrowest, last = wide, narrow, last + 1
         if picked:
