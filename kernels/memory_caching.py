@@ -361,7 +361,9 @@ class MCState:
         N0 = self.cached_key_count.shape[1]
         count = self.num_cached + closes.long().sum(1)
         N, fewest = self.slots_after(closes) if slots is None else slots
-        if N0 == 0 and fewest == n:  # every row caches every memory in an empty cache: the memories are the cache
+        # Every row caches every memory in an empty cache: the memories are the cache. (It may share storage with
+        # tensors saved for a backward; the cache is only ever replaced, never written in place.)
+        if N0 == 0 and fewest == n:
             self.cached = {name: weights[name].to(c.dtype) for name, c in self.cached.items()}
             self.cached_key_sum = key_sum.to(self.cached_key_sum.dtype)
             self.cached_key_count = key_count.to(self.cached_key_count.dtype)
@@ -539,8 +541,8 @@ def _read_segment(spec: TitansMemorySpec, options: MCOptions, q, u, k, lv, key_s
 # Elements of the hidden layers of one batch of cached reads (256 MiB in float32): consecutive memories
 # are read together while their queries' hidden layers fit in it (at least one memory a batch).
 READ_BATCH_ELEMENTS = 1 << 26
-# Selective memories share a batch when the widest reads at most this many times the queries of the narrowest
-# (a batch's padding, queries of zero gate, is then at most this fraction of its reads less one).
+# Selective memories share a batch when the widest reads at most this many times the queries of the narrowest:
+# a batch's padding (queries of zero gate) is then at most 1 - 1 / READ_BATCH_SPREAD of its reads.
 READ_BATCH_SPREAD = 2
 
 
@@ -564,9 +566,11 @@ def _read_batches(spec: TitansMemorySpec, g: torch.Tensor, starts: tuple[int, ..
     chose it wherever they are at most half of its queries: one device-to-host read of every memory's
     width. Batches hold memories of one kind and at most ``READ_BATCH_ELEMENTS`` of hidden layer: those
     that read every query from their start, of one start (the state's memories); the selective ones, of
-    widths within 2x of each other (padding wastes at most half of a batch of small reads)."""
+    widths within ``READ_BATCH_SPREAD`` of each other (padding wastes at most half of a batch of small reads
+    at the default 2)."""
     N, (_, B, _, T) = len(starts), g.shape
-    per_query = B * heads * (spec.hidden if spec.depth == 2 else spec.d_v)
+    hidden = spec.d_v if spec.depth == 1 else spec.hidden * (2 if spec.gated else 1)
+    per_query = B * heads * hidden
     spans = [T - s for s in starts]
     widths, order = spans, None
     if select and N:
@@ -600,9 +604,10 @@ def _read_batches(spec: TitansMemorySpec, g: torch.Tensor, starts: tuple[int, ..
 
 class _CachedReads(torch.autograd.Function):
     """``y = sum_j g_j M_j(q)`` over the cached memories ``j`` (weights ``(N, B, H, d_out, d_in)``, gates
-    ``g (N, B, H, T)``), in the batches of :func:`_read_batches`: a few launches for all memories
-    (one batch of products per batch of memories) instead of a few per memory, whose host time set the
-    pace of a layer with many segments. The hidden layers (a memory's worth of width per query) are
+    ``g (N, B, H or 1, T)``), in the batches of :func:`_read_batches`: one batch of products per batch of
+    memories. Batches are what made ssc's many small selective reads cheap (their launches, one memory at a
+    time, set the pace of the layer); memories that read every query from different starts stay one per
+    batch, whose products a shared start would only pad with zero gates. The hidden layers (a memory's worth of width per query) are
     recomputed in the backward. Sums over the memories of a batch that land on one query go through one
     ``scatter_add_`` per memory (distinct positions each), so that the result does not depend on the
     order of atomic additions."""
