@@ -694,8 +694,8 @@ def _segments_in_one_loop(spec: TitansMemorySpec, options: MCOptions, bufs: dict
                           W: dict, M: dict, state: MCState, seg: int, tf32: bool):
     """Whole segments of whole chunks (the training case, ``checkpoint`` caching, fused chunks): the
     online memory runs through every chunk in one loop, whose checkpoints sit at the segments' ends
-    and come back as the memories to cache. Then every query reads the cache in one pass over the
-    memories (:class:`_CachedReads`; memory ``j`` is read by the segments after ``j``), with the gates
+    and come back as the memories to cache. Then every query reads the cache in batches of memories
+    (:class:`_CachedReads`; memory ``j`` is read by the segments after ``j``), with the gates
     of all segments computed at once, and the cache grows once. Returns the outputs (chunk first,
     one entry) and the final weights and momenta; ``state`` ends as the per-segment path leaves it."""
     names = list(spec.shapes)
