@@ -305,17 +305,19 @@ def _atlas_chunk_step(spec: TitansMemorySpec, optimizer: str, ns_steps: int, tra
     n_stored = m + 1 if with_stored else 0
     read_consts = consts[1:len(consts) - n_stored]
     grad_w = resumed_grad_weights(W, consts[len(consts) - n_stored], consts[len(consts) - m:]) if with_stored else W
-    band = inside[None, None] * gamma[:, :, None, :] * lv[:, None, :, None]
-    one, zero = torch.ones_like(alpha), torch.zeros_like(alpha)
-    lvh = lv[:, None, :]
-    dM = torch.where(lvh, alpha, one)
-    gm = torch.where(lvh, -lr, zero)
     if fused and not with_stored:
         y, W, S = chunk_memory(spec, W, S, q, k, v, *x[9 + n_extra:])
         new_carry = tuple(W[n] for n in names) + (() if optimizer == "gd" else tuple(S[n] for n in names))
         if track_start:
             new_carry += next_chunk_start(stops, grad_w, carry[len(carry) - m:])
         return (y,), new_carry
+    # The operator's band and gates, which the fused chunks take precomputed for all chunks at once
+    # (atlas_coefficients): built here they were seven launches a chunk, in every pass, for nothing.
+    band = inside[None, None] * gamma[:, :, None, :] * lv[:, None, :, None]
+    one, zero = torch.ones_like(alpha), torch.zeros_like(alpha)
+    lvh = lv[:, None, :]
+    dM = torch.where(lvh, alpha, one)
+    gm = torch.where(lvh, -lr, zero)
     factors = grad_factors(spec, grad_w, k, v)
     if optimizer == "gd":
         op = ChunkOperator(W, None, factors, band, dM, gm)
