@@ -607,10 +607,10 @@ class _CachedReads(torch.autograd.Function):
     ``g (N, B, H or 1, T)``), in the batches of :func:`_read_batches`: one batch of products per batch of
     memories. Batches are what made ssc's many small selective reads cheap (their launches, one memory at a
     time, set the pace of the layer); memories that read every query from different starts stay one per
-    batch, whose products a shared start would only pad with zero gates. The hidden layers (a memory's worth of width per query) are
-    recomputed in the backward. Sums over the memories of a batch that land on one query go through one
-    ``scatter_add_`` per memory (distinct positions each), so that the result does not depend on the
-    order of atomic additions."""
+    batch, whose products a shared start would only pad with zero gates. The hidden layers (a memory's
+    worth of width per query) are recomputed in the backward. Sums over the memories of a batch that land
+    on one query go through one ``scatter_add_`` per memory (distinct positions each), so that the result
+    does not depend on the order of atomic additions."""
 
     @staticmethod
     def forward(ctx, spec: TitansMemorySpec, tf32: bool, batches: list[_ReadBatch], q, g, *weights):
@@ -619,21 +619,25 @@ class _CachedReads(torch.autograd.Function):
         with tf32_products(tf32):
             for batch in batches:
                 w = {n: x[batch.first:batch.last] for n, x in zip(names, weights)}
-                qb, gb = _CachedReads._inputs(q, g, batch)
+                qb, gb = _CachedReads._rows(q, batch), _CachedReads._gates(g, batch)
                 _CachedReads._add(y, gb[..., None] * memory_apply(spec, static_apply(w), qb), batch)
         ctx.spec, ctx.tf32, ctx.batches = spec, tf32, batches
         ctx.save_for_backward(q, g, *weights)
         return y
 
     @staticmethod
-    def _inputs(q: torch.Tensor, g: torch.Tensor, batch: _ReadBatch):
-        """The batch's queries ``(1 or G, B, H, L, d)`` and gates ``(G, B, H, L)``."""
-        g = g[batch.first:batch.last]
+    def _rows(x: torch.Tensor, batch: _ReadBatch) -> torch.Tensor:
+        """The batch's rows of a per-query ``x (B, H, T, d)`` (queries, output gradients): ``(1 or G, B, H, L, d)``."""
         if batch.pick is None:
-            return q[None, :, :, batch.start:], g[..., batch.start:]
+            return x[None, :, :, batch.start:]
         pick = batch.pick
-        return (q[None].expand(pick.shape[0], *q.shape).gather(3, pick[..., None].expand(*pick.shape, q.shape[-1])),
-                g.gather(3, pick))
+        return x[None].expand(pick.shape[0], *x.shape).gather(3, pick[..., None].expand(*pick.shape, x.shape[-1]))
+
+    @staticmethod
+    def _gates(g: torch.Tensor, batch: _ReadBatch) -> torch.Tensor:
+        """The batch's gates ``(G, B, H, L)``."""
+        g = g[batch.first:batch.last]
+        return g[..., batch.start:] if batch.pick is None else g.gather(3, batch.pick)
 
     @staticmethod
     def _add(target: torch.Tensor, x: torch.Tensor, batch: _ReadBatch) -> None:
@@ -655,10 +659,11 @@ class _CachedReads(torch.autograd.Function):
                 for parts, w in zip(dw, weights):
                     parts.append(w.new_zeros(batch.first - done, *w.shape[1:]))
             wb = [w[batch.first:batch.last].detach().requires_grad_() for w in weights]
-            qb, gb = (x.detach().requires_grad_() for x in _CachedReads._inputs(q, g, batch))
+            qb = _CachedReads._rows(q, batch).detach().requires_grad_()
+            gb = _CachedReads._gates(g, batch).detach().requires_grad_()
             with torch.enable_grad(), tf32_products(ctx.tf32):
                 out = gb[..., None] * memory_apply(spec, static_apply(dict(zip(names, wb))), qb)
-                dyb = _CachedReads._inputs(dy, g, batch)[0].expand_as(out)
+                dyb = _CachedReads._rows(dy, batch).expand_as(out)
                 d_q, d_g, *d_w = torch.autograd.grad(out, (qb, gb, *wb), dyb)
             _CachedReads._add(dq, d_q, batch)
             if batch.pick is None:
