@@ -40,7 +40,7 @@ from functools import partial
 
 import torch
 
-from .backend import resolve_backend
+from .backend import requested_backend, resolve_backend, triton_available
 from .chunk_loop import recompute_in_backward, run_chunks, tf32_products, tf32_wanted
 from .titans import (
     TitansMemorySpec,
@@ -615,13 +615,21 @@ class _CachedReads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: TitansMemorySpec, tf32: bool, batches: list[_ReadBatch], q, g, *weights):
         names = list(spec.shapes)
-        y = q.new_zeros(*q.shape[:-1], spec.d_v)
+        fused = _fused_reads(spec, q, g, batches, tf32)
+        if fused is None:
+            y = q.new_zeros(*q.shape[:-1], spec.d_v)
+        else:
+            from .memory_caching_triton import cached_reads_forward  # noqa: PLC0415
+
+            reads, operands, precision = fused
+            y = cached_reads_forward(q, g, *(w.to(operands) for w in weights), reads, precision)
+            batches = [batch for batch in batches if batch.pick is not None]
         with tf32_products(tf32):
             for batch in batches:
                 w = {n: x[batch.first:batch.last] for n, x in zip(names, weights)}
                 qb, gb = _CachedReads._rows(q, batch), _CachedReads._gates(g, batch)
                 _CachedReads._add(y, gb[..., None] * memory_apply(spec, static_apply(w), qb), batch)
-        ctx.spec, ctx.tf32, ctx.batches = spec, tf32, batches
+        ctx.spec, ctx.tf32, ctx.batches, ctx.fused = spec, tf32, batches, fused
         ctx.save_for_backward(q, g, *weights)
         return y
 
@@ -652,12 +660,17 @@ class _CachedReads(torch.autograd.Function):
     def backward(ctx, dy):
         q, g, *weights = ctx.saved_tensors
         spec, names = ctx.spec, list(ctx.spec.shapes)
-        dq, dg = torch.zeros_like(q), torch.zeros_like(g)
-        dw, done = [[] for _ in weights], 0  # per weight, the memories' gradients in order, joined once
+        dq, dg = q.new_zeros(q.shape), g.new_zeros(g.shape)  # contiguous, as the fused kernels write them
+        dw = [w.new_empty(w.shape) for w in weights]
+        read = [False] * g.shape[0]  # memories whose weights get a gradient; the others' is zero
+        if ctx.fused is not None:
+            from .memory_caching_triton import cached_reads_backward  # noqa: PLC0415
+
+            reads, operands, precision = ctx.fused
+            cached_reads_backward(q, g, *(w.to(operands) for w in weights), dy, reads, precision, dq, dg, *dw)
+            for j in reads.mems:
+                read[j] = True
         for batch in ctx.batches:
-            if batch.first > done:  # memories no query reads
-                for parts, w in zip(dw, weights):
-                    parts.append(w.new_zeros(batch.first - done, *w.shape[1:]))
             wb = [w[batch.first:batch.last].detach().requires_grad_() for w in weights]
             qb = _CachedReads._rows(q, batch).detach().requires_grad_()
             gb = _CachedReads._gates(g, batch).detach().requires_grad_()
@@ -670,14 +683,38 @@ class _CachedReads(torch.autograd.Function):
                 dg[batch.first:batch.last, ..., batch.start:] = d_g
             else:
                 dg[batch.first:batch.last].scatter_(3, batch.pick, d_g)
-            for parts, d in zip(dw, d_w):
-                parts.append(d)
-            done = batch.last
-        for parts, w in zip(dw, weights):
-            if done < w.shape[0]:
-                parts.append(w.new_zeros(w.shape[0] - done, *w.shape[1:]))
-        dw = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in dw)
+            for full, d in zip(dw, d_w):
+                full[batch.first:batch.last] = d
+            read[batch.first:batch.last] = [True] * (batch.last - batch.first)
+        j = 0
+        while j < len(read):  # zero the weights' gradients of memories no query reads, a run at a time
+            if read[j]:
+                j += 1
+                continue
+            last = read.index(True, j) if True in read[j:] else len(read)
+            for full in dw:
+                full[j:last] = 0
+            j = last
         return None, None, None, dq, dg, *dw  # spec, tf32, batches
+
+
+def _fused_reads(spec: TitansMemorySpec, q: torch.Tensor, g: torch.Tensor, batches: list[_ReadBatch], tf32: bool):
+    """``(reads, operands, precision)`` for :mod:`.memory_caching_triton` (the memories of ``batches`` that read
+    every query from their start, in one fused launch per pass), or ``None`` where those kernels do not run:
+    on CUDA for bf16/fp16 problems (``tf32``) when Triton imports, or wherever Triton is asked for (its
+    interpreter on the CPU), never under ``use_backend("torch")``; for MLP memories with an identity skip,
+    no gate, widths the kernels take, and gates per head."""
+    asked = requested_backend()
+    if asked == "torch" or not (asked == "triton" or (q.is_cuda and tf32 and triton_available())):
+        return None
+    if spec.depth != 2 or spec.gated or spec.linear_skip or g.shape[2] != q.shape[1]:
+        return None
+    from .memory_caching_triton import DenseReads, operands, supported  # noqa: PLC0415
+
+    dense = sorted(((batch.start, j) for batch in batches if batch.pick is None for j in range(batch.first, batch.last)))
+    if not dense or not supported(spec.d_k, spec.hidden):
+        return None
+    return DenseReads(tuple(j for _, j in dense), tuple(s for s, _ in dense)), *operands(tf32)
 
 
 def _entering(state_value: torch.Tensor, per_segment: torch.Tensor, closed: torch.Tensor) -> torch.Tensor:

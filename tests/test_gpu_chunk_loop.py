@@ -228,13 +228,10 @@ def test_hand_written_chunks_equal_autograd_over_the_operator_at_real_shapes(nam
         assert err < bound, (i, err)
 
 
-@pytest.mark.parametrize("aggregation", ["grm", "ssc"])
-def test_cached_reads_in_batches_equal_the_reads_memory_by_memory_at_real_shapes(aggregation):
-    """The cache's reads of the training path in batches of memories against ``sum_j g_j M_j(q)`` written
-    memory by memory, float32 products, at the benchmark's head shape (4 x 256, MLP x4): 18 memories over
-    2,048 queries, three of them (a state's) reading every query in one batch, the others each from the end
-    of its segment of 128; ssc top 2 (selective batches of several memories). The gates' gradients are
-    compared where a gate is nonzero."""
+def _real_reads(aggregation):
+    """18 memories over 2,048 queries at the benchmark's head shape (4 x 256, MLP x4): three of them (a
+    state's) read every query, the others each from the end of its segment of 128; gates of ``grm`` or ssc
+    top 2. Returns the spec, ``starts``, ``q``, ``g (N, B, H, T)``, the weights and the reference's outputs."""
     import mnemo.kernels.memory_caching as mc
     from mnemo.kernels.titans import memory_apply, static_apply
 
@@ -251,21 +248,65 @@ def test_cached_reads_in_batches_equal_the_reads_memory_by_memory_at_real_shapes
     if aggregation == "ssc":
         scores = torch.cat([mc.ssc_select(scores[..., :N], 2), scores[..., N:]], -1)
     g = torch.softmax(scores, -1)[..., :N].movedim(-1, 0).contiguous().requires_grad_()  # (N, B, H, T)
-
-    batches = mc._read_batches(spec, g.detach(), starts, aggregation == "ssc", Hn)
-    if aggregation == "grm":
-        assert max(b.last - b.first for b in batches) == 3 and len(batches) == N - 2
-    else:
-        assert max(b.last - b.first for b in batches if b.pick is not None) > 1
-    got = mc._CachedReads.apply(spec, False, batches, q, g, *weights)
     names = list(spec.shapes)
     expected = sum(g[j, ..., None] * memory_apply(spec, static_apply({n: w[j] for n, w in zip(names, weights)}), q)
                    for j in range(N))
-    probe = torch.randn(expected.shape, generator=gen).cuda()
-    got_grads = torch.autograd.grad((got * probe).sum(), (q, g, *weights))
-    expected_grads = torch.autograd.grad((expected * probe).sum(), (q, g, *weights))
+    return spec, starts, q, g, weights, expected
+
+
+def _relative_errors(got, expected, leaves, g):
+    """The relative errors of ``got`` and its gradients for a random probe against ``expected``'s; the gates'
+    (``leaves[1]``) where a gate is nonzero."""
+    probe = torch.randn(expected.shape, generator=torch.Generator().manual_seed(7)).cuda()
+    got_grads = torch.autograd.grad((got * probe).sum(), leaves)
+    expected_grads = torch.autograd.grad((expected * probe).sum(), leaves)
+    errors = []
     for i, (a, b) in enumerate(zip((got, *got_grads), (expected, *expected_grads))):
         if i == 2:
             a, b = a * (g > 0), b * (g > 0)
-        err = ((a - b).norm() / b.norm()).item()
-        assert err < 1e-5, (i, err)
+        errors.append(((a.float() - b.float()).norm() / b.float().norm()).item())
+    return errors
+
+
+@pytest.mark.parametrize("aggregation", ["grm", "ssc"])
+def test_cached_reads_in_batches_equal_the_reads_memory_by_memory_at_real_shapes(aggregation):
+    """The cache's reads of the training path in batches of products against ``sum_j g_j M_j(q)`` written
+    memory by memory, float32 products (``use_backend("torch")``: no fused kernels), at the benchmark's head
+    shape (:func:`_real_reads`); ssc top 2 makes selective batches of several memories. The gates'
+    gradients are compared where a gate is nonzero."""
+    import mnemo.kernels.memory_caching as mc
+    from mnemo.kernels.backend import use_backend
+
+    spec, starts, q, g, weights, expected = _real_reads(aggregation)
+    batches = mc._read_batches(spec, g.detach(), starts, aggregation == "ssc", q.shape[1])
+    if aggregation == "grm":
+        assert max(b.last - b.first for b in batches) == 3 and len(batches) == len(starts) - 2
+    else:
+        assert max(b.last - b.first for b in batches if b.pick is not None) > 1
+    with use_backend("torch"):
+        got = mc._CachedReads.apply(spec, False, batches, q, g, *weights)
+    errors = _relative_errors(got, expected, (q, g, *weights), g)
+    assert max(errors) < 1e-5, errors
+
+
+@pytest.mark.parametrize("operands", ["float32", "bf16"])
+@pytest.mark.parametrize("aggregation", ["grm", "ssc"])
+def test_fused_cached_reads_equal_the_reads_memory_by_memory_at_real_shapes(aggregation, operands, monkeypatch):
+    """The fused Triton reads (:mod:`mnemo.kernels.memory_caching_triton`, compiled for this GPU) at the
+    benchmark's head shape (:func:`_real_reads`) against ``sum_j g_j M_j(q)`` in float32: exact float32
+    operands (Triton asked for, a float32 problem) to 1e-5; bf16 operands (what a bf16 problem takes) to
+    bf16's rounding, 1e-2. ssc's state memories go through the kernels beside its selective batches."""
+    import mnemo.kernels.memory_caching as mc
+    import mnemo.kernels.memory_caching_triton as fused
+    from mnemo.kernels.backend import use_backend
+
+    calls = []
+    forward = fused.cached_reads_forward
+    monkeypatch.setattr(fused, "cached_reads_forward", lambda *a: calls.append(a[-1]) or forward(*a))
+    spec, starts, q, g, weights, expected = _real_reads(aggregation)
+    batches = mc._read_batches(spec, g.detach(), starts, aggregation == "ssc", q.shape[1])
+    with use_backend("triton"):
+        got = mc._CachedReads.apply(spec, operands == "bf16", batches, q, g, *weights)
+    assert calls == (["ieee"] if operands == "float32" else ["tf32"])
+    errors = _relative_errors(got, expected, (q, g, *weights), g)
+    assert max(errors) < (1e-5 if operands == "float32" else 1e-2), errors
