@@ -5,7 +5,7 @@ memory ``j`` read by every query after segment ``j``), through :class:`mnemo.ker
 forward alone and forward + backward, on the batched-products path (``use_backend("torch")``, TF32 products) and
 on the fused kernels, plus each fused kernel alone. ``BLOCKS=kernel:q,h,warps,stages;...`` (kernels ``forward``,
 ``query``, ``weight``; several entries of one kernel: a sweep) times the kernels with other launch constants,
-``OPERANDS=bf16,tf32`` the low-precision operands. Prints one JSON line per measurement and writes
+``OPERANDS=bf16,tf32`` the low-precision operands (float32 operands take ``FLOAT32_BLOCKS``, not swept). Prints one JSON line per measurement and writes
 ``$OUT/bench_cached_reads.json``. Run on the GPU machine with mnemo importable.
 """
 
@@ -98,11 +98,12 @@ def main() -> None:
         share = {"forward": 1.0, "query": 1.5, "weight": 2.0}  # products per pair, relative to the forward's
         for kernel, attr in KERNELS.items():
             default = getattr(fused, attr)
-            for blocks in [default] + [b for b in sweep.get(kernel, []) if b != default]:
+            swept = [b for b in sweep.get(kernel, []) if b != default] if op.itemsize == 2 else []
+            for blocks in [default] + swept:
                 setattr(fused, attr, blocks)
                 try:
                     value = ms(calls[kernel])
-                    record(f"{kernel} {low}", value, blocks=blocks, tflops=round(flops * share[kernel] / value / 1e9, 1))
+                    record(f"{kernel} {low}", value, blocks=fused._blocks(blocks, w1), tflops=round(flops * share[kernel] / value / 1e9, 1))
                 except Exception as error:  # noqa: BLE001  (a config that does not compile: recorded, not fatal)
                     record(f"{kernel} {low}", float("nan"), blocks=blocks, error=str(error)[:200])
             setattr(fused, attr, default)

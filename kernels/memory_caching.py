@@ -661,15 +661,13 @@ class _CachedReads(torch.autograd.Function):
         q, g, *weights = ctx.saved_tensors
         spec, names = ctx.spec, list(ctx.spec.shapes)
         dq, dg = q.new_zeros(q.shape), g.new_zeros(g.shape)  # contiguous, as the fused kernels write them
-        dw = [w.new_empty(w.shape) for w in weights]
-        read = [False] * g.shape[0]  # memories whose weights get a gradient; the others' is zero
+        fused_dw, pieces = None, []  # the fused kernels' weight gradients; the batches' (first, last, grads)
         if ctx.fused is not None:
             from .memory_caching_triton import cached_reads_backward  # noqa: PLC0415
 
             reads, operands, precision = ctx.fused
-            cached_reads_backward(q, g, *(w.to(operands) for w in weights), dy, reads, precision, dq, dg, *dw)
-            for j in reads.mems:
-                read[j] = True
+            fused_dw = [w.new_empty(w.shape) for w in weights]
+            cached_reads_backward(q, g, *(w.to(operands) for w in weights), dy, reads, precision, dq, dg, *fused_dw)
         for batch in ctx.batches:
             wb = [w[batch.first:batch.last].detach().requires_grad_() for w in weights]
             qb = _CachedReads._rows(q, batch).detach().requires_grad_()
@@ -683,19 +681,41 @@ class _CachedReads(torch.autograd.Function):
                 dg[batch.first:batch.last, ..., batch.start:] = d_g
             else:
                 dg[batch.first:batch.last].scatter_(3, batch.pick, d_g)
-            for full, d in zip(dw, d_w):
-                full[batch.first:batch.last] = d
-            read[batch.first:batch.last] = [True] * (batch.last - batch.first)
-        j = 0
-        while j < len(read):  # zero the weights' gradients of memories no query reads, a run at a time
-            if read[j]:
-                j += 1
-                continue
-            last = read.index(True, j) if True in read[j:] else len(read)
-            for full in dw:
-                full[j:last] = 0
-            j = last
+            pieces.append((batch.first, batch.last, d_w))
+        dw = _join_weight_grads(weights, pieces, fused_dw, ctx.fused[0].mems if ctx.fused else ())
         return None, None, None, dq, dg, *dw  # spec, tf32, batches
+
+
+def _join_weight_grads(weights: list[torch.Tensor], pieces: list, fused: list[torch.Tensor] | None,
+                       fused_mems: tuple[int, ...]) -> list[torch.Tensor]:
+    """The weights' gradients of :class:`_CachedReads`: the batches' ``pieces`` (``(first, last, grads)`` in
+    order of memories) in the fused kernels' gradients (``fused``, written for ``fused_mems``) or, without
+    them, joined by one ``cat`` (which never holds a whole gradient beside the batches' until the end); zero
+    for the memories no query reads."""
+    N = weights[0].shape[0]
+    read = [False] * N
+    for j in fused_mems:
+        read[j] = True
+    parts, done = [[] for _ in weights], 0
+    for first, last, grads in pieces:
+        read[first:last] = [True] * (last - first)
+        for i, d in enumerate(grads):
+            if fused is None:
+                if first > done:
+                    parts[i].append(weights[i].new_zeros(first - done, *weights[i].shape[1:]))
+                parts[i].append(d)
+            else:
+                fused[i][first:last] = d
+        done = last
+    if fused is None:
+        for part, w in zip(parts, weights):
+            if done < N:
+                part.append(w.new_zeros(N - done, *w.shape[1:]))
+        return [torch.cat(part) if len(part) > 1 else part[0] for part in parts]
+    for j in (j for j in range(N) if not read[j]):
+        for d in fused:
+            d[j] = 0
+    return fused
 
 
 def _fused_reads(spec: TitansMemorySpec, q: torch.Tensor, g: torch.Tensor, batches: list[_ReadBatch], tf32: bool):

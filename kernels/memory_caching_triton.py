@@ -44,10 +44,15 @@ from .titans_chunk_forward_triton import _gelu, _gelu_slope
 
 __all__ = ["DenseReads", "cached_reads_backward", "cached_reads_forward", "operands", "supported"]
 
-# (queries, hidden, warps, stages) per kernel. Swept on an H200 (RESULTS.md) at 4 heads x 256, MLP x4.
-FORWARD_BLOCKS = (64, 64, 8, 2)
-QUERY_BLOCKS = (64, 64, 8, 2)
-WEIGHT_BLOCKS = (64, 64, 8, 2)
+# (queries, hidden, warps, stages) per kernel for 16-bit operands, swept on an H200 (RESULTS.md, 4 heads x 256,
+# MLP x4, T = 8192): the forward took 6.1 ms with (64, 64, 8, 2), 4.1 with these; the query side 8.9 and 7.9,
+# the weight side 10.3 and 9.3.
+FORWARD_BLOCKS = (64, 32, 4, 2)
+QUERY_BLOCKS = (128, 32, 8, 2)
+WEIGHT_BLOCKS = (64, 32, 4, 2)
+# float32 operands (exact products: tests, float32 problems that ask for Triton) take twice the shared memory a
+# tile: (64, 64, 8, 2) asked for 320 KB in the forward, over the 227 KB of an H100 or H200.
+FLOAT32_BLOCKS = (32, 32, 4, 1)
 
 
 # Operands of bf16/fp16 problems: "bf16" (rounded, as attention's flash kernels read a bf16 model) or "tf32"
@@ -82,6 +87,10 @@ class DenseReads:
         counts = [bisect.bisect_left(self.starts, min(T, e + block)) for e in range(0, T, block)]
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
         return as_tensor(self.mems), as_tensor(self.starts), as_tensor(counts)
+
+
+def _blocks(blocks: tuple[int, int, int, int], w: torch.Tensor) -> tuple[int, int, int, int]:
+    return blocks if w.element_size() == 2 else FLOAT32_BLOCKS
 
 
 def _hidden_block(hidden: int, block: int) -> int:
@@ -190,7 +199,7 @@ def cached_reads_forward(q: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w2:
     ``w1 (N, B, H, D, F)``, ``w2 (N, B, H, F, D)`` in the operands' dtype. Returns ``(B, H, T, D)`` float32."""
     B, H, T, D = q.shape
     F = w1.shape[-1]
-    BQ, BH, warps, stages = FORWARD_BLOCKS
+    BQ, BH, warps, stages = _blocks(FORWARD_BLOCKS, w1)
     mems, _, count = reads.tables(T, BQ, q.device)
     q = q.contiguous()  # (B, H, ...) contiguous is (B * H, ...): the kernels index batch x heads
     y = torch.empty_like(q)
@@ -218,7 +227,7 @@ def query_side(q, g, w1, w2, dy, reads: DenseReads, precision: str, dq: torch.Te
     """``dq`` and ``dg`` of :func:`cached_reads_backward` (contiguous operands)."""
     B, H, T, D = q.shape
     F = w1.shape[-1]
-    BQ, BH, warps, stages = QUERY_BLOCKS
+    BQ, BH, warps, stages = _blocks(QUERY_BLOCKS, w1)
     mems, starts, count = reads.tables(T, BQ, q.device)
     _query_backward_kernel[(triton.cdiv(T, BQ), B * H)](
         q, dy, g, w1, w2, dq, dg, mems, starts, count, T, B * H, precision, D, F, BQ, _hidden_block(F, BH),
@@ -229,7 +238,7 @@ def weight_side(q, g, w1, w2, dy, reads: DenseReads, precision: str, dw1: torch.
     """``dw1`` and ``dw2`` of :func:`cached_reads_backward` (contiguous operands)."""
     B, H, T, D = q.shape
     F = w1.shape[-1]
-    BQ, BH, warps, stages = WEIGHT_BLOCKS
+    BQ, BH, warps, stages = _blocks(WEIGHT_BLOCKS, w1)
     BH = _hidden_block(F, BH)
     mems, starts, _ = reads.tables(T, BQ, q.device)
     op = w1.dtype  # every query block is read once per hidden block: in the operands' dtype

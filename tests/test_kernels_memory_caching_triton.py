@@ -50,7 +50,7 @@ def test_fused_cached_reads_equal_the_reads_memory_by_memory(blocks, select, mon
     the reads written memory by memory in float64, to float32's rounding (relative error < 1e-6): blocks of 16 queries (one
     straddles a start, one is partial) and 16 hidden units, or one block of all queries. The gates' gradients
     are compared where a gate is nonzero, as the batched path writes them."""
-    for name in ("FORWARD_BLOCKS", "QUERY_BLOCKS", "WEIGHT_BLOCKS"):
+    for name in ("FORWARD_BLOCKS", "QUERY_BLOCKS", "WEIGHT_BLOCKS", "FLOAT32_BLOCKS"):
         monkeypatch.setattr(fused, name, blocks)
     calls = []
     monkeypatch.setattr(fused, "cached_reads_forward", _spy(fused.cached_reads_forward, calls))
