@@ -45,10 +45,10 @@ from .titans_chunk_forward_triton import _gelu, _gelu_slope
 __all__ = ["DenseReads", "cached_reads_backward", "cached_reads_forward", "operands", "supported"]
 
 # (queries, hidden, warps, stages) per kernel for 16-bit operands, swept on an H200 (RESULTS.md, 4 heads x 256,
-# MLP x4, T = 8192): the forward took 6.1 ms with (64, 64, 8, 2), 4.1 with these; the query side 8.9 and 7.9,
-# the weight side 10.3 and 9.3.
+# MLP x4, T = 8192): the forward took 6.1 ms with (64, 64, 8, 2), 4.1 with these; the query side 8.9 and 6.6,
+# the weight side 10.3 and 9.3. Twice the hidden block or half the queries were slower in each.
 FORWARD_BLOCKS = (64, 32, 4, 2)
-QUERY_BLOCKS = (128, 32, 8, 2)
+QUERY_BLOCKS = (128, 32, 8, 3)
 WEIGHT_BLOCKS = (64, 32, 4, 2)
 # float32 operands (exact products: tests, float32 problems that ask for Triton) take twice the shared memory a
 # tile: (64, 64, 8, 2) asked for 320 KB in the forward, over the 227 KB of an H100 or H200.
