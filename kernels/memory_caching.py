@@ -604,33 +604,43 @@ def _read_batches(spec: TitansMemorySpec, g: torch.Tensor, starts: tuple[int, ..
 
 class _CachedReads(torch.autograd.Function):
     """``y = sum_j g_j M_j(q)`` over the cached memories ``j`` (weights ``(N, B, H, d_out, d_in)``, gates
-    ``g (N, B, H or 1, T)``), in the batches of :func:`_read_batches`: one batch of products per batch of
-    memories. Batches are what made ssc's many small selective reads cheap (their launches, one memory at a
-    time, set the pace of the layer); memories that read every query from different starts stay one per
-    batch, whose products a shared start would only pad with zero gates. The hidden layers (a memory's
-    worth of width per query) are recomputed in the backward. Sums over the memories of a batch that land
-    on one query go through one ``scatter_add_`` per memory (distinct positions each), so that the result
-    does not depend on the order of atomic additions."""
+    ``g (N, B, H or 1, T)``), in the batches of :func:`_read_batches`. Where the fused kernels of
+    :mod:`.memory_caching_triton` run (:func:`_fused_reads`), the memories that read every query from their
+    start are read in one launch a pass, query block by query block, and each batch of selective memories
+    in one launch over its gathered queries (a memory and a batch x head per row of the kernels' grid); the
+    hidden layers never leave the chip. Elsewhere a batch is one batch of products, its hidden layers (a
+    memory's worth of width per query) recomputed in the backward. Batches are what made ssc's many small
+    selective reads cheap (their launches, one memory at a time, set the pace of the layer); memories that
+    read every query from different starts stay one per batch, whose products a shared start would only
+    pad with zero gates. Sums over the memories of a batch that land on one query go through one
+    ``scatter_add_`` per memory (distinct positions each), so that the result does not depend on the order
+    of atomic additions."""
 
     @staticmethod
     def forward(ctx, spec: TitansMemorySpec, tf32: bool, batches: list[_ReadBatch], q, g, *weights):
         names = list(spec.shapes)
-        fused = _fused_reads(spec, q, g, batches, tf32)
-        if fused is None:
-            y = q.new_zeros(*q.shape[:-1], spec.d_v)
-        else:
-            from .memory_caching_triton import cached_reads_forward  # noqa: PLC0415
+        fused = _fused_reads(spec, q, g, tf32)
+        ctx.spec, ctx.tf32, ctx.batches, ctx.fused = spec, tf32, batches, fused
+        ctx.save_for_backward(q, g, *weights)
+        if fused is not None:
+            from .memory_caching_triton import ONE_MEMORY, cached_reads_forward  # noqa: PLC0415
 
-            reads, operands, precision = fused
-            y = cached_reads_forward(q, g, *(w.to(operands) for w in weights), reads, precision)
-            batches = [batch for batch in batches if batch.pick is not None]
+            operands, precision = fused
+            w_op = [w.to(operands) for w in weights]
+            dense = _dense_reads(batches)
+            y = (q.new_zeros(*q.shape[:-1], spec.d_v) if dense is None
+                 else cached_reads_forward(q, g, *w_op, dense, precision))
+            for batch in (batch for batch in batches if batch.pick is not None):
+                qb, gb, wb = _CachedReads._picked(q, g, w_op, batch)
+                out = cached_reads_forward(qb, gb, *wb, ONE_MEMORY, precision)
+                _CachedReads._add(y, out.view(*batch.pick.shape, -1), batch)
+            return y
+        y = q.new_zeros(*q.shape[:-1], spec.d_v)
         with tf32_products(tf32):
             for batch in batches:
                 w = {n: x[batch.first:batch.last] for n, x in zip(names, weights)}
                 qb, gb = _CachedReads._rows(q, batch), _CachedReads._gates(g, batch)
                 _CachedReads._add(y, gb[..., None] * memory_apply(spec, static_apply(w), qb), batch)
-        ctx.spec, ctx.tf32, ctx.batches, ctx.fused = spec, tf32, batches, fused
-        ctx.save_for_backward(q, g, *weights)
         return y
 
     @staticmethod
@@ -648,6 +658,17 @@ class _CachedReads(torch.autograd.Function):
         return g[..., batch.start:] if batch.pick is None else g.gather(3, batch.pick)
 
     @staticmethod
+    def _picked(q: torch.Tensor, g: torch.Tensor, weights: list[torch.Tensor], batch: _ReadBatch):
+        """A selective batch as one memory read by ``G * B`` rows of heads for the fused kernels: its gathered
+        queries ``(G * B, H, L, d)``, gates ``(1, G * B, H, L)`` and weights ``(1, G * B, H, d_out, d_in)`` (a
+        view of the batch's consecutive memories)."""
+        G, B, H, L = batch.pick.shape
+        qb = _CachedReads._rows(q, batch).reshape(G * B, H, L, q.shape[-1])
+        gb = _CachedReads._gates(g, batch).reshape(1, G * B, H, L)
+        wb = [w[batch.first:batch.last].reshape(1, G * B, *w.shape[2:]) for w in weights]
+        return qb, gb, wb
+
+    @staticmethod
     def _add(target: torch.Tensor, x: torch.Tensor, batch: _ReadBatch) -> None:
         """``target (B, H, T, .) +=`` the batch's ``x (G, B, H, L, .)`` at its queries."""
         if batch.pick is None:
@@ -661,13 +682,9 @@ class _CachedReads(torch.autograd.Function):
         q, g, *weights = ctx.saved_tensors
         spec, names = ctx.spec, list(ctx.spec.shapes)
         dq, dg = q.new_zeros(q.shape), g.new_zeros(g.shape)  # contiguous, as the fused kernels write them
-        fused_dw, pieces = None, []  # the fused kernels' weight gradients; the batches' (first, last, grads)
         if ctx.fused is not None:
-            from .memory_caching_triton import cached_reads_backward  # noqa: PLC0415
-
-            reads, operands, precision = ctx.fused
-            fused_dw = [w.new_empty(w.shape) for w in weights]
-            cached_reads_backward(q, g, *(w.to(operands) for w in weights), dy, reads, precision, dq, dg, *fused_dw)
+            return None, None, None, *_CachedReads._fused_backward(ctx.fused, ctx.batches, q, g, weights, dy, dq, dg)
+        pieces = []  # per batch, (first, last, weight gradients)
         for batch in ctx.batches:
             wb = [w[batch.first:batch.last].detach().requires_grad_() for w in weights]
             qb = _CachedReads._rows(q, batch).detach().requires_grad_()
@@ -682,59 +699,72 @@ class _CachedReads(torch.autograd.Function):
             else:
                 dg[batch.first:batch.last].scatter_(3, batch.pick, d_g)
             pieces.append((batch.first, batch.last, d_w))
-        dw = _join_weight_grads(weights, pieces, fused_dw, ctx.fused[0].mems if ctx.fused else ())
-        return None, None, None, dq, dg, *dw  # spec, tf32, batches
+        return None, None, None, dq, dg, *_join_weight_grads(weights, pieces)  # spec, tf32, batches
+
+    @staticmethod
+    def _fused_backward(fused, batches, q, g, weights, dy, dq, dg):
+        """``dq, dg`` and the weights' gradients through the fused kernels: the memories that read every query
+        from their start in one pass, each selective batch in one over its gathered rows."""
+        from .memory_caching_triton import ONE_MEMORY, cached_reads_backward  # noqa: PLC0415
+
+        operands, precision = fused
+        w_op = [w.to(operands) for w in weights]
+        dense = _dense_reads(batches)
+        read = sum(batch.last - batch.first for batch in batches)  # batches never share a memory
+        # Every memory's gradient is written by a kernel, or, where some memory no query reads, zero first.
+        dw = [(w.new_empty if read == w.shape[0] else w.new_zeros)(w.shape) for w in weights]
+        if dense is not None:
+            cached_reads_backward(q, g, *w_op, dy, dense, precision, dq, dg, *dw)
+        for batch in (batch for batch in batches if batch.pick is not None):
+            qb, gb, wb = _CachedReads._picked(q, g, w_op, batch)
+            dyb = _CachedReads._rows(dy, batch).reshape(qb.shape)
+            dq_b, dg_b = torch.empty_like(qb), torch.zeros_like(gb)
+            dw_b = [d[batch.first:batch.last].view(1, -1, *d.shape[2:]) for d in dw]  # written in place
+            cached_reads_backward(qb, gb, *wb, dyb, ONE_MEMORY, precision, dq_b, dg_b, *dw_b)
+            _CachedReads._add(dq, dq_b.view(*batch.pick.shape, -1), batch)
+            dg[batch.first:batch.last].scatter_(3, batch.pick, dg_b.view(batch.pick.shape))
+        return dq, dg, *dw
 
 
-def _join_weight_grads(weights: list[torch.Tensor], pieces: list, fused: list[torch.Tensor] | None,
-                       fused_mems: tuple[int, ...]) -> list[torch.Tensor]:
-    """The weights' gradients of :class:`_CachedReads`: the batches' ``pieces`` (``(first, last, grads)`` in
-    order of memories) in the fused kernels' gradients (``fused``, written for ``fused_mems``) or, without
-    them, joined by one ``cat`` (which never holds a whole gradient beside the batches' until the end); zero
-    for the memories no query reads."""
-    N = weights[0].shape[0]
-    read = [False] * N
-    for j in fused_mems:
-        read[j] = True
-    parts, done = [[] for _ in weights], 0
+def _join_weight_grads(weights: list[torch.Tensor], pieces: list) -> list[torch.Tensor]:
+    """The weights' gradients of :class:`_CachedReads` from the batches' ``pieces`` (``(first, last, grads)`` in
+    order of memories), joined by one ``cat`` (which never holds a whole gradient beside the batches' until
+    the end), zero for the memories no query reads."""
+    N, parts, done = weights[0].shape[0], [[] for _ in weights], 0
     for first, last, grads in pieces:
-        read[first:last] = [True] * (last - first)
-        for i, d in enumerate(grads):
-            if fused is None:
-                if first > done:
-                    parts[i].append(weights[i].new_zeros(first - done, *weights[i].shape[1:]))
-                parts[i].append(d)
-            else:
-                fused[i][first:last] = d
+        for part, w, d in zip(parts, weights, grads):
+            if first > done:
+                part.append(w.new_zeros(first - done, *w.shape[1:]))
+            part.append(d)
         done = last
-    if fused is None:
-        for part, w in zip(parts, weights):
-            if done < N:
-                part.append(w.new_zeros(N - done, *w.shape[1:]))
-        return [torch.cat(part) if len(part) > 1 else part[0] for part in parts]
-    for j in (j for j in range(N) if not read[j]):
-        for d in fused:
-            d[j] = 0
-    return fused
+    for part, w in zip(parts, weights):
+        if done < N or not part:
+            part.append(w.new_zeros(N - done, *w.shape[1:]))
+    return [torch.cat(part) if len(part) > 1 else part[0] for part in parts]
 
 
-def _fused_reads(spec: TitansMemorySpec, q: torch.Tensor, g: torch.Tensor, batches: list[_ReadBatch], tf32: bool):
-    """``(reads, operands, precision)`` for :mod:`.memory_caching_triton` (the memories of ``batches`` that read
-    every query from their start, in one fused launch per pass), or ``None`` where those kernels do not run:
-    on CUDA for bf16/fp16 problems (``tf32``) when Triton imports, or wherever Triton is asked for (its
-    interpreter on the CPU), never under ``use_backend("torch")``; for MLP memories with an identity skip,
-    no gate, widths the kernels take, and gates per head."""
+def _fused_reads(spec: TitansMemorySpec, q: torch.Tensor, g: torch.Tensor, tf32: bool):
+    """``(operands, precision)`` of :mod:`.memory_caching_triton`'s kernels for these reads, or ``None`` where
+    those kernels do not run: they run on CUDA for bf16/fp16 problems (``tf32``) when Triton imports, or
+    wherever Triton is asked for (its interpreter on the CPU), never under ``use_backend("torch")``; for MLP
+    memories with an identity skip, no gate, widths the kernels take, and gates per head."""
     asked = requested_backend()
     if asked == "torch" or not (asked == "triton" or (q.is_cuda and tf32 and triton_available())):
         return None
     if spec.depth != 2 or spec.gated or spec.linear_skip or g.shape[2] != q.shape[1]:
         return None
-    from .memory_caching_triton import DenseReads, operands, supported  # noqa: PLC0415
+    from .memory_caching_triton import operands, supported  # noqa: PLC0415
 
-    dense = sorted(((batch.start, j) for batch in batches if batch.pick is None for j in range(batch.first, batch.last)))
-    if not dense or not supported(spec.d_k, spec.hidden):
-        return None
-    return DenseReads(tuple(j for _, j in dense), tuple(s for s, _ in dense)), *operands(tf32)
+    return operands(tf32) if supported(spec.d_k, spec.hidden) else None
+
+
+def _dense_reads(batches: list[_ReadBatch]):
+    """The memories of ``batches`` that read every query from their start, ordered by start, as the fused
+    kernels take them (``None``: there are none)."""
+    from .memory_caching_triton import DenseReads  # noqa: PLC0415
+
+    dense = sorted((batch.start, j) for batch in batches if batch.pick is None for j in range(batch.first, batch.last))
+    return DenseReads(tuple(j for _, j in dense), tuple(s for s, _ in dense)) if dense else None
 
 
 def _entering(state_value: torch.Tensor, per_segment: torch.Tensor, closed: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .titans_chunk_forward_triton import _gelu, _gelu_slope
 
-__all__ = ["DenseReads", "cached_reads_backward", "cached_reads_forward", "operands", "supported"]
+__all__ = ["ONE_MEMORY", "DenseReads", "cached_reads_backward", "cached_reads_forward", "operands", "supported"]
 
 # (queries, hidden, warps, stages) per kernel for 16-bit operands, swept on an H200 (RESULTS.md, 4 heads x 256,
 # MLP x4, T = 8192): the forward took 6.1 ms with (64, 64, 8, 2), 4.1 with these; the query side 8.9 and 6.6,
@@ -87,6 +87,11 @@ class DenseReads:
         counts = [bisect.bisect_left(self.starts, min(T, e + block)) for e in range(0, T, block)]
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
         return as_tensor(self.mems), as_tensor(self.starts), as_tensor(counts)
+
+
+# One memory read by every query: a selective batch of memories, each over its own gathered queries, is this
+# with a memory and a batch x head per row of heads (:meth:`~.memory_caching._CachedReads._picked`).
+ONE_MEMORY = DenseReads((0,), (0,))
 
 
 def _blocks(blocks: tuple[int, int, int, int], w: torch.Tensor) -> tuple[int, int, int, int]:

@@ -290,12 +290,13 @@ def test_cached_reads_in_batches_equal_the_reads_memory_by_memory_at_real_shapes
 
 
 @pytest.mark.parametrize("operands", ["float32", "bf16"])
-def test_fused_cached_reads_equal_the_reads_memory_by_memory_at_real_shapes(operands, monkeypatch):
+@pytest.mark.parametrize("aggregation", ["grm", "ssc"])
+def test_fused_cached_reads_equal_the_reads_memory_by_memory_at_real_shapes(aggregation, operands, monkeypatch):
     """The fused Triton reads (:mod:`mnemo.kernels.memory_caching_triton`, compiled for this GPU) at the
-    benchmark's head shape (:func:`_real_reads`, grm gates) against ``sum_j g_j M_j(q)`` in float32: exact
-    float32 operands (Triton asked for, a float32 problem) to 1e-5; bf16 operands (what a bf16 problem
-    takes) to bf16's rounding, 1e-2. (ssc top 2 reads each of these memories from few queries: batches of
-    products, not these kernels.)"""
+    benchmark's head shape (:func:`_real_reads`) against ``sum_j g_j M_j(q)`` in float32: exact float32
+    operands (Triton asked for, a float32 problem) to 1e-5; bf16 operands (what a bf16 problem takes) to
+    bf16's rounding, 1e-2. grm: every memory in one pass; ssc top 2: selective batches of several memories,
+    each over its gathered queries."""
     import mnemo.kernels.memory_caching as mc
     import mnemo.kernels.memory_caching_triton as fused
     from mnemo.kernels.backend import use_backend
@@ -303,10 +304,12 @@ def test_fused_cached_reads_equal_the_reads_memory_by_memory_at_real_shapes(oper
     calls = []
     forward = fused.cached_reads_forward
     monkeypatch.setattr(fused, "cached_reads_forward", lambda *a: calls.append(a[-1]) or forward(*a))
-    spec, starts, q, g, weights, expected = _real_reads("grm")
-    batches = mc._read_batches(spec, g.detach(), starts, False, q.shape[1])
+    spec, starts, q, g, weights, expected = _real_reads(aggregation)
+    batches = mc._read_batches(spec, g.detach(), starts, aggregation == "ssc", q.shape[1])
     with use_backend("triton"):
         got = mc._CachedReads.apply(spec, operands == "bf16", batches, q, g, *weights)
-    assert calls == (["ieee"] if operands == "float32" else ["tf32"])
+    launches = any(b.pick is None for b in batches) + sum(b.pick is not None for b in batches)
+    assert launches == (1 if aggregation == "grm" else len(batches))
+    assert calls == ["ieee" if operands == "float32" else "tf32"] * launches
     errors = _relative_errors(got, expected, (q, g, *weights), g)
     assert max(errors) < (1e-5 if operands == "float32" else 1e-2), errors
