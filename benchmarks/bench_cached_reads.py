@@ -5,7 +5,8 @@ memory ``j`` read by every query after segment ``j``), through :class:`mnemo.ker
 forward alone and forward + backward, on the batched-products path (``use_backend("torch")``, TF32 products) and
 on the fused kernels, plus each fused kernel alone. ``BLOCKS=kernel:q,h,warps,stages;...`` (kernels ``forward``,
 ``query``, ``weight``; several entries of one kernel: a sweep) times the kernels with other launch constants,
-``OPERANDS=bf16,tf32`` the low-precision operands (float32 operands take ``FLOAT32_BLOCKS``, not swept). Prints one JSON line per measurement and writes
+``AGGREGATION=ssc`` times ssc's top-2 reads instead (selective batches; the kernels alone are
+grm's), ``OPERANDS=bf16,tf32`` the low-precision operands (float32 operands take ``FLOAT32_BLOCKS``, not swept). Prints one JSON line per measurement and writes
 ``$OUT/bench_cached_reads.json``. Run on the GPU machine with mnemo importable.
 """
 
@@ -47,14 +48,18 @@ def problem():
                for shape in SPEC.shapes.values()]
     scores = torch.randn(B, H, T, N + 1, generator=gen).cuda()
     valid = torch.arange(T, device="cuda")[:, None] >= torch.tensor(starts + (0,), device="cuda")[None]
-    g = torch.softmax(scores.masked_fill(~valid, float("-inf")), -1)[..., :N].movedim(-1, 0).contiguous()
+    scores = scores.masked_fill(~valid, float("-inf"))
+    if os.environ.get("AGGREGATION", "grm") == "ssc":
+        scores = torch.cat([mc.ssc_select(scores[..., :N], 2), scores[..., N:]], -1)
+    g = torch.softmax(scores, -1)[..., :N].movedim(-1, 0).contiguous()
     return starts, q, g.requires_grad_(), weights
 
 
 def main() -> None:
     out_dir = os.environ.get("OUT", ".")
     starts, q, g, weights = problem()
-    batches = mc._read_batches(SPEC, g.detach(), starts, False, H)
+    ssc = os.environ.get("AGGREGATION", "grm") == "ssc"
+    batches = mc._read_batches(SPEC, g.detach(), starts, ssc, H)
     pairs = sum(T - s for s in starts) * B * H
     flops = pairs * 2 * 2 * SPEC.d_k * SPEC.hidden  # forward: two products per (query, memory) pair
     dy = torch.randn(B, H, T, SPEC.d_v, device="cuda")
@@ -76,8 +81,10 @@ def main() -> None:
     for backend in ("torch", "triton"):
         for backward in (False, True):
             value = ms(layer_pass(backend, backward))
-            record(f"{backend} {'fwd+bwd' if backward else 'fwd'}", value,
-                   tflops=round(flops * (4.5 if backward else 1) / value / 1e9, 1))
+            record(f"{'ssc ' if ssc else ''}{backend} {'fwd+bwd' if backward else 'fwd'}", value,
+                   tflops=None if ssc else round(flops * (4.5 if backward else 1) / value / 1e9, 1))
+    if ssc:
+        return
     sweep = {}
     for entry in filter(None, os.environ.get("BLOCKS", "").split(";")):
         kernel, _, values = entry.partition(":")
