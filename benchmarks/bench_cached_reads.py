@@ -83,14 +83,12 @@ def main() -> None:
             value = ms(layer_pass(backend, backward))
             record(f"{'ssc ' if ssc else ''}{backend} {'fwd+bwd' if backward else 'fwd'}", value,
                    tflops=None if ssc else round(flops * (4.5 if backward else 1) / value / 1e9, 1))
-    if ssc:
-        return
     sweep = {}
     for entry in filter(None, os.environ.get("BLOCKS", "").split(";")):
         kernel, _, values = entry.partition(":")
         sweep.setdefault(kernel, []).append(tuple(int(v) for v in values.split(",")))
     reads = fused.DenseReads(tuple(range(len(starts))), starts)
-    for low in os.environ.get("OPERANDS", "bf16").split(","):
+    for low in [] if ssc else os.environ.get("OPERANDS", "bf16").split(","):
         fused.LOW_PRECISION = low
         op, precision = fused.operands(True)
         w1, w2 = (w.detach().to(op).contiguous() for w in weights)
