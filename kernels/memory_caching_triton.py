@@ -114,6 +114,21 @@ def _query_tile(Q, g_idx, T, tile, BQ: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _memory(MEMS, G, s, gi, NG, T, rows, live, D: tl.constexpr, F: tl.constexpr):
+    """Entry ``s`` of the memories' list: its index, its gates of ``rows`` and the offset of its weights of
+    batch x head ``gi``."""
+    j = tl.load(MEMS + s).to(tl.int64)
+    return j, tl.load(G + (j * NG + gi) * T + rows, mask=live, other=0.0), (j * NG + gi) * D * F
+
+
+@triton.jit
+def _hidden_slice(W1, W2, base, hid, D: tl.constexpr, F: tl.constexpr):
+    """The weights of hidden units ``hid``: ``W1[:, hid] (D, BH)`` and ``W2[hid] (BH, D)``."""
+    cols = tl.arange(0, D)
+    return tl.load(W1 + base + cols[:, None] * F + hid[None, :]), tl.load(W2 + base + hid[:, None] * D + cols[None, :])
+
+
+@triton.jit
 def _forward_kernel(Q, G, W1, W2, Y, MEMS, COUNT, T, NG, precision: tl.constexpr, D: tl.constexpr,
                     F: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the latest blocks read the most memories: first
@@ -121,19 +136,15 @@ def _forward_kernel(Q, G, W1, W2, Y, MEMS, COUNT, T, NG, precision: tl.constexpr
     rows, live, offs = _query_tile(Q, gi, T, tile, BQ, D)
     q = tl.load(Q + offs, mask=live[:, None], other=0.0)
     q_op = q.to(W1.dtype.element_ty)
-    cols, hid = tl.arange(0, D), tl.arange(0, BH)
     acc = tl.zeros((BQ, D), tl.float32)
     g_sum = tl.zeros((BQ,), tl.float32)
     for s in range(0, tl.load(COUNT + tile)):
-        j = tl.load(MEMS + s).to(tl.int64)
-        g = tl.load(G + (j * NG + gi) * T + rows, mask=live, other=0.0)
+        _, g, base = _memory(MEMS, G, s, gi, NG, T, rows, live, D, F)
         g_sum += g
-        base = (j * NG + gi) * D * F
         for h0 in range(0, F, BH):
-            w2 = tl.load(W2 + base + (h0 + hid)[:, None] * D + cols[None, :])  # (BH, D)
+            w1, w2 = _hidden_slice(W1, W2, base, h0 + tl.arange(0, BH), D, F)
             pre = tl.dot(q_op, tl.trans(w2), input_precision=precision)
             act = (_gelu(pre) * g[:, None]).to(q_op.dtype)
-            w1 = tl.load(W1 + base + cols[:, None] * F + (h0 + hid)[None, :])  # (D, BH)
             acc += tl.dot(act, tl.trans(w1), input_precision=precision)
     tl.store(Y + offs, acc + g_sum[:, None] * q, mask=live[:, None])
 
@@ -148,18 +159,14 @@ def _query_backward_kernel(Q, DY, G, W1, W2, DQ, DG, MEMS, STARTS, COUNT, T, NG,
     dy = tl.load(DY + offs, mask=live[:, None], other=0.0)
     q_op, dy_op = q.to(W1.dtype.element_ty), dy.to(W1.dtype.element_ty)
     own = tl.sum(q * dy, 1)  # the skip's share of every dg
-    cols, hid = tl.arange(0, D), tl.arange(0, BH)
     dq = tl.zeros((BQ, D), tl.float32)
     g_sum = tl.zeros((BQ,), tl.float32)
     for s in range(0, tl.load(COUNT + tile)):
-        j = tl.load(MEMS + s).to(tl.int64)
-        g = tl.load(G + (j * NG + gi) * T + rows, mask=live, other=0.0)
+        j, g, base = _memory(MEMS, G, s, gi, NG, T, rows, live, D, F)
         g_sum += g
-        base = (j * NG + gi) * D * F
         dg = own
         for h0 in range(0, F, BH):
-            w2 = tl.load(W2 + base + (h0 + hid)[:, None] * D + cols[None, :])  # (BH, D)
-            w1 = tl.load(W1 + base + cols[:, None] * F + (h0 + hid)[None, :])  # (D, BH)
+            w1, w2 = _hidden_slice(W1, W2, base, h0 + tl.arange(0, BH), D, F)
             pre = tl.dot(q_op, tl.trans(w2), input_precision=precision)
             z = tl.dot(dy_op, w1, input_precision=precision)  # dy through W1: the hidden layer's gradient
             dg += tl.sum(z * _gelu(pre), 1)
@@ -179,8 +186,7 @@ def _weight_backward_kernel(Q, DY, G, W1, W2, DW1, DW2, MEMS, STARTS, T, NG, pre
     start = tl.load(STARTS + s)
     cols, hid = tl.arange(0, D), h0 + tl.arange(0, BH)
     base = (j * NG + gi) * D * F
-    w2 = tl.load(W2 + base + hid[:, None] * D + cols[None, :])  # (BH, D)
-    w1 = tl.load(W1 + base + cols[:, None] * F + hid[None, :])  # (D, BH)
+    w1, w2 = _hidden_slice(W1, W2, base, hid, D, F)
     dw1 = tl.zeros((D, BH), tl.float32)
     dw2_t = tl.zeros((D, BH), tl.float32)
     for tile in range(start // BQ, tl.cdiv(T, BQ)):
