@@ -619,7 +619,7 @@ class _CachedReads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: TitansMemorySpec, tf32: bool, batches: list[_ReadBatch], q, g, *weights):
         names = list(spec.shapes)
-        fused = _fused_reads(spec, q, g, tf32)
+        fused = _fused_reads(spec, q, g, weights, tf32)
         ctx.spec, ctx.tf32, ctx.batches, ctx.fused = spec, tf32, batches, fused
         ctx.save_for_backward(q, g, *weights)
         if fused is not None:
@@ -743,15 +743,18 @@ def _join_weight_grads(weights: list[torch.Tensor], pieces: list) -> list[torch.
     return [torch.cat(part) if len(part) > 1 else part[0] for part in parts]
 
 
-def _fused_reads(spec: TitansMemorySpec, q: torch.Tensor, g: torch.Tensor, tf32: bool):
+def _fused_reads(spec: TitansMemorySpec, q: torch.Tensor, g: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                 tf32: bool):
     """``(operands, precision)`` of :mod:`.memory_caching_triton`'s kernels for these reads, or ``None`` where
     those kernels do not run: they run on CUDA for bf16/fp16 problems (``tf32``) when Triton imports, or
     wherever Triton is asked for (its interpreter on the CPU), never under ``use_backend("torch")``; for MLP
-    memories with an identity skip, no gate, widths the kernels take, and gates per head."""
+    memories with an identity skip, no gate, widths the kernels take, gates per head, all in float32."""
     asked = requested_backend()
     if asked == "torch" or not (asked == "triton" or (q.is_cuda and tf32 and triton_available())):
         return None
     if spec.depth != 2 or spec.gated or spec.linear_skip or g.shape[2] != q.shape[1]:
+        return None
+    if any(x.dtype != torch.float32 for x in (q, g, *weights)):
         return None
     from .memory_caching_triton import operands, supported  # noqa: PLC0415
 

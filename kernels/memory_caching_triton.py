@@ -34,6 +34,7 @@ operands' dtype, all contiguous, ``G`` = batch x heads, ``F`` the hidden width.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,7 @@ FLOAT32_BLOCKS = (32, 32, 4, 1)
 
 
 # Operands of bf16/fp16 problems: "bf16" (rounded, as attention's flash kernels read a bf16 model) or "tf32"
-# (float32 tiles, the chunk kernels' policy); see RESULTS.md for the measured choice.
+# (float32 tiles, the chunk kernels' policy), kept for comparison: 4-7x slower per kernel on an H200 (RESULTS.md).
 LOW_PRECISION = "bf16"
 
 
@@ -82,11 +83,25 @@ class DenseReads:
     mems: tuple[int, ...]
     starts: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        if list(self.starts) != sorted(self.starts) or len(self.mems) != len(self.starts):
+            raise ValueError("the memories' starts must be given in order, one per memory")
+
     def tables(self, T: int, block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(mems, starts, count)`` as int32 device tensors, ``count`` per block of ``block`` queries."""
-        counts = [bisect.bisect_left(self.starts, min(T, e + block)) for e in range(0, T, block)]
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
-        return as_tensor(self.mems), as_tensor(self.starts), as_tensor(counts)
+        n_blocks = triton.cdiv(T, block)
+        if self == ONE_MEMORY:  # a selective batch's width changes every step: made on the device, not copied
+            zero = torch.zeros(1, dtype=torch.int32, device=device)
+            return zero, zero, torch.ones(n_blocks, dtype=torch.int32, device=device)
+        return _tables(self, T, block, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(reads: DenseReads, T: int, block: int, device: torch.device):
+    """:meth:`DenseReads.tables`, kept: a training step asks for the same ones every time, and a copy from
+    pageable host memory would wait for the device's queue."""
+    counts = [bisect.bisect_left(reads.starts, min(T, e + block)) for e in range(0, T, block)]
+    return tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (reads.mems, reads.starts, counts))
 
 
 # One memory read by every query: a selective batch of memories, each over its own gathered queries, is this
@@ -96,6 +111,16 @@ ONE_MEMORY = DenseReads((0,), (0,))
 
 def _blocks(blocks: tuple[int, int, int, int], w: torch.Tensor) -> tuple[int, int, int, int]:
     return blocks if w.element_size() == 2 else FLOAT32_BLOCKS
+
+
+# The most programs a launch may have along a grid axis past the first (CUDA's limit).
+MAX_GRID_ROWS = 65535
+
+
+def _row_launches(rows: int) -> list[tuple[int, int]]:
+    """``(first, count)`` of each launch's rows of heads: a selective batch has one per (memory, batch, head),
+    which may pass the grid's limit."""
+    return [(g0, min(MAX_GRID_ROWS, rows - g0)) for g0 in range(0, rows, MAX_GRID_ROWS)]
 
 
 def _hidden_block(hidden: int, block: int) -> int:
@@ -129,10 +154,10 @@ def _hidden_slice(W1, W2, base, hid, D: tl.constexpr, F: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(Q, G, W1, W2, Y, MEMS, COUNT, T, NG, precision: tl.constexpr, D: tl.constexpr,
+def _forward_kernel(Q, G, W1, W2, Y, MEMS, COUNT, T, NG, G0, precision: tl.constexpr, D: tl.constexpr,
                     F: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the latest blocks read the most memories: first
-    gi = tl.program_id(1).to(tl.int64)
+    gi = G0 + tl.program_id(1).to(tl.int64)
     rows, live, offs = _query_tile(Q, gi, T, tile, BQ, D)
     q = tl.load(Q + offs, mask=live[:, None], other=0.0)
     q_op = q.to(W1.dtype.element_ty)
@@ -150,10 +175,10 @@ def _forward_kernel(Q, G, W1, W2, Y, MEMS, COUNT, T, NG, precision: tl.constexpr
 
 
 @triton.jit
-def _query_backward_kernel(Q, DY, G, W1, W2, DQ, DG, MEMS, STARTS, COUNT, T, NG, precision: tl.constexpr,
+def _query_backward_kernel(Q, DY, G, W1, W2, DQ, DG, MEMS, STARTS, COUNT, T, NG, G0, precision: tl.constexpr,
                            D: tl.constexpr, F: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    gi = tl.program_id(1).to(tl.int64)
+    gi = G0 + tl.program_id(1).to(tl.int64)
     rows, live, offs = _query_tile(Q, gi, T, tile, BQ, D)
     q = tl.load(Q + offs, mask=live[:, None], other=0.0)
     dy = tl.load(DY + offs, mask=live[:, None], other=0.0)
@@ -177,11 +202,11 @@ def _query_backward_kernel(Q, DY, G, W1, W2, DQ, DG, MEMS, STARTS, COUNT, T, NG,
 
 
 @triton.jit
-def _weight_backward_kernel(Q, DY, G, W1, W2, DW1, DW2, MEMS, STARTS, T, NG, precision: tl.constexpr,
+def _weight_backward_kernel(Q, DY, G, W1, W2, DW1, DW2, MEMS, STARTS, T, NG, G0, precision: tl.constexpr,
                             D: tl.constexpr, F: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr):
     h0 = tl.program_id(0) * BH
     s = tl.program_id(1)
-    gi = tl.program_id(2).to(tl.int64)
+    gi = G0 + tl.program_id(2).to(tl.int64)
     j = tl.load(MEMS + s).to(tl.int64)
     start = tl.load(STARTS + s)
     cols, hid = tl.arange(0, D), h0 + tl.arange(0, BH)
@@ -214,9 +239,11 @@ def cached_reads_forward(q: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w2:
     mems, _, count = reads.tables(T, BQ, q.device)
     q = q.contiguous()  # (B, H, ...) contiguous is (B * H, ...): the kernels index batch x heads
     y = torch.empty_like(q)
-    _forward_kernel[(triton.cdiv(T, BQ), B * H)](
-        q, g.contiguous(), w1.contiguous(), w2.contiguous(), y, mems, count, T, B * H, precision, D, F, BQ,
-        _hidden_block(F, BH), num_warps=warps, num_stages=stages)
+    g, w1, w2 = g.contiguous(), w1.contiguous(), w2.contiguous()
+    for g0, rows in _row_launches(B * H):
+        _forward_kernel[(triton.cdiv(T, BQ), rows)](
+            q, g, w1, w2, y, mems, count, T, B * H, g0, precision, D, F, BQ, _hidden_block(F, BH), num_warps=warps,
+            num_stages=stages)
     return y
 
 
@@ -240,9 +267,10 @@ def query_side(q, g, w1, w2, dy, reads: DenseReads, precision: str, dq: torch.Te
     F = w1.shape[-1]
     BQ, BH, warps, stages = _blocks(QUERY_BLOCKS, w1)
     mems, starts, count = reads.tables(T, BQ, q.device)
-    _query_backward_kernel[(triton.cdiv(T, BQ), B * H)](
-        q, dy, g, w1, w2, dq, dg, mems, starts, count, T, B * H, precision, D, F, BQ, _hidden_block(F, BH),
-        num_warps=warps, num_stages=stages)
+    for g0, rows in _row_launches(B * H):
+        _query_backward_kernel[(triton.cdiv(T, BQ), rows)](
+            q, dy, g, w1, w2, dq, dg, mems, starts, count, T, B * H, g0, precision, D, F, BQ, _hidden_block(F, BH),
+            num_warps=warps, num_stages=stages)
 
 
 def weight_side(q, g, w1, w2, dy, reads: DenseReads, precision: str, dw1: torch.Tensor, dw2: torch.Tensor) -> None:
@@ -253,6 +281,8 @@ def weight_side(q, g, w1, w2, dy, reads: DenseReads, precision: str, dw1: torch.
     BH = _hidden_block(F, BH)
     mems, starts, _ = reads.tables(T, BQ, q.device)
     op = w1.dtype  # every query block is read once per hidden block: in the operands' dtype
-    _weight_backward_kernel[(F // BH, len(reads.mems), B * H)](
-        q.to(op), dy.to(op), g, w1, w2, dw1, dw2, mems, starts, T, B * H, precision, D, F, BQ, BH,
-        num_warps=warps, num_stages=stages)
+    q, dy = q.to(op), dy.to(op)
+    for g0, rows in _row_launches(B * H):
+        _weight_backward_kernel[(F // BH, len(reads.mems), rows)](
+            q, dy, g, w1, w2, dw1, dw2, mems, starts, T, B * H, g0, precision, D, F, BQ, BH, num_warps=warps,
+            num_stages=stages)

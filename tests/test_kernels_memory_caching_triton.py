@@ -21,15 +21,15 @@ TQ, STARTS = 40, (0, 0, 8, 16, 16, 20, 44)
 
 
 def problem(seed: int, select: bool):
-    """Queries ``(1, 2, TQ, 16)``, gates ``(N, 1, 2, TQ)`` zero before each memory's start and (``select``)
+    """Queries ``(2, 2, TQ, 16)``, gates ``(N, 2, 2, TQ)`` zero before each memory's start and (``select``)
     zero but for a few queries of the memories after the state's, and the memories' weights."""
     gen = torch.Generator().manual_seed(seed)
     N = len(STARTS)
-    q = torch.nn.functional.normalize(torch.randn(1, 2, TQ, SPEC.d_k, generator=gen), dim=-1)
-    weights = [torch.randn(N, 1, 2, *shape, generator=gen) * 0.3 for shape in SPEC.shapes.values()]
-    g = torch.rand(N, 1, 2, TQ, generator=gen) * (torch.arange(TQ)[None] >= torch.tensor(STARTS)[:, None])[:, None, None]
+    q = torch.nn.functional.normalize(torch.randn(2, 2, TQ, SPEC.d_k, generator=gen), dim=-1)
+    weights = [torch.randn(N, 2, 2, *shape, generator=gen) * 0.3 for shape in SPEC.shapes.values()]
+    g = torch.rand(N, 2, 2, TQ, generator=gen) * (torch.arange(TQ)[None] >= torch.tensor(STARTS)[:, None])[:, None, None]
     if select:
-        few = torch.rand(N, 1, 2, TQ, generator=gen) < 0.2
+        few = torch.rand(N, 2, 2, TQ, generator=gen) < 0.2
         few[2:, :, :, -1] = True
         g = torch.where(torch.arange(N)[:, None, None, None] >= 2, g * few, g)
     q, g, *weights = (x.to(DEVICE).requires_grad_() for x in (q, g, *weights))
@@ -48,8 +48,10 @@ def test_fused_cached_reads_equal_the_reads_memory_by_memory(blocks, select, mon
     """``sum_j g_j M_j(q)`` and every gradient through the fused kernels (memories that read every query from
     their start: all of them, or the state's two beside selective batches over their gathered queries) equal
     the reads written memory by memory in float64, to float32's rounding (relative error < 1e-6): blocks of 16 queries (one
-    straddles a start, one is partial) and 16 hidden units, or one block of all queries. The gates' gradients
-    are compared where a gate is nonzero, as the batched path writes them."""
+    straddles a start, one is partial) and 16 hidden units, or one block of all queries; two rows of two heads
+    (a selective batch's rows pair each memory with each batch row). The gates' gradients are compared with
+    the reference where a gate is nonzero (elsewhere the aggregations' softmax gives them weight zero), and
+    everywhere with the batched products' path, which writes them from each memory's start on."""
     for name in ("FORWARD_BLOCKS", "QUERY_BLOCKS", "WEIGHT_BLOCKS", "FLOAT32_BLOCKS"):
         monkeypatch.setattr(fused, name, blocks)
     calls = []
@@ -68,7 +70,11 @@ def test_fused_cached_reads_equal_the_reads_memory_by_memory(blocks, select, mon
         if i == 2:
             a, b = a * (g > 0), b * (g > 0)
         assert relative_error(a, b) < 1e-6, i
-    assert got_grads[2][6].abs().max() == 0  # the memory no query reads
+    assert got_grads[2][6].abs().max() == 0 and got_grads[3][6].abs().max() == 0  # the memory no query reads
+    with use_backend("torch"):
+        batched = mc._CachedReads.apply(SPEC, False, batches, q, g, *weights)
+    dg_batched = torch.autograd.grad((batched.double() * probe).sum(), g)[0]
+    assert relative_error(got_grads[1], dg_batched) < 1e-6
 
 
 def test_fused_cached_reads_in_bf16_operands_stay_within_their_rounding():
@@ -87,6 +93,47 @@ def test_fused_cached_reads_in_bf16_operands_stay_within_their_rounding():
         grads.append(out)
     for i, (a, b) in enumerate(zip(*grads)):
         assert relative_error(b, a) < 1e-2, i
+
+
+def test_the_fused_reads_run_only_where_they_compute_the_memory():
+    """The fused kernels take float32 MLP memories with an identity skip, no gate, widths they support and
+    gates per head, under ``use_backend("triton")`` or for bf16/fp16 problems on CUDA; anything else goes
+    through the batched products."""
+    q = torch.zeros(2, 2, 8, 16)
+    g = torch.zeros(3, 2, 2, 8)
+    weights = tuple(torch.zeros(3, 2, 2, *shape) for shape in SPEC.shapes.values())
+    with use_backend("triton"):
+        assert mc._fused_reads(SPEC, q, g, weights, False) == (torch.float32, "ieee")
+        assert mc._fused_reads(SPEC, q, g, weights, True) == fused.operands(True)
+        assert mc._fused_reads(SPEC, q, g[:, :, :1], weights, False) is None  # one gate for all heads
+        assert mc._fused_reads(SPEC, q.double(), g.double(), tuple(w.double() for w in weights), False) is None
+        for other in (TitansMemorySpec(depth=2, gated=True, d_k=16, d_v=16), TitansMemorySpec(depth=1, d_k=16, d_v=16),
+                      TitansMemorySpec(depth=2, d_k=16, d_v=32), TitansMemorySpec(depth=2, d_k=8, d_v=8)):
+            assert mc._fused_reads(other, q, g, weights, False) is None, other
+    with use_backend("torch"):
+        assert mc._fused_reads(SPEC, q, g, weights, True) is None
+    if not torch.cuda.is_available():
+        assert mc._fused_reads(SPEC, q, g, weights, True) is None  # automatic selection: CUDA only
+    with pytest.raises(ValueError, match="in order"):
+        fused.DenseReads((0, 1), (4, 0))
+
+
+def test_a_selective_batch_past_the_grid_limit_launches_in_parts(monkeypatch):
+    """Rows of heads beyond the grid's limit (a selective batch has one per memory, batch row and head) go in
+    several launches that write the same values as one."""
+    q, g, weights = problem(7, False)
+    reads = fused.DenseReads(tuple(range(len(STARTS))), STARTS)
+    args = (q.detach(), g.detach(), *(w.detach() for w in weights))
+    whole = fused.cached_reads_forward(*args, reads, "ieee")
+    dy = torch.randn(whole.shape, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    grads = []
+    for limit in (fused.MAX_GRID_ROWS, 3):  # 4 rows of heads: launches of 3 and 1
+        monkeypatch.setattr(fused, "MAX_GRID_ROWS", limit)
+        out = [torch.zeros(x.shape, device=DEVICE) for x in args]
+        fused.cached_reads_backward(*args, dy, reads, "ieee", *out)
+        grads.append([fused.cached_reads_forward(*args, reads, "ieee"), *out])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
