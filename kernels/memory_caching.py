@@ -825,7 +825,8 @@ def _segments_in_one_loop(spec: TitansMemorySpec, options: MCOptions, bufs: dict
     g_cached, g_online = mc_gates(options.aggregation, options.ssc_topk, u, online_summary, summaries, valid)
 
     starts = (0,) * N0 + tuple(range(seg, total, seg))
-    g_memories = g_cached.movedim(-1, 0)  # (N, B, H, T)
+    # (N, B, H, T); mean and residual weigh every head alike (N, B, 1, T): expanded, so that the fused reads take them.
+    g_memories = g_cached.movedim(-1, 0).expand(-1, -1, H, -1)
     # The device-to-host reads before the online memory runs, where they wait for little: ssc's selection,
     # the cache's size after this call.
     batches = _read_batches(spec, g_memories.detach(), starts, options.aggregation == "ssc", H)
