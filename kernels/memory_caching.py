@@ -708,6 +708,8 @@ class _CachedReads(torch.autograd.Function):
         from .memory_caching_triton import ONE_MEMORY, cached_reads_backward  # noqa: PLC0415
 
         operands, precision = fused
+        # Cast again rather than kept from the forward: 0.25 ms at T=8192 against a bf16 copy of every cached
+        # memory held from the forward to the backward.
         w_op = [w.to(operands) for w in weights]
         dense = _dense_reads(batches)
         read = sum(batch.last - batch.first for batch in batches)  # batches never share a memory
@@ -718,7 +720,7 @@ class _CachedReads(torch.autograd.Function):
         for batch in (batch for batch in batches if batch.pick is not None):
             qb, gb, wb = _CachedReads._picked(q, g, w_op, batch)
             dyb = _CachedReads._rows(dy, batch).reshape(qb.shape)
-            dq_b, dg_b = torch.empty_like(qb), torch.zeros_like(gb)
+            dq_b, dg_b = torch.empty_like(qb), torch.empty_like(gb)  # one memory from query 0: every row written
             dw_b = [d[batch.first:batch.last].view(1, -1, *d.shape[2:]) for d in dw]  # written in place
             cached_reads_backward(qb, gb, *wb, dyb, ONE_MEMORY, precision, dq_b, dg_b, *dw_b)
             _CachedReads._add(dq, dq_b.view(*batch.pick.shape, -1), batch)
