@@ -76,7 +76,7 @@ __all__ = ["ForwardParts", "covers", "chunk_forward"]
 BLOCKS = {"slice": 64, "width": 64, "read_width": 128, "update_width": 64, "output_width": 64, "rows": 16,
           "error_rows": 4, "warps": 4, "read_warps": 4, "update_warps": 4, "stages": 2,
           "share_unroll": 4, "backward_rows": 16, "backward_warps": 4, "backward_stages": 1, "chain_rows": 16,
-          "backward_warps_long": 8}
+          "backward_warps_long": 8, "tokens": 16, "tokens_whole": 64}
 
 
 def covers(spec, C: int, K: int) -> bool:
@@ -102,59 +102,67 @@ def _share_exists(j, NS, B: tl.constexpr):
 
 
 @triton.jit
-def _slice_program(C, K, F, BC: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr):
-    """A slice program's slice ``j``, row ``g`` (batch * head), slice count, and its hidden columns, key
-    rows and query rows with their masks."""
-    j = tl.program_id(0)
-    rf = j * BF + tl.arange(0, BF)
-    rk, rc = tl.arange(0, BK), tl.arange(0, BC)
-    return j, tl.program_id(1).to(tl.int64), tl.num_programs(0), rf, rk, rc, rf < F, rk < K, rc < C
-
-
-@triton.jit
 def _pre_kernel(Q, Kx, W1, W2, S2, PRE, QW, QS, QK, PART_PRED, PART_A2, C, K, D, F,
-                HAS_S: tl.constexpr, L2: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                HAS_S: tl.constexpr, L2: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, TB: tl.constexpr,
                 BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
-    j, g, ns, rf, rk, rc, mf, mk, mc = _slice_program(C, K, F, BC, BK, BF)
-    pre = tl.zeros((BK, BF), tl.float32)
-    qw = tl.zeros((BC, BF), tl.float32)
-    qs = tl.zeros((BC, BF), tl.float32)
-    for d0 in range(0, D, BD):
-        rd = d0 + tl.arange(0, BD)
-        md = rd < D
-        kk = tl.load(Kx + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
-        qq = tl.load(Q + g * C * D + rc[:, None] * D + rd[None, :], mask=mc[:, None] & md[None, :], other=0.0)
-        w2t = tl.load(W2 + g * F * D + rf[None, :] * D + rd[:, None], mask=md[:, None] & mf[None, :], other=0.0)
-        pre += tl.dot(kk, w2t, input_precision=PRECISION)
-        qw += tl.dot(qq, w2t, input_precision=PRECISION)
-        if HAS_S:
-            s2t = tl.load(S2 + g * F * D + rf[None, :] * D + rd[:, None], mask=md[:, None] & mf[None, :], other=0.0)
-            qs += tl.dot(qq, s2t, input_precision=PRECISION)
-    kf = mk[:, None] & mf[None, :]
-    cf = mc[:, None] & mf[None, :]
-    tl.store(PRE + g * K * F + rk[:, None] * F + rf[None, :], pre, mask=kf)
-    tl.store(QW + g * C * F + rc[:, None] * F + rf[None, :], qw, mask=cf)
-    if HAS_S:
-        tl.store(QS + g * C * F + rc[:, None] * F + rf[None, :], qs, mask=cf)
-    act = _gelu(pre)
-    tl.store(PART_A2 + (g * ns + j) * K + rk, tl.sum(act * act, 1), mask=mk)
-    if L2:
-        for d0 in range(0, D, BD):
-            rd = d0 + tl.arange(0, BD)
-            md = rd < D
-            w1t = tl.load(W1 + g * D * F + rd[None, :] * F + rf[:, None], mask=mf[:, None] & md[None, :], other=0.0)
-            part = tl.dot(act, w1t, input_precision=PRECISION)
-            tl.store(PART_PRED + ((g * ns + j) * K + rk[:, None]) * D + rd[None, :], part,
-                     mask=mk[:, None] & md[None, :])
-    if j == 0:
-        qk = tl.zeros((BC, BK), tl.float32)
+    """Program ``(j, t, g)`` of ``(NS, TB + 1, G)``: slice ``j`` on block ``t`` of the ``TB`` blocks of
+    written tokens (every row is its own), the first slice also ``q k^T`` on the block's columns;
+    ``t = TB`` takes the queries' ``q W2^T`` and ``q S2^T`` instead."""
+    j, t = tl.program_id(0), tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    ns = tl.num_programs(0)
+    rf, rc = j * BF + tl.arange(0, BF), tl.arange(0, BC)
+    mf, mc = rf < F, rc < C
+    if t == TB:
+        qw = tl.zeros((BC, BF), tl.float32)
+        qs = tl.zeros((BC, BF), tl.float32)
         for d0 in range(0, D, BD):
             rd = d0 + tl.arange(0, BD)
             md = rd < D
             qq = tl.load(Q + g * C * D + rc[:, None] * D + rd[None, :], mask=mc[:, None] & md[None, :], other=0.0)
-            kt = tl.load(Kx + g * K * D + rk[None, :] * D + rd[:, None], mask=md[:, None] & mk[None, :], other=0.0)
-            qk += tl.dot(qq, kt, input_precision=PRECISION)
-        tl.store(QK + g * C * K + rc[:, None] * K + rk[None, :], qk, mask=mc[:, None] & mk[None, :])
+            w2t = tl.load(W2 + g * F * D + rf[None, :] * D + rd[:, None], mask=md[:, None] & mf[None, :], other=0.0)
+            qw += tl.dot(qq, w2t, input_precision=PRECISION)
+            if HAS_S:
+                s2t = tl.load(S2 + g * F * D + rf[None, :] * D + rd[:, None], mask=md[:, None] & mf[None, :],
+                              other=0.0)
+                qs += tl.dot(qq, s2t, input_precision=PRECISION)
+        cf = mc[:, None] & mf[None, :]
+        tl.store(QW + g * C * F + rc[:, None] * F + rf[None, :], qw, mask=cf)
+        if HAS_S:
+            tl.store(QS + g * C * F + rc[:, None] * F + rf[None, :], qs, mask=cf)
+    else:
+        rk = t * BK + tl.arange(0, BK)
+        mk = rk < K
+        pre = tl.zeros((BK, BF), tl.float32)
+        for d0 in range(0, D, BD):
+            rd = d0 + tl.arange(0, BD)
+            md = rd < D
+            kk = tl.load(Kx + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
+            w2t = tl.load(W2 + g * F * D + rf[None, :] * D + rd[:, None], mask=md[:, None] & mf[None, :], other=0.0)
+            pre += tl.dot(kk, w2t, input_precision=PRECISION)
+        tl.store(PRE + g * K * F + rk[:, None] * F + rf[None, :], pre, mask=mk[:, None] & mf[None, :])
+        act = _gelu(pre)
+        tl.store(PART_A2 + (g * ns + j) * K + rk, tl.sum(act * act, 1), mask=mk)
+        if L2:
+            for d0 in range(0, D, BD):
+                rd = d0 + tl.arange(0, BD)
+                md = rd < D
+                w1t = tl.load(W1 + g * D * F + rd[None, :] * F + rf[:, None], mask=mf[:, None] & md[None, :],
+                              other=0.0)
+                part = tl.dot(act, w1t, input_precision=PRECISION)
+                tl.store(PART_PRED + ((g * ns + j) * K + rk[:, None]) * D + rd[None, :], part,
+                         mask=mk[:, None] & md[None, :])
+        if j == 0:
+            qk = tl.zeros((BC, BK), tl.float32)
+            for d0 in range(0, D, BD):
+                rd = d0 + tl.arange(0, BD)
+                md = rd < D
+                qq = tl.load(Q + g * C * D + rc[:, None] * D + rd[None, :], mask=mc[:, None] & md[None, :],
+                             other=0.0)
+                kt = tl.load(Kx + g * K * D + rk[None, :] * D + rd[:, None], mask=md[:, None] & mk[None, :],
+                             other=0.0)
+                qk += tl.dot(qq, kt, input_precision=PRECISION)
+            tl.store(QK + g * C * K + rc[:, None] * K + rk[None, :], qk, mask=mc[:, None] & mk[None, :])
 
 
 @triton.jit
@@ -187,11 +195,12 @@ def _error_kernel(Kx, V, PART_PRED, PART_A2, ERR, ERR2, K2, A2, K, D, NS: tl.con
 @triton.jit
 def _back_kernel(ERR, W1, PRE, BACK, E, PART_E2, K, D, F,
                  BK: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+    """Program ``(j, t, g)``: slice ``j`` on block ``t`` of the written tokens."""
     j = tl.program_id(0)
-    g = tl.program_id(1).to(tl.int64)
+    g = tl.program_id(2).to(tl.int64)
     ns = tl.num_programs(0)
     rf = j * BF + tl.arange(0, BF)
-    rk = tl.arange(0, BK)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
     mf, mk = rf < F, rk < K
     back = tl.zeros((BK, BF), tl.float32)
     for d0 in range(0, D, BD):
@@ -224,40 +233,46 @@ def _clip_scale(PART_E2, ERR2, K2, A2, g, rk, mk, K, NS, CLIP: tl.constexpr, cli
 @triton.jit
 def _read_kernel(W1, S1, PRE, E, QW, QS, QK, GA, GB, GC, PART_E2, ERR2, K2, A2, SCALE, HP, H, PART_HW, PART_HS,
                  PART_P, clip, C, K, D, F,
-                 HAS_S: tl.constexpr, CLIP: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                 HAS_S: tl.constexpr, CLIP: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, TB: tl.constexpr,
                  BF: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr, PRECISION: tl.constexpr):
     """Program ``(j, w, g)``: the clip's scale, the queries' hidden layer on slice ``j`` through every token's
     online weights, and its shares of ``h W1^T`` and ``h S1^T`` on width block ``w`` (``BW`` columns, in
     steps of ``BD``) and of ``h gelu(pre)^T``. Every width block computes the hidden layer again (three
     ``(chunk, slice)`` loads and one product, from L2) so that enough programs stream ``W1`` and ``S1``;
-    the first one writes it."""
-    j, _, ns, rf, rk, rc, mf, mk, mc = _slice_program(C, K, F, BC, BK, BF)
+    the first one writes it. The written tokens are taken ``BK`` at a time."""
+    j = tl.program_id(0)
     w = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)  # a third grid axis: the width blocks are the second
-    s = _clip_scale(PART_E2, ERR2, K2, A2, g, rk, mk, K, ns, CLIP, clip, BK)
-    if (j == 0) & (w == 0):
-        tl.store(SCALE + g * K + rk, s, mask=mk)
-    kf = mk[:, None] & mf[None, :]
+    ns = tl.num_programs(0)
+    rf, rc = j * BF + tl.arange(0, BF), tl.arange(0, BC)
+    mf, mc = rf < F, rc < C
     cf = mc[:, None] & mf[None, :]
-    ck = mc[:, None] & mk[None, :]
-    a = tl.load(GA + g * C + rc, mask=mc, other=0.0)
-    e = tl.load(E + g * K * F + rk[:, None] * F + rf[None, :], mask=kf, other=0.0)
-    coef = tl.load(GC + g * C * K + rc[:, None] * K + rk[None, :], mask=ck, other=0.0)
-    qk = tl.load(QK + g * C * K + rc[:, None] * K + rk[None, :], mask=ck, other=0.0)
     cf_offs = g * C * F + rc[:, None] * F + rf[None, :]
-    hp = a[:, None] * tl.load(QW + cf_offs, mask=cf, other=0.0)
-    hp += tl.dot(coef * qk * s[None, :], e, input_precision=PRECISION)
+    hp = tl.load(GA + g * C + rc, mask=mc, other=0.0)[:, None] * tl.load(QW + cf_offs, mask=cf, other=0.0)
     if HAS_S:
-        b = tl.load(GB + g * C + rc, mask=mc, other=0.0)
-        hp += b[:, None] * tl.load(QS + cf_offs, mask=cf, other=0.0)
+        hp += tl.load(GB + g * C + rc, mask=mc, other=0.0)[:, None] * tl.load(QS + cf_offs, mask=cf, other=0.0)
+    for t in range(TB):
+        rk = t * BK + tl.arange(0, BK)
+        mk = rk < K
+        ck = mc[:, None] & mk[None, :]
+        s = _clip_scale(PART_E2, ERR2, K2, A2, g, rk, mk, K, ns, CLIP, clip, BK)
+        if (j == 0) & (w == 0):
+            tl.store(SCALE + g * K + rk, s, mask=mk)
+        e = tl.load(E + g * K * F + rk[:, None] * F + rf[None, :], mask=mk[:, None] & mf[None, :], other=0.0)
+        coef = tl.load(GC + g * C * K + rc[:, None] * K + rk[None, :], mask=ck, other=0.0)
+        qk = tl.load(QK + g * C * K + rc[:, None] * K + rk[None, :], mask=ck, other=0.0)
+        hp += tl.dot(coef * qk * s[None, :], e, input_precision=PRECISION)
     h = _gelu(hp)
     if w == 0:
         tl.store(HP + cf_offs, hp, mask=cf)
         tl.store(H + cf_offs, h, mask=cf)
-        act_t = _gelu(tl.load(PRE + g * K * F + rk[None, :] * F + rf[:, None], mask=mf[:, None] & mk[None, :],
-                              other=0.0))
-        tl.store(PART_P + ((g * ns + j) * C + rc[:, None]) * K + rk[None, :],
-                 tl.dot(h, act_t, input_precision=PRECISION), mask=ck)
+        for t in range(TB):
+            rk = t * BK + tl.arange(0, BK)
+            mk = rk < K
+            act_t = _gelu(tl.load(PRE + g * K * F + rk[None, :] * F + rf[:, None], mask=mf[:, None] & mk[None, :],
+                                  other=0.0))
+            tl.store(PART_P + ((g * ns + j) * C + rc[:, None]) * K + rk[None, :],
+                     tl.dot(h, act_t, input_precision=PRECISION), mask=mc[:, None] & mk[None, :])
     # W1 and S1 (D, F), read transposed: tiles of columns rf, rows rd.
     for d0 in range(w * BW, tl.minimum(D, (w + 1) * BW), BD):
         rd = d0 + tl.arange(0, BD)
@@ -276,67 +291,116 @@ def _read_kernel(W1, S1, PRE, E, QW, QS, QK, GA, GB, GC, PART_E2, ERR2, K2, A2, 
 @triton.jit
 def _update_kernel(Kx, W1, W2, S1, S2, W1_OUT, W2_OUT, S1_OUT, S2_OUT, PRE, E, ERR, GA, GB, GC, SA, SC, SCALE,
                    C, K, D, F,
-                   HAS_S: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr,
+                   HAS_S: tl.constexpr, BK: tl.constexpr, TB: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr,
                    PRECISION: tl.constexpr):
     """Program ``(j, w, g)``: the final values of ``W1, S1`` (columns of slice ``j``) and ``W2, S2`` (its
-    rows) on width block ``w``. Apart from the read, and over width blocks too, so that enough programs
-    stream the weights: one program per slice held the whole width (four warps per SM at T=8192, B=2)."""
+    rows) on width block ``w``, summing over the written tokens ``BK`` at a time. Apart from the read, and
+    over width blocks too, so that enough programs stream the weights: one program per slice held the
+    whole width (four warps per SM at T=8192, B=2)."""
     j, w = tl.program_id(0), tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)
-    rf, rk, rd = j * BF + tl.arange(0, BF), tl.arange(0, BK), w * BD + tl.arange(0, BD)
-    mf, mk, md = rf < F, rk < K, rd < D
-    s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
+    rf, rd = j * BF + tl.arange(0, BF), w * BD + tl.arange(0, BD)
+    mf, md = rf < F, rd < D
     a_last = tl.load(GA + g * C + C - 1)
-    c_last = tl.load(GC + g * C * K + (C - 1) * K + rk, mask=mk, other=0.0) * s
-    if HAS_S:
-        b_last = tl.load(GB + g * C + C - 1)
-        sa = tl.load(SA + g)
-        sc = tl.load(SC + g * K + rk, mask=mk, other=0.0) * s
-    # W1 and S1 (D, F): the tile of rows rd, columns rf.
-    act = _gelu(tl.load(PRE + g * K * F + rk[:, None] * F + rf[None, :], mask=mk[:, None] & mf[None, :], other=0.0))
-    err_t = tl.load(ERR + g * K * D + rk[None, :] * D + rd[:, None], mask=md[:, None] & mk[None, :], other=0.0)
-    _update_tile(W1, S1, W1_OUT, S1_OUT, g * D * F + rd[:, None] * F + rf[None, :], md[:, None] & mf[None, :],
-                 err_t, act, a_last, b_last if HAS_S else a_last, sa if HAS_S else a_last, c_last,
-                 sc if HAS_S else c_last, HAS_S, PRECISION)
-    # W2 and S2 (F, D): the tile of rows rf, columns rd.
-    e_t = tl.load(E + g * K * F + rk[None, :] * F + rf[:, None], mask=mf[:, None] & mk[None, :], other=0.0)
-    kk = tl.load(Kx + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
-    _update_tile(W2, S2, W2_OUT, S2_OUT, g * F * D + rf[:, None] * D + rd[None, :], mf[:, None] & md[None, :],
-                 e_t, kk, a_last, b_last if HAS_S else a_last, sa if HAS_S else a_last, c_last,
-                 sc if HAS_S else c_last, HAS_S, PRECISION)
+    b_last = tl.load(GB + g * C + C - 1) if HAS_S else a_last
+    sa = tl.load(SA + g) if HAS_S else a_last
+    # W1 and S1 (D, F), the tile of rows rd, columns rf, then W2 and S2 (F, D), rows rf, columns rd: one
+    # weight at a time, each accumulator started from the weights' terms so that their loads are in flight
+    # before the products (loaded after them, the kernel took 40-48 against 36 us per chunk at 4 heads x 256
+    # on an H100).
+    offs = g * D * F + rd[:, None] * F + rf[None, :]
+    mask = md[:, None] & mf[None, :]
+    acc_w, acc_s = _carried_terms(W1, S1, offs, mask, a_last, b_last, sa, HAS_S)
+    for t in range(TB):
+        rk = t * BK + tl.arange(0, BK)
+        mk = rk < K
+        cs, ss = _last_coefficients(GC, SC, SCALE, g, rk, mk, C, K, HAS_S)
+        act = _gelu(tl.load(PRE + g * K * F + rk[:, None] * F + rf[None, :], mask=mk[:, None] & mf[None, :],
+                            other=0.0))
+        err_t = tl.load(ERR + g * K * D + rk[None, :] * D + rd[:, None], mask=md[:, None] & mk[None, :], other=0.0)
+        acc_w += tl.dot(err_t * cs[None, :], act, input_precision=PRECISION)
+        if HAS_S:
+            acc_s += tl.dot(err_t * ss[None, :], act, input_precision=PRECISION)
+    _store_final(W1_OUT, S1_OUT, offs, mask, acc_w, acc_s, HAS_S)
+    offs = g * F * D + rf[:, None] * D + rd[None, :]
+    mask = mf[:, None] & md[None, :]
+    acc_w, acc_s = _carried_terms(W2, S2, offs, mask, a_last, b_last, sa, HAS_S)
+    for t in range(TB):
+        rk = t * BK + tl.arange(0, BK)
+        mk = rk < K
+        cs, ss = _last_coefficients(GC, SC, SCALE, g, rk, mk, C, K, HAS_S)
+        e_t = tl.load(E + g * K * F + rk[None, :] * F + rf[:, None], mask=mf[:, None] & mk[None, :], other=0.0)
+        kk = tl.load(Kx + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
+        acc_w += tl.dot(e_t * cs[None, :], kk, input_precision=PRECISION)
+        if HAS_S:
+            acc_s += tl.dot(e_t * ss[None, :], kk, input_precision=PRECISION)
+    _store_final(W2_OUT, S2_OUT, offs, mask, acc_w, acc_s, HAS_S)
 
 
 @triton.jit
-def _update_tile(W, S, W_OUT, S_OUT, offs, mask, left, right, a_last, b_last, sa, c_last, sc,
-                 HAS_S: tl.constexpr, PRECISION: tl.constexpr):
-    """One tile of a weight's final value ``a W + b S + (left c) right`` and its momentum's
-    ``sa S + (left sc) right`` (``left`` is the tile's rows by the written tokens)."""
-    w_new = a_last * tl.load(W + offs, mask=mask, other=0.0)
-    w_new += tl.dot(left * c_last[None, :], right, input_precision=PRECISION)
+def _carried_terms(W, S, offs, mask, a_last, b_last, sa, HAS_S: tl.constexpr):
+    """A tile's terms of the chunk's final weight ``a W + b S`` and momentum ``sa S`` (the second is the
+    first again without momentum, and unused)."""
+    w = a_last * tl.load(W + offs, mask=mask, other=0.0)
+    s = w
     if HAS_S:
         s = tl.load(S + offs, mask=mask, other=0.0)
-        w_new += b_last * s
-        tl.store(S_OUT + offs, sa * s + tl.dot(left * sc[None, :], right, input_precision=PRECISION), mask=mask)
-    tl.store(W_OUT + offs, w_new, mask=mask)
+        w += b_last * s
+        s = sa * s
+    return w, s
+
+
+@triton.jit
+def _store_final(W_OUT, S_OUT, offs, mask, w, s, HAS_S: tl.constexpr):
+    tl.store(W_OUT + offs, w, mask=mask)
+    if HAS_S:
+        tl.store(S_OUT + offs, s, mask=mask)
+
+
+@triton.jit
+def _last_coefficients(GC, SC, SCALE, g, rk, mk, C, K, HAS_S: tl.constexpr):
+    """The written tokens' coefficients in the chunk's final weights and momenta, clip scale included:
+    the last row of ``c`` and ``sc`` (``cs`` again without momentum)."""
+    s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
+    cs = tl.load(GC + g * C * K + (C - 1) * K + rk, mask=mk, other=0.0) * s
+    ss = tl.load(SC + g * K + rk, mask=mk, other=0.0) * s if HAS_S else cs
+    return cs, ss
+
+
+@triton.jit
+def _output_tokens_term(p, ERR, GC, SCALE, P, w, g, rr, rk, rd, mr, mk, md, C, K, D, PRECISION: tl.constexpr):
+    """A block ``rk`` of written tokens' term ``(c p s) err`` of the read; the first width block writes the
+    block of ``p``."""
+    mp = mr[:, None] & mk[None, :]
+    if w == 0:
+        tl.store(P + g * C * K + rr[:, None] * K + rk[None, :], p, mask=mp)
+    s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
+    coef = tl.load(GC + g * C * K + rr[:, None] * K + rk[None, :], mask=mp, other=0.0)
+    err = tl.load(ERR + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
+    return tl.dot(coef * p * s[None, :], err, input_precision=PRECISION)
 
 
 @triton.jit
 def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, P, Y, C, K, D, NS,
-                   HAS_S: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, U: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """Program ``(r, w)``: rows block ``r`` of the chunk's queries, block ``w`` of the value width."""
+                   HAS_S: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr,
+                   U: tl.constexpr, PRECISION: tl.constexpr):
+    """Program ``(r, w, g)``: rows block ``r`` of the chunk's queries, block ``w`` of the value width; the
+    written tokens ``BK`` at a time."""
     g = tl.program_id(2).to(tl.int64)
     w = tl.program_id(1)
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
-    rd, rk = w * BD + tl.arange(0, BD), tl.arange(0, BK)
-    mr, md, mk = rr < C, rd < D, rk < K
+    rd = w * BD + tl.arange(0, BD)
+    mr, md = rr < C, rd < D
     m = mr[:, None] & md[None, :]
-    mp = mr[:, None] & mk[None, :]
     hw = tl.zeros((BR, BD), tl.float32)
     hs = tl.zeros((BR, BD), tl.float32)
+    # The first block of written tokens' p summed in the same loop as hw and hs (all of them for up to 64
+    # tokens), the others after it. U shares per step: all NS unrolled took this kernel from 26.5 to 213.5 us
+    # per chunk on an H100 (registers), a rolled loop waits on each share's loads in turn (RESULTS.md).
+    rk = tl.arange(0, BK)
+    mk = rk < K
+    mp = mr[:, None] & mk[None, :]
     p = tl.zeros((BR, BK), tl.float32)
-    # U shares per step: all NS unrolled took this kernel from 26.5 to 213.5 us per chunk on an H100
-    # (registers), a rolled loop waits on each share's loads in turn (RESULTS.md).
     for j0 in range(0, NS, U):
         for u in tl.static_range(U):
             j = j0 + u
@@ -348,17 +412,22 @@ def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, 
             p += tl.load(PART_P + ((g * NS + j) * C + rr[:, None]) * K + rk[None, :], mask=mp & ok, other=0.0)
     offs = g * C * D + rr[:, None] * D + rd[None, :]
     tl.store(HW + offs, hw, mask=m)
-    if w == 0:
-        tl.store(P + g * C * K + rr[:, None] * K + rk[None, :], p, mask=mp)
-    a = tl.load(GA + g * C + rr, mask=mr, other=0.0)
-    y = tl.load(Q + offs, mask=m, other=0.0) + a[:, None] * hw
+    y = tl.load(Q + offs, mask=m, other=0.0) + tl.load(GA + g * C + rr, mask=mr, other=0.0)[:, None] * hw
     if HAS_S:
         tl.store(HS + offs, hs, mask=m)
         y += tl.load(GB + g * C + rr, mask=mr, other=0.0)[:, None] * hs
-    s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
-    coef = tl.load(GC + g * C * K + rr[:, None] * K + rk[None, :], mask=mp, other=0.0)
-    err = tl.load(ERR + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
-    y += tl.dot(coef * p * s[None, :], err, input_precision=PRECISION)
+    y += _output_tokens_term(p, ERR, GC, SCALE, P, w, g, rr, rk, rd, mr, mk, md, C, K, D, PRECISION)
+    for t in range(1, TB):
+        rk = t * BK + tl.arange(0, BK)
+        mk = rk < K
+        mp = mr[:, None] & mk[None, :]
+        p = tl.zeros((BR, BK), tl.float32)
+        for j0 in range(0, NS, U):
+            for u in tl.static_range(U):
+                j = j0 + u
+                ok = _share_exists(j, NS, BR)[:, None]
+                p += tl.load(PART_P + ((g * NS + j) * C + rr[:, None]) * K + rk[None, :], mask=mp & ok, other=0.0)
+        y += _output_tokens_term(p, ERR, GC, SCALE, P, w, g, rr, rk, rd, mr, mk, md, C, K, D, PRECISION)
     tl.store(Y + offs, y, mask=m)
 
 
@@ -403,6 +472,14 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+def _token_block(K: int) -> int:
+    """Written tokens per block of the kernels that take them in blocks: all of them in one block up to
+    ``BLOCKS["tokens_whole"]``, else blocks of ``BLOCKS["tokens"]``. Atlas' Omega window writes
+    ``K = C + window - 1`` tokens (79 at chunk 64, window 16), which one block pads to 128."""
+    whole = _pow2(K)
+    return whole if whole <= BLOCKS["tokens_whole"] else max(16, BLOCKS["tokens"])
+
+
 def chunk_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] | None, q: torch.Tensor,
                   k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor,
                   sa_last: torch.Tensor | None, sc_last: torch.Tensor | None):
@@ -418,7 +495,8 @@ def chunk_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] |
     S1, S2 = (S["w1"].contiguous(), S["w2"].contiguous()) if has_s else (W1, W2)
     BF, BD, BR = min(BLOCKS["slice"], _pow2(F)), min(BLOCKS["width"], _pow2(D)), BLOCKS["rows"]
     launch = dict(num_warps=BLOCKS["warps"], num_stages=BLOCKS["stages"])
-    BC, BK, BDF = _pow2(C), _pow2(K), _pow2(D)
+    BC, BK, BDF = _pow2(C), _token_block(K), _pow2(D)
+    KB = triton.cdiv(K, BK)
     NS = triton.cdiv(F, BF)
     new = lambda *shape: q.new_empty(*shape)  # noqa: E731
     pre, back, e = new(G, K, F), new(G, K, F), new(G, K, F)
@@ -435,28 +513,29 @@ def chunk_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] |
     S1_out, S2_out = (torch.empty_like(W1), torch.empty_like(W2)) if has_s else (W1_out, W2_out)
     l2, clip = spec.objective == "l2", spec.grad_clip
     prec = _precision()
-    slices = (NS, G)
-    _pre_kernel[slices](q, k, W1, W2, S2, pre, qw, qs, qk, part_pred, part_a2, C, K, D, F,
-                        HAS_S=has_s, L2=l2, BC=BC, BK=BK, BF=BF, BD=BD, PRECISION=prec, **launch)
+    slices = (NS, KB, G)
+    _pre_kernel[(NS, KB + 1, G)](q, k, W1, W2, S2, pre, qw, qs, qk, part_pred, part_a2, C, K, D, F,
+                        HAS_S=has_s, L2=l2, BC=BC, BK=BK, TB=KB, BF=BF, BD=BD, PRECISION=prec, **launch)
     _error_kernel[(triton.cdiv(K, BLOCKS["error_rows"]), G)](k, v, part_pred, part_a2, err, err2, k2, a2, K, D, NS,
                                                              L2=l2, BR=BLOCKS["error_rows"], BDF=BDF, **launch)
     _back_kernel[slices](err, W1, pre, back, e, part_e2, K, D, F, BK=BK, BF=BF, BD=BD, PRECISION=prec,
                          **launch)
     gb, gsa, gsc = (b, sa_last, sc_last) if has_s else (a, a, a)
     BW = max(BD, min(BLOCKS["read_width"], _pow2(D)))
-    _read_kernel[(NS, triton.cdiv(D, BW), G)](W1, S1, pre, e, qw, qs, qk, a, gb, c, part_e2, err2, k2, a2, scale, hp, h, part_hw,
-                         part_hs, part_p, float(clip) if clip is not None else 0.0, C, K, D, F,
-                         HAS_S=has_s, CLIP=clip is not None, BC=BC, BK=BK, BF=BF, BD=BD, BW=BW,
-                         PRECISION=prec, num_warps=BLOCKS["read_warps"], num_stages=BLOCKS["stages"])
+    _read_kernel[(NS, triton.cdiv(D, BW), G)](
+        W1, S1, pre, e, qw, qs, qk, a, gb, c, part_e2, err2, k2, a2, scale, hp, h, part_hw, part_hs, part_p,
+        float(clip) if clip is not None else 0.0, C, K, D, F,
+        HAS_S=has_s, CLIP=clip is not None, BC=BC, BK=BK, TB=KB, BF=BF, BD=BD, BW=BW,
+        PRECISION=prec, num_warps=BLOCKS["read_warps"], num_stages=BLOCKS["stages"])
     BDU = min(BLOCKS["update_width"], _pow2(D))
     _update_kernel[(NS, triton.cdiv(D, BDU), G)](
         k, W1, W2, S1, S2, W1_out, W2_out, S1_out, S2_out, pre, e, err, a, gb, c, gsa, gsc, scale, C, K, D, F,
-        HAS_S=has_s, BK=BK, BF=BF, BD=BDU, PRECISION=prec, num_warps=BLOCKS["update_warps"],
+        HAS_S=has_s, BK=BK, TB=KB, BF=BF, BD=BDU, PRECISION=prec, num_warps=BLOCKS["update_warps"],
         num_stages=BLOCKS["stages"])
     BDO = min(BLOCKS["output_width"], _pow2(D))
     _output_kernel[(triton.cdiv(C, BR), triton.cdiv(D, BDO), G)](
         q, err, a, gb, c, scale, part_hw, part_hs, part_p, hw, hs, p, y, C, K, D, NS,
-        HAS_S=has_s, BR=BR, BK=BK, BD=BDO, U=BLOCKS["share_unroll"], PRECISION=prec, **launch)
+        HAS_S=has_s, BR=BR, BK=BK, TB=KB, BD=BDO, U=BLOCKS["share_unroll"], PRECISION=prec, **launch)
     parts = ForwardParts(pre=pre, back=back, e=e, err=err, scale=scale, qw=qw, qs=qs if has_s else None, qk=qk,
                          hidden_pre=hp, hidden=h, hw=hw, hs=hs if has_s else None, p=p,
                          a2=a2, err2=err2, k2=k2, part_e2=part_e2)

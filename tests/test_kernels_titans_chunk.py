@@ -247,8 +247,8 @@ SLICED = {
 def test_the_sliced_triton_chunk_equals_the_torch_chunk(name, momentum, slice_, monkeypatch):
     """The forward and backward split along the hidden layer (48 hidden units in three slices of 16, or
     a slice of 32 and a partial one; key width in blocks of 16 with a partial last one, also across the
-    read's, update's and output's programs with slices of 16, whose backward also takes the written tokens
-    in blocks of 16; 12 queries over 20 written tokens) against the cuBLAS path and its written-out
+    read's, update's and output's programs with slices of 16, whose forward and backward also take the
+    written tokens in blocks of 16; 12 queries over 20 written tokens) against the cuBLAS path and its written-out
     backward, values and every gradient, each held to float64."""
     pytest.importorskip("triton")
     from mnemo.kernels import titans_chunk_forward_triton as sliced
@@ -259,7 +259,10 @@ def test_the_sliced_triton_chunk_equals_the_torch_chunk(name, momentum, slice_, 
     if slice_ == 16:  # the read, update and output over two width blocks (a partial one); else one of 32
         for key in ("read_width", "update_width", "output_width"):
             monkeypatch.setitem(sliced.BLOCKS, key, 16)
-        monkeypatch.setitem(sliced.BLOCKS, "chain_rows", 16)  # the written tokens in two blocks, one partial
+        # the written tokens in two blocks, one partial, wherever they are taken in blocks
+        monkeypatch.setitem(sliced.BLOCKS, "chain_rows", 16)
+        monkeypatch.setitem(sliced.BLOCKS, "tokens", 16)
+        monkeypatch.setitem(sliced.BLOCKS, "tokens_whole", 16)
     spec = SLICED[name]
     assert sliced.covers(spec, 12, 20)
     gen = torch.Generator().manual_seed(5)
