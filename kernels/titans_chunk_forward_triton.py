@@ -73,10 +73,10 @@ __all__ = ["ForwardParts", "covers", "chunk_forward"]
 # Slice programs over more than 64 written tokens (blocks of 128) without momentum, OmegaNet's window,
 # take 8 warps: OmegaNet 10% / 4% faster at T=2048 / 8192 than with 4 (H200); with momentum 8 warps
 # were 2% slower at T=2048 and 4% faster at 8192, so those stay at 4. Written tokens: one block up to 64
-# of them, past that blocks of 16 in every kernel (Atlas at 16 heads x 64, window 16, K = 79, on an H100:
-# with momentum 67.5 / 73.5 -> 46.8-48.2 / 57.5-58.4 ms at T=2048 / 8192, OmegaNet 45.7-47.3 / 52.5-55.8 ->
-# 42.5-42.9 / 50.8-51.1; blocks of 32: 59.5 / 60.6, of 64: 54.6 / 64.9 with momentum). Titans (K = 64)
-# keeps its one block: blocks of 16 or 32 were 2-16% slower at 4 heads x 256.
+# of them, past that blocks of 16 in every kernel. Atlas at 16 heads x 64, window 16 (K = 79), on an H100,
+# at T=2048 / 8192: with momentum 60.4-67.5 / 71.2-73.9 -> 46.8-48.2 / 57.5-59.2 ms, OmegaNet 45.7-47.3 /
+# 52.5-55.8 -> 42.5-42.9 / 50.8-51.1 ms; blocks of 32: 59.5 / 60.6 ms, of 64: 54.6 / 64.9 ms with momentum.
+# Titans (K = 64) keeps its one block: blocks of 16 or 32 were 2-15% slower at 4 heads x 256.
 BLOCKS = {"slice": 64, "width": 64, "read_width": 128, "update_width": 64, "output_width": 64, "rows": 16,
           "error_rows": 4, "warps": 4, "read_warps": 4, "update_warps": 4, "stages": 2,
           "share_unroll": 4, "backward_rows": 16, "backward_warps": 4, "backward_stages": 1, "chain_rows": 16,
