@@ -315,30 +315,38 @@ def _update_kernel(Kx, W1, W2, S1, S2, W1_OUT, W2_OUT, S1_OUT, S2_OUT, PRE, E, E
     offs = g * D * F + rd[:, None] * F + rf[None, :]
     mask = md[:, None] & mf[None, :]
     acc_w, acc_s = _carried_terms(W1, S1, offs, mask, a_last, b_last, sa, HAS_S)
-    for t in range(TB):
-        rk = t * BK + tl.arange(0, BK)
-        mk = rk < K
-        cs, ss = _last_coefficients(GC, SC, SCALE, g, rk, mk, C, K, HAS_S)
-        act = _gelu(tl.load(PRE + g * K * F + rk[:, None] * F + rf[None, :], mask=mk[:, None] & mf[None, :],
-                            other=0.0))
-        err_t = tl.load(ERR + g * K * D + rk[None, :] * D + rd[:, None], mask=md[:, None] & mk[None, :], other=0.0)
-        acc_w += tl.dot(err_t * cs[None, :], act, input_precision=PRECISION)
-        if HAS_S:
-            acc_s += tl.dot(err_t * ss[None, :], act, input_precision=PRECISION)
+    acc_w, acc_s = _add_written_terms(acc_w, acc_s, ERR, D, rd, md, PRE, F, rf, mf, GC, SC, SCALE, g, C, K,
+                                      True, HAS_S, BK, TB, PRECISION)
     _store_final(W1_OUT, S1_OUT, offs, mask, acc_w, acc_s, HAS_S)
     offs = g * F * D + rf[:, None] * D + rd[None, :]
     mask = mf[:, None] & md[None, :]
     acc_w, acc_s = _carried_terms(W2, S2, offs, mask, a_last, b_last, sa, HAS_S)
+    acc_w, acc_s = _add_written_terms(acc_w, acc_s, E, F, rf, mf, Kx, D, rd, md, GC, SC, SCALE, g, C, K,
+                                      False, HAS_S, BK, TB, PRECISION)
+    _store_final(W2_OUT, S2_OUT, offs, mask, acc_w, acc_s, HAS_S)
+
+
+@triton.jit
+def _add_written_terms(acc_w, acc_s, LEFT, NL, rl, ml, RIGHT, NR, rr, mr, GC, SC, SCALE, g, C, K,
+                       GELU: tl.constexpr, HAS_S: tl.constexpr, BK: tl.constexpr, TB: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """``acc_w + (left cs) right`` and ``acc_s + (left ss) right`` over the written tokens, ``BK`` at a
+    time: ``left`` is columns ``rl`` of ``LEFT (G, K, NL)`` loaded transposed, ``right`` columns ``rr`` of
+    ``RIGHT (G, K, NR)``, through the GELU for ``GELU``."""
     for t in range(TB):
         rk = t * BK + tl.arange(0, BK)
         mk = rk < K
         cs, ss = _last_coefficients(GC, SC, SCALE, g, rk, mk, C, K, HAS_S)
-        e_t = tl.load(E + g * K * F + rk[None, :] * F + rf[:, None], mask=mf[:, None] & mk[None, :], other=0.0)
-        kk = tl.load(Kx + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
-        acc_w += tl.dot(e_t * cs[None, :], kk, input_precision=PRECISION)
+        left_t = tl.load(LEFT + g * K * NL + rk[None, :] * NL + rl[:, None], mask=ml[:, None] & mk[None, :],
+                         other=0.0)
+        right = tl.load(RIGHT + g * K * NR + rk[:, None] * NR + rr[None, :], mask=mk[:, None] & mr[None, :],
+                        other=0.0)
+        if GELU:
+            right = _gelu(right)
+        acc_w += tl.dot(left_t * cs[None, :], right, input_precision=PRECISION)
         if HAS_S:
-            acc_s += tl.dot(e_t * ss[None, :], kk, input_precision=PRECISION)
-    _store_final(W2_OUT, S2_OUT, offs, mask, acc_w, acc_s, HAS_S)
+            acc_s += tl.dot(left_t * ss[None, :], right, input_precision=PRECISION)
+    return acc_w, acc_s
 
 
 @triton.jit
@@ -372,19 +380,6 @@ def _last_coefficients(GC, SC, SCALE, g, rk, mk, C, K, HAS_S: tl.constexpr):
 
 
 @triton.jit
-def _output_tokens_term(p, ERR, GC, SCALE, P, w, g, rr, rk, rd, mr, mk, md, C, K, D, PRECISION: tl.constexpr):
-    """A block ``rk`` of written tokens' term ``(c p s) err`` of the read; the first width block writes the
-    block of ``p``."""
-    mp = mr[:, None] & mk[None, :]
-    if w == 0:
-        tl.store(P + g * C * K + rr[:, None] * K + rk[None, :], p, mask=mp)
-    s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
-    coef = tl.load(GC + g * C * K + rr[:, None] * K + rk[None, :], mask=mp, other=0.0)
-    err = tl.load(ERR + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
-    return tl.dot(coef * p * s[None, :], err, input_precision=PRECISION)
-
-
-@triton.jit
 def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, P, Y, C, K, D, NS,
                    HAS_S: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr,
                    U: tl.constexpr, PRECISION: tl.constexpr):
@@ -398,13 +393,8 @@ def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, 
     m = mr[:, None] & md[None, :]
     hw = tl.zeros((BR, BD), tl.float32)
     hs = tl.zeros((BR, BD), tl.float32)
-    # The first block of written tokens' p summed in the same loop as hw and hs (all of them for up to 64
-    # tokens), the others after it. U shares per step: all NS unrolled took this kernel from 26.5 to 213.5 us
-    # per chunk on an H100 (registers), a rolled loop waits on each share's loads in turn (RESULTS.md).
-    rk = tl.arange(0, BK)
-    mk = rk < K
-    mp = mr[:, None] & mk[None, :]
-    p = tl.zeros((BR, BK), tl.float32)
+    # U shares per step: all NS unrolled took this kernel from 26.5 to 213.5 us per chunk on an H100
+    # (registers), a rolled loop waits on each share's loads in turn (RESULTS.md).
     for j0 in range(0, NS, U):
         for u in tl.static_range(U):
             j = j0 + u
@@ -413,15 +403,14 @@ def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, 
             hw += tl.load(PART_HW + part, mask=m & ok, other=0.0)
             if HAS_S:
                 hs += tl.load(PART_HS + part, mask=m & ok, other=0.0)
-            p += tl.load(PART_P + ((g * NS + j) * C + rr[:, None]) * K + rk[None, :], mask=mp & ok, other=0.0)
     offs = g * C * D + rr[:, None] * D + rd[None, :]
     tl.store(HW + offs, hw, mask=m)
     y = tl.load(Q + offs, mask=m, other=0.0) + tl.load(GA + g * C + rr, mask=mr, other=0.0)[:, None] * hw
     if HAS_S:
         tl.store(HS + offs, hs, mask=m)
         y += tl.load(GB + g * C + rr, mask=mr, other=0.0)[:, None] * hs
-    y += _output_tokens_term(p, ERR, GC, SCALE, P, w, g, rr, rk, rd, mr, mk, md, C, K, D, PRECISION)
-    for t in range(1, TB):
+    # The read's written tokens' term (c p s) err; the first width block writes p.
+    for t in range(TB):
         rk = t * BK + tl.arange(0, BK)
         mk = rk < K
         mp = mr[:, None] & mk[None, :]
@@ -431,7 +420,12 @@ def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, 
                 j = j0 + u
                 ok = _share_exists(j, NS, BR)[:, None]
                 p += tl.load(PART_P + ((g * NS + j) * C + rr[:, None]) * K + rk[None, :], mask=mp & ok, other=0.0)
-        y += _output_tokens_term(p, ERR, GC, SCALE, P, w, g, rr, rk, rd, mr, mk, md, C, K, D, PRECISION)
+        if w == 0:
+            tl.store(P + g * C * K + rr[:, None] * K + rk[None, :], p, mask=mp)
+        s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
+        coef = tl.load(GC + g * C * K + rr[:, None] * K + rk[None, :], mask=mp, other=0.0)
+        err = tl.load(ERR + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
+        y += tl.dot(coef * p * s[None, :], err, input_precision=PRECISION)
     tl.store(Y + offs, y, mask=m)
 
 
