@@ -3,8 +3,8 @@
 The backward of :mod:`.titans_chunk_forward_triton`'s chunk, written out as in
 :mod:`.titans_chunk` (which stays its readable form and its test) and split the same
 way: whatever is local to a slice ``j`` of the hidden layer runs in programs over
-``(slices, batch * heads)``, whatever sums over slices runs in programs over blocks of
-the key width, and the shares are summed by a fixed loop (no atomics: the same bits
+``(slices, batch * heads)`` (and over blocks of the written tokens where their rows are
+independent), whatever sums over slices runs in programs over blocks of the key width, and the shares are summed by a fixed loop (no atomics: the same bits
 from run to run). The weights' gradients are the final update's backward
 (:func:`~.titans_chunk_triton.final_update_backward_parts`) over every use of each
 weight, whose factors the launches below write straight into the stacked buffers.
@@ -13,7 +13,8 @@ With ``M = dy err^T``, ``N = dhp e^T`` (``dhp``: the gradient of the queries' hi
 layer before its activation), ``s`` the clip's scale and ``cs, ss`` the last row of
 ``c`` and the momentum's coefficients times ``s``:
 
-1. :func:`_slices_kernel`, two programs per slice. The *read* program forms ``M``,
+1. :func:`_slices_kernel`, a *read* program per slice and an *update* program per slice and
+   block of written tokens. The *read* program forms ``M``,
    ``dh = (a dy) W1 + (b dy) S1 + (M c s) gelu(pre)``, ``dhp``, its share of ``N``,
    of ``dq`` (``(a dhp) W2 + (b dhp) S2``) and of the gates' row sums, and the read's
    term of ``de``. The *update* program forms ``M^T``, the final update's terms of
@@ -55,10 +56,12 @@ __all__ = ["chunk_backward", "covers"]
 
 def covers(K: int, momentum: bool) -> bool:
     """Whether the backward's launches fit a chunk of ``K`` written tokens. Their slice programs' shared
-    memory, compiled for sm_90 with Triton 3.6 (with momentum / without): one pipeline stage, 64 / 48 KB
-    for up to 64 tokens and 112 / 80 KB for up to 128 (Atlas' Omega window: ``K = C + window - 1``); two
-    stages, 208 KB and 288 / 192 KB, over the 227 KB an H100 or H200 block may take with momentum and
-    more than 64 tokens (Atlas with momentum at 16 heads x 64, chunk 64, window 16 raised OutOfResources)."""
+    memory, compiled for sm_90 with Triton 3.6 when every chunk's tokens were one block (with momentum /
+    without): one pipeline stage, 64 / 48 KB for up to 64 tokens and 112 / 80 KB for up to 128 (Atlas'
+    Omega window: ``K = C + window - 1``); two stages, 208 KB and 288 / 192 KB, over the 227 KB an H100 or
+    H200 block may take with momentum and more than 64 tokens (Atlas with momentum at 16 heads x 64, chunk
+    64, window 16 raised OutOfResources). Past 64 tokens the kernels now take blocks of 16, which need
+    less; the rule stays until measured again."""
     return BLOCKS["backward_stages"] < 2 or _pow2(K) <= 64 or not momentum
 
 
@@ -183,11 +186,11 @@ def _read_share(DY, ERR, H, PRE, HP, E, QW, QS, QK, GA, GB, GC, SCALE, W1, S1, W
 @triton.jit
 def _update_share(DY, ERR, Kx, H, PRE, E, GC, SC, SCALE, DW1N, DS1N, DW2N, DS2N,
                   R1, DACT, DE_UPDATE, PART_Z, PART_DK, PART_R, PART_T,
-                  j, t, g, NS, C, K, D, F, ROWS1,
+                  j, kb, g, NS, C, K, D, F, ROWS1,
                   HAS_S: tl.constexpr, L2: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr,
                   BD: tl.constexpr, PRECISION: tl.constexpr):
-    """The final update's share of slice ``j`` on block ``t`` of the written tokens (every row is its own)."""
-    rf, rk, rc = j * BF + tl.arange(0, BF), t * BK + tl.arange(0, BK), tl.arange(0, BC)
+    """The final update's share of slice ``j`` on block ``kb`` of the written tokens (every row is its own)."""
+    rf, rk, rc = j * BF + tl.arange(0, BF), kb * BK + tl.arange(0, BK), tl.arange(0, BC)
     mf, mk, mc = rf < F, rk < K, rc < C
     s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
     cs = tl.load(GC + g * C * K + (C - 1) * K + rk, mask=mk, other=0.0) * s
@@ -250,9 +253,8 @@ def _slices_kernel(DY, ERR, Kx, H, PRE, HP, E, QW, QS, QK, GA, GB, GC, SC, SCALE
                    BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
     """Programs ``(NS * (1 + TB), G)``: the first ``NS`` take the read's share of slice ``j``, the others
     the final update's of slice ``j`` on each of the ``TB`` blocks of written tokens (independent work, so
-    one launch). The token blocks are a compile-time count: loops over them unrolled, and one block
-    compiles to the code of a kernel without blocks (a runtime loop of one step cost Titans 4 x 256
-    about 10% in this kernel and 20% in the forward's update, H100)."""
+    one launch). The token blocks are a compile-time count, so that a loop over one block is straight
+    code."""
     ns = (F + BF - 1) // BF
     pid = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)

@@ -9,8 +9,11 @@ is a few microseconds of launch for a few microseconds of work.
 Everything a chunk computes is either local to a slice of the hidden layer (columns
 ``j`` of ``W1``, rows ``j`` of ``W2`` and of their momenta, the hidden activations
 ``j``) or a sum over slices of ``(chunk, width)``-sized terms. So a chunk is six
-launches, each over ``(hidden slices, batch * heads)`` programs or over blocks of rows
-(and of the width, for the update and the output):
+launches, each over ``(hidden slices, batch * heads)`` programs (and blocks of the
+written tokens for the pre and back kernels, of the width for the read and the update)
+or over blocks of rows (and of the width, for the output). Past 64 written tokens
+(Atlas' Omega window) the kernels take them in blocks of 16 (:func:`_token_block`):
+a grid axis where their rows are independent, a loop where they are summed over.
 
 1. :func:`_pre_kernel`: ``pre = k W2^T``, ``q W2^T``, ``q S2^T`` of the slice, the
    slice's share of the prediction ``gelu(pre) W1^T`` and of ``||gelu(pre)||^2``;
@@ -72,8 +75,9 @@ __all__ = ["ForwardParts", "covers", "chunk_forward"]
 # block of 128, whose tiles spilled; Atlas layers 4-9% faster than with one block, Titans 1-4% (H200).
 # Slice programs over more than 64 written tokens (blocks of 128) without momentum, OmegaNet's window,
 # take 8 warps: OmegaNet 10% / 4% faster at T=2048 / 8192 than with 4 (H200); with momentum 8 warps
-# were 2% slower at T=2048 and 4% faster at 8192, so those stay at 4. Written tokens: one block up to 64
-# of them, past that blocks of 16 in every kernel. Atlas at 16 heads x 64, window 16 (K = 79), on an H100,
+# were 2% slower at T=2048 and 4% faster at 8192, so those stay at 4 (both measured before the blocks of
+# written tokens below). Written tokens: one block up to 64 of them, past that blocks of 16 in the kernels
+# that had taken them in one block (the error, gates and chain kernels have row blocks of their own). Atlas at 16 heads x 64, window 16 (K = 79), on an H100,
 # at T=2048 / 8192: with momentum 60.4-67.5 / 71.2-73.9 -> 46.8-48.2 / 57.5-59.2 ms, OmegaNet 45.7-47.3 /
 # 52.5-55.8 -> 42.5-42.9 / 50.8-51.1 ms; blocks of 32: 59.5 / 60.6 ms, of 64: 54.6 / 64.9 ms with momentum.
 # Titans (K = 64) keeps its one block: blocks of 16 or 32 were 2-15% slower at 4 heads x 256.
