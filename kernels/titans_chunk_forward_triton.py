@@ -12,8 +12,9 @@ Everything a chunk computes is either local to a slice of the hidden layer (colu
 launches, each over ``(hidden slices, batch * heads)`` programs (and blocks of the
 written tokens for the pre and back kernels, of the width for the read and the update)
 or over blocks of rows (and of the width, for the output). Past 64 written tokens
-(Atlas' Omega window) the kernels take them in blocks of 16 (:func:`_token_block`):
-a grid axis where their rows are independent, a loop where they are summed over.
+(Atlas' Omega window) the kernels but the output take them in blocks of 16
+(:func:`_token_block`): a grid axis where their rows are independent, a loop where
+they are summed over.
 
 1. :func:`_pre_kernel`: ``pre = k W2^T``, ``q W2^T``, ``q S2^T`` of the slice, the
    slice's share of the prediction ``gelu(pre) W1^T`` and of ``||gelu(pre)||^2``;
@@ -77,7 +78,8 @@ __all__ = ["ForwardParts", "covers", "chunk_forward"]
 # take 8 warps: OmegaNet 10% / 4% faster at T=2048 / 8192 than with 4 (H200); with momentum 8 warps
 # were 2% slower at T=2048 and 4% faster at 8192, so those stay at 4 (both measured before the blocks of
 # written tokens below). Written tokens: one block up to 64 of them, past that blocks of 16 in the kernels
-# that had taken them in one block (the error, gates and chain kernels have row blocks of their own). Atlas at 16 heads x 64, window 16 (K = 79), on an H100,
+# that had taken them in one block but the output (the error, gates and chain kernels have row blocks of
+# their own). Atlas at 16 heads x 64, window 16 (K = 79), on an H100,
 # at T=2048 / 8192: with momentum 60.4-67.5 / 71.2-73.9 -> 46.8-48.2 / 57.5-59.2 ms, OmegaNet 45.7-47.3 /
 # 52.5-55.8 -> 42.5-42.9 / 50.8-51.1 ms; blocks of 32: 59.5 / 60.6 ms, of 64: 54.6 / 64.9 ms with momentum.
 # Titans (K = 64) keeps its one block: blocks of 16 or 32 were 2-15% slower at 4 heads x 256.
@@ -385,18 +387,21 @@ def _last_coefficients(GC, SC, SCALE, g, rk, mk, C, K, HAS_S: tl.constexpr):
 
 @triton.jit
 def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, P, Y, C, K, D, NS,
-                   HAS_S: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr,
-                   U: tl.constexpr, PRECISION: tl.constexpr):
-    """Program ``(r, w, g)``: rows block ``r`` of the chunk's queries, block ``w`` of the value width; the
-    written tokens ``BK`` at a time."""
+                   HAS_S: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, U: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """Program ``(r, w, g)``: rows block ``r`` of the chunk's queries, block ``w`` of the value width, all
+    the written tokens in one block (in blocks of 16 the shares of ``p`` cost Atlas' window 10.4 against
+    6.9 us per chunk, H100)."""
     g = tl.program_id(2).to(tl.int64)
     w = tl.program_id(1)
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
-    rd = w * BD + tl.arange(0, BD)
-    mr, md = rr < C, rd < D
+    rd, rk = w * BD + tl.arange(0, BD), tl.arange(0, BK)
+    mr, md, mk = rr < C, rd < D, rk < K
     m = mr[:, None] & md[None, :]
+    mp = mr[:, None] & mk[None, :]
     hw = tl.zeros((BR, BD), tl.float32)
     hs = tl.zeros((BR, BD), tl.float32)
+    p = tl.zeros((BR, BK), tl.float32)
     # U shares per step: all NS unrolled took this kernel from 26.5 to 213.5 us per chunk on an H100
     # (registers), a rolled loop waits on each share's loads in turn (RESULTS.md).
     for j0 in range(0, NS, U):
@@ -407,29 +412,19 @@ def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, 
             hw += tl.load(PART_HW + part, mask=m & ok, other=0.0)
             if HAS_S:
                 hs += tl.load(PART_HS + part, mask=m & ok, other=0.0)
+            p += tl.load(PART_P + ((g * NS + j) * C + rr[:, None]) * K + rk[None, :], mask=mp & ok, other=0.0)
     offs = g * C * D + rr[:, None] * D + rd[None, :]
     tl.store(HW + offs, hw, mask=m)
+    if w == 0:
+        tl.store(P + g * C * K + rr[:, None] * K + rk[None, :], p, mask=mp)
     y = tl.load(Q + offs, mask=m, other=0.0) + tl.load(GA + g * C + rr, mask=mr, other=0.0)[:, None] * hw
     if HAS_S:
         tl.store(HS + offs, hs, mask=m)
         y += tl.load(GB + g * C + rr, mask=mr, other=0.0)[:, None] * hs
-    # The read's written tokens' term (c p s) err; the first width block writes p.
-    for t in range(TB):
-        rk = t * BK + tl.arange(0, BK)
-        mk = rk < K
-        mp = mr[:, None] & mk[None, :]
-        p = tl.zeros((BR, BK), tl.float32)
-        for j0 in range(0, NS, U):
-            for u in tl.static_range(U):
-                j = j0 + u
-                ok = _share_exists(j, NS, BR)[:, None]
-                p += tl.load(PART_P + ((g * NS + j) * C + rr[:, None]) * K + rk[None, :], mask=mp & ok, other=0.0)
-        if w == 0:
-            tl.store(P + g * C * K + rr[:, None] * K + rk[None, :], p, mask=mp)
-        s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
-        coef = tl.load(GC + g * C * K + rr[:, None] * K + rk[None, :], mask=mp, other=0.0)
-        err = tl.load(ERR + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
-        y += tl.dot(coef * p * s[None, :], err, input_precision=PRECISION)
+    s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
+    coef = tl.load(GC + g * C * K + rr[:, None] * K + rk[None, :], mask=mp, other=0.0)
+    err = tl.load(ERR + g * K * D + rk[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :], other=0.0)
+    y += tl.dot(coef * p * s[None, :], err, input_precision=PRECISION)
     tl.store(Y + offs, y, mask=m)
 
 
@@ -537,7 +532,7 @@ def chunk_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] |
     BDO = min(BLOCKS["output_width"], _pow2(D))
     _output_kernel[(triton.cdiv(C, BR), triton.cdiv(D, BDO), G)](
         q, err, a, gb, c, scale, part_hw, part_hs, part_p, hw, hs, p, y, C, K, D, NS,
-        HAS_S=has_s, BR=BR, BK=BK, TB=KB, BD=BDO, U=BLOCKS["share_unroll"], PRECISION=prec, **launch)
+        HAS_S=has_s, BR=BR, BK=_pow2(K), BD=BDO, U=BLOCKS["share_unroll"], PRECISION=prec, **launch)
     parts = ForwardParts(pre=pre, back=back, e=e, err=err, scale=scale, qw=qw, qs=qs if has_s else None, qk=qk,
                          hidden_pre=hp, hidden=h, hw=hw, hs=hs if has_s else None, p=p,
                          a2=a2, err2=err2, k2=k2, part_e2=part_e2)
