@@ -4,8 +4,9 @@ The backward of :mod:`.titans_chunk_forward_triton`'s chunk, written out as in
 :mod:`.titans_chunk` (which stays its readable form and its test) and split the same
 way: whatever is local to a slice ``j`` of the hidden layer runs in programs over
 ``(slices, batch * heads)`` (and over blocks of the written tokens where their rows are
-independent), whatever sums over slices runs in programs over blocks of the key width, and the shares are summed by a fixed loop (no atomics: the same bits
-from run to run). The weights' gradients are the final update's backward
+independent), whatever sums over slices runs in programs over blocks of the key width,
+and the shares are summed by a fixed loop (no atomics: the same bits from run to run).
+The weights' gradients are the final update's backward
 (:func:`~.titans_chunk_triton.final_update_backward_parts`) over every use of each
 weight, whose factors the launches below write straight into the stacked buffers.
 
@@ -48,7 +49,7 @@ import triton
 import triton.language as tl
 
 from .titans_chunk_forward_triton import (BLOCKS, ForwardParts, _contiguous, _gelu, _gelu_slope, _pow2,
-                                           _share_exists, _token_block)
+                                           _last_coefficients, _share_exists, _token_block)
 from .titans_chunk_triton import _precision, final_update_backward_parts
 
 __all__ = ["chunk_backward", "covers"]
@@ -192,9 +193,7 @@ def _update_share(DY, ERR, Kx, H, PRE, E, GC, SC, SCALE, DW1N, DS1N, DW2N, DS2N,
     """The final update's share of slice ``j`` on block ``kb`` of the written tokens (every row is its own)."""
     rf, rk, rc = j * BF + tl.arange(0, BF), kb * BK + tl.arange(0, BK), tl.arange(0, BC)
     mf, mk, mc = rf < F, rk < K, rc < C
-    s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
-    cs = tl.load(GC + g * C * K + (C - 1) * K + rk, mask=mk, other=0.0) * s
-    ss = tl.load(SC + g * K + rk, mask=mk, other=0.0) * s if HAS_S else cs
+    s, cs, ss = _last_coefficients(GC, SC, SCALE, g, rk, mk, C, K, HAS_S)
     act = _gelu(_ld(PRE + g * K * F, rk, rf, F, 1, mk, mf))
     if L2:  # the factor of W1's prediction use: rows C+K..C+2K of R1
         _st(R1 + g * ROWS1 * F + (C + K) * F, act, rk, rf, F, mk, mf)

@@ -315,9 +315,7 @@ def _update_kernel(Kx, W1, W2, S1, S2, W1_OUT, W2_OUT, S1_OUT, S2_OUT, PRE, E, E
     b_last = tl.load(GB + g * C + C - 1) if HAS_S else a_last
     sa = tl.load(SA + g) if HAS_S else a_last
     # W1 and S1 (D, F), the tile of rows rd, columns rf, then W2 and S2 (F, D), rows rf, columns rd: one
-    # weight at a time, each accumulator started from the weights' terms so that their loads are in flight
-    # before the products (loaded after them, the kernel took 40-48 against 36 us per chunk at 4 heads x 256
-    # on an H100).
+    # weight at a time, each accumulator started from the carried terms (their loads ahead of the products).
     offs = g * D * F + rd[:, None] * F + rf[None, :]
     mask = md[:, None] & mf[None, :]
     acc_w, acc_s = _carried_terms(W1, S1, offs, mask, a_last, b_last, sa, HAS_S)
@@ -342,7 +340,7 @@ def _add_written_terms(acc_w, acc_s, LEFT, NL, rl, ml, RIGHT, NR, rr, mr, GC, SC
     for t in range(TB):
         rk = t * BK + tl.arange(0, BK)
         mk = rk < K
-        cs, ss = _last_coefficients(GC, SC, SCALE, g, rk, mk, C, K, HAS_S)
+        _, cs, ss = _last_coefficients(GC, SC, SCALE, g, rk, mk, C, K, HAS_S)
         left_t = tl.load(LEFT + g * K * NL + rk[None, :] * NL + rl[:, None], mask=ml[:, None] & mk[None, :],
                          other=0.0)
         right = tl.load(RIGHT + g * K * NR + rk[:, None] * NR + rr[None, :], mask=mk[:, None] & mr[None, :],
@@ -377,12 +375,12 @@ def _store_final(W_OUT, S_OUT, offs, mask, w, s, HAS_S: tl.constexpr):
 
 @triton.jit
 def _last_coefficients(GC, SC, SCALE, g, rk, mk, C, K, HAS_S: tl.constexpr):
-    """The written tokens' coefficients in the chunk's final weights and momenta, clip scale included:
-    the last row of ``c`` and ``sc`` (``cs`` again without momentum)."""
+    """The written tokens' clip scale ``s`` and their coefficients in the chunk's final weights and
+    momenta, scale included: the last row of ``c`` and ``sc`` (``cs`` again without momentum)."""
     s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
     cs = tl.load(GC + g * C * K + (C - 1) * K + rk, mask=mk, other=0.0) * s
     ss = tl.load(SC + g * K + rk, mask=mk, other=0.0) * s if HAS_S else cs
-    return cs, ss
+    return s, cs, ss
 
 
 @triton.jit
