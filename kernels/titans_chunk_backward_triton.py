@@ -16,18 +16,18 @@ layer before its activation), ``s`` the clip's scale and ``cs, ss`` the last row
 
 1. :func:`_slices_kernel`, a *read* program per slice and an *update* program per slice and
    block of written tokens. The *read* program forms ``M``,
-   ``dh = (a dy) W1 + (b dy) S1 + (M c s) gelu(pre)``, ``dhp``, its share of ``N``,
-   of ``dq`` (``(a dhp) W2 + (b dhp) S2``) and of the gates' row sums, and the read's
-   term of ``de``. The *update* program forms ``M^T``, the final update's terms of
-   ``d gelu(pre)``, ``de``, ``d err`` and ``dk``, and its shares of the clip's row
-   sums.
+   ``dh = (a dy) W1 + (b dy) S1 + (M c s) gelu(pre)``, ``dhp``, and its shares of ``N``,
+   of ``dq`` (``(a dhp) W2 + (b dhp) S2``) and of the gates' row sums. The *update*
+   program forms ``M^T``, the final update's terms of ``d gelu(pre)``, ``de``, ``d err``
+   and ``dk``, and its shares of the clip's row sums.
 2. :func:`_gates_kernel`, programs over blocks of the written tokens: ``N``, ``dc``, the
    momentum coefficients' gradient and the clip's backward (four per-token
    coefficients); the first also ``da`` and ``db``.
 3. :func:`_width_kernel`, programs over (rows, width) blocks: ``dq``, the first terms of
    ``dk`` and ``d err``, and the factors that are inputs (``a dy``, ``b dy``, ``err``,
    ``q``, ``k``).
-4. :func:`_chain_kernel` (slices): ``d back``, ``d pre`` and the shares of
+4. :func:`_chain_kernel` (slices): the read's term of ``de``, ``(c qk s)^T dhp``, then
+   ``d back``, ``d pre`` and the shares of
    ``d back W1^T`` (and, for ``dot``, of ``d pre W2``).
 5. :func:`_error_grad_kernel` (rows, width): ``d err``; for ``l2``, ``d pred = 2 d err``,
    ``dv`` and ``dk``'s identity term.
@@ -118,8 +118,8 @@ def _read_tokens_term(m, PRE, GC, SCALE, M_OUT, j, g, rc, rk, rf, mc, mk, mf, C,
 
 
 @triton.jit
-def _read_share(DY, ERR, H, PRE, HP, E, QW, QS, QK, GA, GB, GC, SCALE, W1, S1, W2, S2,
-                M_OUT, L2, LS2, R1, PART_N, PART_DA, PART_DB, DE_READ, PART_DQ,
+def _read_share(DY, ERR, H, PRE, HP, E, QW, QS, GA, GB, GC, SCALE, W1, S1, W2, S2,
+                M_OUT, L2, LS2, R1, DHP, PART_N, PART_DA, PART_DB, PART_DQ,
                 j, g, NS, C, K, D, F, ROWS1,
                 HAS_S: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, TB: tl.constexpr, BF: tl.constexpr,
                 BD: tl.constexpr, PRECISION: tl.constexpr):
@@ -160,16 +160,15 @@ def _read_share(DY, ERR, H, PRE, HP, E, QW, QS, QK, GA, GB, GC, SCALE, W1, S1, W
     if HAS_S:
         _st(LS2 + cf_offs, b[:, None] * dhp, rc, rf, F, mc, mf)
     _st(R1 + g * ROWS1 * F, _ld(H + cf_offs, rc, rf, F, 1, mc, mf), rc, rf, F, mc, mf)
+    # The read's term of de, (c qk s)^T dhp, has independent rows: the chain kernel's programs over blocks of
+    # written tokens form it (here it was a second product per block in the longest program).
+    _st(DHP + cf_offs, dhp, rc, rf, F, mc, mf)
     share = g * NS + j
     for t in range(TB):
         rk = t * BK + tl.arange(0, BK)
         mk = rk < K
         _st(PART_N + share * C * K, tl.dot(dhp, _ld(E + g * K * F, rf, rk, 1, F, mf, mk), input_precision=PRECISION),
             rc, rk, K, mc, mk)
-        # The read's term of de: (c qk s)^T dhp, the left operand loaded transposed.
-        s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
-        cqk_t = _ld(GC + g * C * K, rk, rc, 1, K, mk, mc) * _ld(QK + g * C * K, rk, rc, 1, K, mk, mc) * s[:, None]
-        _st(DE_READ + g * K * F, tl.dot(cqk_t, dhp, input_precision=PRECISION), rk, rf, F, mk, mf)
     tl.store(PART_DA + share * C + rc, tl.sum(dhp * _ld(QW + cf_offs, rc, rf, F, 1, mc, mf), 1), mask=mc)
     if HAS_S:
         tl.store(PART_DB + share * C + rc, tl.sum(dhp * _ld(QS + cf_offs, rc, rf, F, 1, mc, mf), 1), mask=mc)
@@ -245,8 +244,8 @@ def _update_share(DY, ERR, Kx, H, PRE, E, GC, SC, SCALE, DW1N, DS1N, DW2N, DS2N,
 
 
 @triton.jit
-def _slices_kernel(DY, ERR, Kx, H, PRE, HP, E, QW, QS, QK, GA, GB, GC, SC, SCALE, W1, S1, W2, S2,
-                   DW1N, DS1N, DW2N, DS2N, M_OUT, L2, LS2, R1, PART_N, PART_DA, PART_DB, DE_READ, PART_DQ,
+def _slices_kernel(DY, ERR, Kx, H, PRE, HP, E, QW, QS, GA, GB, GC, SC, SCALE, W1, S1, W2, S2,
+                   DW1N, DS1N, DW2N, DS2N, M_OUT, L2, LS2, R1, DHP, PART_N, PART_DA, PART_DB, PART_DQ,
                    DACT, DE_UPDATE, PART_Z, PART_DK, PART_R, PART_T, C, K, D, F, ROWS1,
                    HAS_S: tl.constexpr, L2_OBJ: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, TB: tl.constexpr,
                    BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
@@ -258,8 +257,8 @@ def _slices_kernel(DY, ERR, Kx, H, PRE, HP, E, QW, QS, QK, GA, GB, GC, SC, SCALE
     pid = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     if pid < ns:
-        _read_share(DY, ERR, H, PRE, HP, E, QW, QS, QK, GA, GB, GC, SCALE, W1, S1, W2, S2,
-                    M_OUT, L2, LS2, R1, PART_N, PART_DA, PART_DB, DE_READ, PART_DQ,
+        _read_share(DY, ERR, H, PRE, HP, E, QW, QS, GA, GB, GC, SCALE, W1, S1, W2, S2,
+                    M_OUT, L2, LS2, R1, DHP, PART_N, PART_DA, PART_DB, PART_DQ,
                     pid, g, ns, C, K, D, F, ROWS1, HAS_S, BC, BK, TB, BF, BD, PRECISION)
     else:
         _update_share(DY, ERR, Kx, H, PRE, E, GC, SC, SCALE, DW1N, DS1N, DW2N, DS2N,
@@ -388,21 +387,25 @@ def _width_kernel(DY, Q, Kx, ERR, P, GA, GB, GC, SCALE, N_IN, COEF, PART_DQ, PAR
 
 
 @triton.jit
-def _chain_kernel(PRE, BACK, E, W1, W2, DE_READ, DE_UPDATE, DACT, COEF, R1, L2, PART_Z, PART_DK, C, K, D, F, ROWS1,
-                  L2_OBJ: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr,
-                  PRECISION: tl.constexpr):
+def _chain_kernel(PRE, BACK, E, W1, W2, DHP, GC, QK, SCALE, DE_UPDATE, DACT, COEF, R1, L2, PART_Z, PART_DK,
+                  C, K, D, F, ROWS1, L2_OBJ: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr,
+                  BD: tl.constexpr, PRECISION: tl.constexpr):
     """Program ``(j, g, r)``: ``d back`` and ``d pre`` of slice ``j`` (``d pre`` without the prediction's
     term for ``l2``), and its shares of ``d back W1^T`` (and of ``d pre W2`` for ``dot``), on the ``r``-th
     block of ``BK`` written tokens (every row is its own)."""
     j = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     ns = tl.num_programs(0)
-    rf, rk = j * BF + tl.arange(0, BF), tl.program_id(2) * BK + tl.arange(0, BK)
-    mf, mk = rf < F, rk < K
+    rf, rk, rc = j * BF + tl.arange(0, BF), tl.program_id(2) * BK + tl.arange(0, BK), tl.arange(0, BC)
+    mf, mk, mc = rf < F, rk < K, rc < C
     kf = g * K * F
     pre = _ld(PRE + kf, rk, rf, F, 1, mk, mf)
     out = COEF + g * 4 * K + rk
-    de = _ld(DE_READ + kf, rk, rf, F, 1, mk, mf) + _ld(DE_UPDATE + kf, rk, rf, F, 1, mk, mf)
+    # The read's term of de: (c qk s)^T dhp, the left operand loaded transposed.
+    s = tl.load(SCALE + g * K + rk, mask=mk, other=0.0)
+    cqk_t = _ld(GC + g * C * K, rk, rc, 1, K, mk, mc) * _ld(QK + g * C * K, rk, rc, 1, K, mk, mc) * s[:, None]
+    de = tl.dot(cqk_t, _ld(DHP + g * C * F, rc, rf, F, 1, mc, mf), input_precision=PRECISION)
+    de += _ld(DE_UPDATE + kf, rk, rf, F, 1, mk, mf)
     de += tl.load(out + 2 * K, mask=mk, other=0.0)[:, None] * _ld(E + kf, rk, rf, F, 1, mk, mf)
     dact = _ld(DACT + kf, rk, rf, F, 1, mk, mf) + tl.load(out + K, mask=mk, other=0.0)[:, None] * _gelu(pre)
     slope = _gelu_slope(pre)
@@ -530,7 +533,7 @@ def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] 
     LS1, LS2 = (new(G, C, D), new(G, C, F)) if has_s else (L1, L2)
     m, n, dc = new(G, C, K), new(G, C, K), new(G, C, K)
     part_n, part_da, part_db = new(G, NS, C, K), new(G, NS, C), new(G, NS, C)
-    de_read, de_update, dact = new(G, K, F), new(G, K, F), new(G, K, F)
+    dhp, de_update, dact = new(G, C, F), new(G, K, F), new(G, K, F)
     part_dq, part_z, part_dk = new(G, NS, C, D), new(G, NS, K, D), new(G, NS, K, D)
     part_r, part_t = new(G, NS, K), new(G, NS, K)
     da, db, dsc, coef = new(G, C), new(G, C), new(G, K), new(G, 4, K)
@@ -540,8 +543,8 @@ def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] 
     launch = dict(num_warps=BLOCKS["warps"], num_stages=BLOCKS["stages"])
     _slices_kernel[(NS * (1 + KB), G)](
         d_y, parts.err, k, parts.hidden, parts.pre, parts.hidden_pre, parts.e, parts.qw,
-        parts.qs if has_s else parts.qw, parts.qk, a, gb, c, gsc, parts.scale, W1, S1, W2, S2,
-        dW1n, dS1n, dW2n, dS2n, m, L2, LS2, R1, part_n, part_da, part_db, de_read, part_dq,
+        parts.qs if has_s else parts.qw, a, gb, c, gsc, parts.scale, W1, S1, W2, S2,
+        dW1n, dS1n, dW2n, dS2n, m, L2, LS2, R1, dhp, part_n, part_da, part_db, part_dq,
         dact, de_update, part_z, part_dk, part_r, part_t, C, K, D, F, rows1,
         HAS_S=has_s, L2_OBJ=l2, BC=BC, BK=BK, TB=KB, BF=BF, BD=BD, PRECISION=prec,
         num_warps=BLOCKS["backward_warps_long" if _pow2(K) > 64 and not has_s else "backward_warps"],
@@ -561,8 +564,8 @@ def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] 
     BKR = min(_pow2(K), max(16, BLOCKS["chain_rows"]))
     row_slices = (NS, G, triton.cdiv(K, BKR))
     _chain_kernel[row_slices](
-        parts.pre, parts.back, parts.e, W1, W2, de_read, de_update, dact, coef, R1, L2, part_z, part_dk,
-        C, K, D, F, rows1, L2_OBJ=l2, BK=BKR, BF=BF, BD=BD, PRECISION=prec, **launch)
+        parts.pre, parts.back, parts.e, W1, W2, dhp, c, parts.qk, parts.scale, de_update, dact, coef, R1, L2,
+        part_z, part_dk, C, K, D, F, rows1, L2_OBJ=l2, BC=BC, BK=BKR, BF=BF, BD=BD, PRECISION=prec, **launch)
     rows_k = (triton.cdiv(K, BR), triton.cdiv(D, BD), G)
     _error_grad_kernel[rows_k](derr, part_z, part_dk, dk, dv, L1, C, K, D, NS, rows1, L2_OBJ=l2, BR=BR, BD=BD,
                                **launch)
