@@ -36,7 +36,8 @@ from torch.nn import functional as F
 from .activations import gelu_derivative
 from .backend import resolve_backend
 from .chunk_loop import run_chunks, tf32_products, tf32_wanted
-from .norms import clip_rank_one
+from .normalized_features import normalized_features
+from .norms import clip_rank_one, l2_normalize
 from .titans_chunk import chunk_memory
 from .titans_chunk import wanted as fused_chunks
 
@@ -209,10 +210,11 @@ class TitansState:
 # --------------------------------------------------------------------------- step / reference
 
 
-def _prepare(q, k, use_qk_l2norm: bool):
-    from .norms import l2_normalize
-
-    return (l2_normalize(q), l2_normalize(k)) if use_qk_l2norm else (q, k)
+def _prepare(q, k, use_qk_l2norm: bool, dtype: torch.dtype):
+    """``q`` and ``k`` in ``dtype``, l2-normalised when asked (on CUDA, one fused kernel each way per tensor)."""
+    if not use_qk_l2norm:
+        return q.to(dtype), k.to(dtype)
+    return normalized_features(q, dtype=dtype), normalized_features(k, dtype=dtype)
 
 
 def step_titans(
@@ -236,7 +238,7 @@ def step_titans(
 
 def _step_titans(spec, q, k, v, alpha, eta, theta, state, chunk_size, live, use_qk_l2norm):
     dtype = torch.promote_types(v.dtype, torch.float32)
-    q, k = _prepare(q.to(dtype), k.to(dtype), use_qk_l2norm)
+    q, k = _prepare(q, k, use_qk_l2norm, dtype)
     v = v.to(dtype)
     B = q.shape[0]
     live = torch.ones(B, dtype=torch.bool, device=q.device) if live is None else live.bool()
@@ -299,7 +301,9 @@ def reference_titans(
         for t in range(n):
             if t % chunk_size == 0:
                 W0 = {name: w.clone() for name, w in W.items()}
-            qt, kt = _prepare(q[b, t].to(dtype), k[b, t].to(dtype), use_qk_l2norm)
+            qt, kt = q[b, t].to(dtype), k[b, t].to(dtype)
+            if use_qk_l2norm:
+                qt, kt = l2_normalize(qt), l2_normalize(kt)
             factors = grad_factors(spec, W0, kt[:, None], v[b, t].to(dtype)[:, None])
             for name, (A, Bf) in factors.items():
                 S[name] = eta[b, t, :, None, None] * S[name] - theta[b, t, :, None, None] * (A[:, 0, :, None] * Bf[:, 0, None, :])
@@ -547,7 +551,7 @@ def chunk_titans(
     B, T, H, _ = q.shape
     C = chunk_size
     dtype = torch.promote_types(v.dtype, torch.float32)
-    q, k = _prepare(q.to(dtype), k.to(dtype), use_qk_l2norm)
+    q, k = _prepare(q, k, use_qk_l2norm, dtype)
     lengths = torch.full((B,), T, dtype=torch.long, device=q.device) if lengths is None else lengths
     shift = state.position
     end = shift + lengths

@@ -25,8 +25,8 @@ from torch import nn
 from ..configuration.configuration_atlas import AtlasConfig
 from ..kernels.atlas import AtlasState, chunk_atlas, step_atlas
 from ..kernels.atlas_caching import CachedMemories, chunk_mc_atlas
-from ..kernels.feature_maps import apply_feature_map, initial_coefficients
-from ..kernels.norms import l2_normalize
+from ..kernels.feature_maps import initial_coefficients
+from ..kernels.normalized_features import normalized_features
 from ..kernels.titans import TitansMemorySpec
 from .cache import LayerCache
 from .gates import GateProjection
@@ -113,8 +113,8 @@ class AtlasMemory(nn.Module):
         mask = valid.bool() if valid is not None else torch.ones(B, T, dtype=torch.bool, device=hidden_states.device)
         q, k, v = convolve_qkv(self, hidden_states, None if valid is None else mask, cache, H, D)
         coefficients = getattr(self, "feature_coefficients", None)
-        q = apply_feature_map(self.feature_map, l2_normalize(q.float()), coefficients)
-        k = apply_feature_map(self.feature_map, l2_normalize(k.float()), coefficients)
+        q = normalized_features(q, self.feature_map, coefficients)
+        k = normalized_features(k, self.feature_map, coefficients)
         alpha = torch.sigmoid(self.retention_proj(hidden_states).float())
         lr = self.max_lr * torch.sigmoid(self.lr_proj(hidden_states).float())
         momentum = torch.sigmoid(self.momentum_proj(hidden_states).float()) if hasattr(self, "momentum_proj") else None
