@@ -59,6 +59,7 @@ from .titans import (
 )
 from .titans_chunk import chunk_memory
 from .titans_chunk import wanted as fused_chunks
+from .normalized_features import normalized_features
 from .norms import l2_normalize
 from .segment_keys import close_segments, key_mean, with_extra_slots
 
@@ -437,12 +438,12 @@ def step_mc_titans(
             mem = _reset_memory(mem, init, seg_start)
         mem = TitansState(mem.weights, mem.momentum, mem.chunk_start,
                           torch.where(seg_start, torch.zeros_like(mem.position), mem.position))
-    kn = l2_normalize(k.to(dtype))
+    kn = normalized_features(k, dtype=dtype)
     y_online, mem = step_titans(spec, q, k, v, alpha, eta, theta, mem, chunk_size=options.chunk_size, live=live)
     state.memory = mem
     state.key_sum = state.key_sum + kn * live[:, None, None]
     state.key_count = state.key_count + live.to(state.key_count.dtype)
-    qn = l2_normalize(q.to(dtype))[:, :, None]
+    qn = normalized_features(q, dtype=dtype)[:, :, None]
     online_summary = key_mean(state.key_sum, state.key_count)[:, :, None]
     y = mc_read(spec, options.aggregation, options.ssc_topk, qn, u.to(dtype)[:, :, None], static_apply(mem.weights),
                 online_summary, state.cached, state.cached_summary(), state.cached_valid)[:, :, 0]
@@ -880,7 +881,7 @@ def chunk_mc_titans(
     dtype = torch.promote_types(v.dtype, torch.float32)
     state = replace(state)
     C, S_seg = options.chunk_size, options.segment_size
-    q, k = l2_normalize(q.to(dtype)), l2_normalize(k.to(dtype))
+    q, k = normalized_features(q, dtype=dtype), normalized_features(k, dtype=dtype)
     shift = state.seen % S_seg if S_seg else state.memory.position
     span = int((shift + lengths).max())
     seg = S_seg or max(C, -(-span // C) * C)

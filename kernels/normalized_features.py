@@ -92,18 +92,24 @@ def _launch(N: int, D: int) -> tuple[tuple[int], int]:
     return (triton.cdiv(N, _ROWS),), max(16, triton.next_power_of_2(D))
 
 
+def _forward(x: torch.Tensor, coefficients: torch.Tensor, deg: int):
+    """The features ``y`` (float32, ``x``'s shape) and the operands the backward takes."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D).contiguous()
+    a = coefficients.detach().float().contiguous() if deg else x2.new_zeros(1, dtype=torch.float32)
+    y = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    grid, BD = _launch(x2.shape[0], D)
+    _forward_kernel[grid](x2, a, y, x2.shape[0], D, L2_EPS, DEG=deg, BR=_ROWS, BD=BD, num_warps=4)
+    return y.view(x.shape), x2, a
+
+
 class _NormalizedFeatures(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, coefficients, deg):
-        D = x.shape[-1]
-        x2 = x.reshape(-1, D).contiguous()
-        a = coefficients.detach().float().contiguous() if deg else x2.new_zeros(1, dtype=torch.float32)
-        y = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
-        grid, BD = _launch(x2.shape[0], D)
-        _forward_kernel[grid](x2, a, y, x2.shape[0], D, L2_EPS, DEG=deg, BR=_ROWS, BD=BD, num_warps=4)
+        y, x2, a = _forward(x, coefficients, deg)
         ctx.save_for_backward(x2, a)
         ctx.deg, ctx.coefficients_dtype = deg, coefficients.dtype if deg else None
-        return y.view(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -131,5 +137,8 @@ def normalized_features(x: torch.Tensor, feature_map: str = "identity", coeffici
     # step (which honour the request) take float64 and every feature map.
     if covered and resolve_backend(x, has_triton_impl=True) == "triton" and x.numel() > 0:
         deg = coefficients.numel() if feature_map == "poly_elementwise" else 0
-        return _NormalizedFeatures.apply(x, coefficients if deg else x.new_zeros(0), deg)
+        a = coefficients if deg else x.new_zeros(0)
+        if torch.is_grad_enabled() and (x.requires_grad or a.requires_grad):
+            return _NormalizedFeatures.apply(x, a, deg)
+        return _forward(x, a, deg)[0]  # decoding: no autograd node to build
     return _torch_path(x, feature_map, coefficients, dtype)

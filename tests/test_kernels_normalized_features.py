@@ -82,3 +82,14 @@ def test_missing_coefficients_name_the_problem():
         normalized_features(x, "poly_elementwise", None)
     with pytest.raises(ValueError, match="1-d"):
         normalized_features(x, "poly_elementwise", torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("feature_map,degree", CASES)
+def test_without_gradients_the_same_features(feature_map, degree):
+    pytest.importorskip("triton")
+    x, a, dy = inputs(degree=max(degree, 1))
+    y = value_and_grads(x.float().to(DEVICE), a.float().to(DEVICE), dy.to(DEVICE), feature_map, "triton")[0]
+    with torch.no_grad(), use_backend("triton"):
+        plain = normalized_features(x.float().to(DEVICE), feature_map, a.float().to(DEVICE)
+                                    if feature_map != "identity" else None)
+    assert torch.equal(plain, y)
