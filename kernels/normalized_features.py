@@ -10,13 +10,15 @@ which stay the readable form and the test's reference. On CUDA one Triton kernel
 and one its backward (``dx`` and per-block partial sums of ``da``, added in PyTorch: no
 atomics), where the PyTorch path runs about ten element-wise kernels forward and twenty backward
 over the layer's queries and keys in float32 (1.7 ms of an H100 for one of them at 16K tokens,
-16 heads of 64). ``poly_tensor``, which widens the features, and float64 stay on the PyTorch
-path, also under ``use_backend("triton")``.
+16 heads of 64). ``poly_tensor``, which widens the features, float64, widths over 4096 and a
+polynomial without coefficients stay on the PyTorch path, also under ``use_backend("triton")``.
+The backward is not itself differentiable (no second derivatives).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .backend import resolve_backend
 from .feature_maps import apply_feature_map
@@ -96,7 +98,8 @@ def _forward(x: torch.Tensor, coefficients: torch.Tensor, deg: int):
     """The features ``y`` (float32, ``x``'s shape) and the operands the backward takes."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()
-    a = coefficients.detach().float().contiguous() if deg else x2.new_zeros(1, dtype=torch.float32)
+    a = (coefficients.detach().to(x.device, torch.float32).contiguous() if deg
+         else x2.new_zeros(1, dtype=torch.float32))
     y = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
     grid, BD = _launch(x2.shape[0], D)
     _forward_kernel[grid](x2, a, y, x2.shape[0], D, L2_EPS, DEG=deg, BR=_ROWS, BD=BD, num_warps=4)
@@ -112,6 +115,7 @@ class _NormalizedFeatures(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x2, a = ctx.saved_tensors
         N, D = x2.shape
@@ -132,7 +136,8 @@ def normalized_features(x: torch.Tensor, feature_map: str = "identity", coeffici
         raise ValueError("normalized_features: poly_elementwise takes its coefficients a_1..a_p as a 1-d tensor, "
                          f"got {None if coefficients is None else tuple(coefficients.shape)}")
     covered = (triton is not None and feature_map in _FUSED_MAPS and dtype == torch.float32
-               and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.shape[-1] <= 4096)
+               and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.shape[-1] <= 4096
+               and (feature_map == "identity" or coefficients.numel() > 0))
     # Uncovered cases take the PyTorch path even when Triton is asked for: the memory kernels around this
     # step (which honour the request) take float64 and every feature map.
     if covered and resolve_backend(x, has_triton_impl=True) == "triton" and x.numel() > 0:

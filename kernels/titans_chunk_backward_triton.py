@@ -390,9 +390,10 @@ def _width_kernel(DY, Q, Kx, ERR, P, GA, GB, GC, SCALE, N_IN, COEF, PART_DQ, PAR
 def _chain_kernel(PRE, BACK, E, W1, W2, DHP, GC, QK, SCALE, DE_UPDATE, DACT, COEF, R1, L2, PART_Z, PART_DK,
                   C, K, D, F, ROWS1, L2_OBJ: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr,
                   BD: tl.constexpr, PRECISION: tl.constexpr):
-    """Program ``(j, g, r)``: ``d back`` and ``d pre`` of slice ``j`` (``d pre`` without the prediction's
-    term for ``l2``), and its shares of ``d back W1^T`` (and of ``d pre W2`` for ``dot``), on the ``r``-th
-    block of ``BK`` written tokens (every row is its own)."""
+    """Program ``(j, g, r)``: the read's term of ``de``, ``(c qk s)^T dhp`` (over all ``BC`` queries), then
+    ``d back`` and ``d pre`` of slice ``j`` (``d pre`` without the prediction's term for ``l2``), and its
+    shares of ``d back W1^T`` (and of ``d pre W2`` for ``dot``), on the ``r``-th block of ``BK`` written
+    tokens (every row is its own)."""
     j = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     ns = tl.num_programs(0)

@@ -17,7 +17,8 @@ CASES = [("identity", 0), ("poly_elementwise", 2), ("poly_elementwise", 3)]
 def inputs(shape=(3, 37, 2, 40), seed=0, degree=2):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape, generator=gen, dtype=torch.float64) * 3
-    x[0, 0, 0] = 0.0  # a zero vector stays zero, with a finite gradient
+    if x.numel():
+        x[0, 0, 0] = 0.0  # a zero vector stays zero, with a finite gradient
     a = initial_coefficients("poly_elementwise", degree).double() + 0.2 * torch.randn(degree, generator=gen,
                                                                                      dtype=torch.float64)
     dy = torch.randn(shape, generator=gen, dtype=torch.float64)
@@ -85,11 +86,48 @@ def test_missing_coefficients_name_the_problem():
 
 
 @pytest.mark.parametrize("feature_map,degree", CASES)
-def test_without_gradients_the_same_features(feature_map, degree):
+def test_without_gradients_no_autograd_node_and_the_reference_features(feature_map, degree):
     pytest.importorskip("triton")
-    x, a, dy = inputs(degree=max(degree, 1))
-    y = value_and_grads(x.float().to(DEVICE), a.float().to(DEVICE), dy.to(DEVICE), feature_map, "triton")[0]
+    x, a, _ = inputs(degree=max(degree, 1))
+    coefficients = a.float().to(DEVICE) if feature_map != "identity" else None
     with torch.no_grad(), use_backend("triton"):
-        plain = normalized_features(x.float().to(DEVICE), feature_map, a.float().to(DEVICE)
-                                    if feature_map != "identity" else None)
-    assert torch.equal(plain, y)
+        plain = normalized_features(x.float().to(DEVICE), feature_map, coefficients)
+    assert plain.grad_fn is None
+    want = apply_feature_map(feature_map, l2_normalize(x), a)
+    torch.testing.assert_close(plain.cpu().double(), want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("case", ["fp16", "strided", "wide", "coefficients_only", "x_only", "no_rows"])
+def test_other_layouts_and_gradient_sets_match_the_reference(case):
+    pytest.importorskip("triton")
+    shape = (4, 9, 3, 200) if case == "wide" else (0, 3, 40) if case == "no_rows" else (4, 9, 3, 40)
+    x, a, dy = inputs(shape=shape, seed=5, degree=3)
+    x_dtype = torch.float16 if case == "fp16" else torch.float32
+    xs = x.to(x_dtype)
+    if case == "strided":  # a transposed view, not contiguous
+        xs = xs.transpose(0, 1).contiguous().transpose(0, 1)
+    leaves = [xs.detach().clone().to(DEVICE).requires_grad_(case != "coefficients_only"),
+              a.float().to(DEVICE).requires_grad_(case != "x_only")]
+    assert leaves[0].is_contiguous() == (case != "strided")
+    with use_backend("triton"):
+        y = normalized_features(leaves[0], "poly_elementwise", leaves[1])
+    y.backward(dy.float().to(DEVICE))
+    ref = [xs.detach().clone().requires_grad_(case != "coefficients_only"),
+           a.float().requires_grad_(case != "x_only")]
+    want = apply_feature_map("poly_elementwise", l2_normalize(ref[0].float()), ref[1])
+    want.backward(dy.float())
+    torch.testing.assert_close(y.detach().cpu(), want.detach(), rtol=1e-5, atol=1e-5)
+    for got, expected in zip(leaves, ref):
+        assert (got.grad is None) == (expected.grad is None)
+        if expected.grad is not None:
+            assert got.grad.dtype == expected.grad.dtype
+            tol = dict(rtol=2**-9, atol=1e-3) if case == "fp16" else dict(rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got.grad.cpu().float(), expected.grad.float(), **tol)
+
+
+def test_a_polynomial_without_coefficients_is_the_reference_zero_map():
+    x, _, _ = inputs()
+    empty = torch.zeros(0)
+    with use_backend("triton"):
+        y = normalized_features(x.float(), "poly_elementwise", empty)
+    assert torch.equal(y, torch.zeros_like(y))
