@@ -7,6 +7,10 @@ at T=2048 (B=8) and T=8192 (B=2). Prints one JSON line per measurement and write
 (``torch.set_float32_matmul_precision("high")``), ``ITERS=n`` times n steps, ``LENGTHS=2048,8192,32768``
 picks the sequence lengths (batch ``max(1, TOKENS // T)``). ``SWEEP=key=v1,v2`` times every layer with each
 value of one launch constant of the deep memories' chunk kernels (``titans_chunk_forward_triton.BLOCKS``).
+
+Where ``titans_pytorch`` is importable, the anchor's Titans layer (its ``NeuralMemory``, 4 heads x 256, chunk
+64, as in bench_anchors.py) is timed too, row ``anchor_titans_pytorch_neural_memory_c64``: the anchors' table
+was measured on another GPU kind, and a ratio holds only between rows of one process.
 """
 
 from __future__ import annotations
@@ -130,6 +134,15 @@ LAYERS = {
     "mnemo_atlas_momentum_16x64_torch": lambda: atlas_layer("atlas", inner_optimizer="momentum"),
     "mnemo_atlas_muon_16x64_torch": lambda: atlas_layer("atlas"),
 }
+
+
+try:  # the anchor, where installed (not a dependency of mnemo)
+    from titans_pytorch import NeuralMemory
+
+    LAYERS["anchor_titans_pytorch_neural_memory_c64"] = lambda: NeuralMemory(dim=D, chunk_size=64, heads=4,
+                                                                             dim_head=256)
+except ImportError:
+    pass
 
 
 def record(**row):

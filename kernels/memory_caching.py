@@ -438,12 +438,14 @@ def step_mc_titans(
             mem = _reset_memory(mem, init, seg_start)
         mem = TitansState(mem.weights, mem.momentum, mem.chunk_start,
                           torch.where(seg_start, torch.zeros_like(mem.position), mem.position))
-    kn = normalized_features(k, dtype=dtype)
-    y_online, mem = step_titans(spec, q, k, v, alpha, eta, theta, mem, chunk_size=options.chunk_size, live=live)
+    # Normalised once here, for the memory's step and the segment's key sum and cache read alike.
+    qn, kn = normalized_features(q, dtype=dtype), normalized_features(k, dtype=dtype)
+    y_online, mem = step_titans(spec, qn, kn, v, alpha, eta, theta, mem, chunk_size=options.chunk_size, live=live,
+                                use_qk_l2norm=False)
     state.memory = mem
     state.key_sum = state.key_sum + kn * live[:, None, None]
     state.key_count = state.key_count + live.to(state.key_count.dtype)
-    qn = normalized_features(q, dtype=dtype)[:, :, None]
+    qn = qn[:, :, None]
     online_summary = key_mean(state.key_sum, state.key_count)[:, :, None]
     y = mc_read(spec, options.aggregation, options.ssc_topk, qn, u.to(dtype)[:, :, None], static_apply(mem.weights),
                 online_summary, state.cached, state.cached_summary(), state.cached_valid)[:, :, 0]

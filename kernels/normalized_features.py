@@ -95,14 +95,16 @@ def _launch(N: int, D: int) -> tuple[tuple[int], int]:
 
 
 def _forward(x: torch.Tensor, coefficients: torch.Tensor, deg: int):
-    """The features ``y`` (float32, ``x``'s shape) and the operands the backward takes."""
+    """The features ``y`` (float32, ``x``'s shape) and the operands the backward takes (coefficients
+    ``None`` for the identity map)."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()
-    a = (coefficients.detach().to(x.device, torch.float32).contiguous() if deg
-         else x2.new_zeros(1, dtype=torch.float32))
     y = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    a = coefficients.detach().to(x.device, torch.float32).contiguous() if deg else None
     grid, BD = _launch(x2.shape[0], D)
-    _forward_kernel[grid](x2, a, y, x2.shape[0], D, L2_EPS, DEG=deg, BR=_ROWS, BD=BD, num_warps=4)
+    # The identity map never reads A: any float32 tensor fills the slot, with no allocation (a launch) per call.
+    _forward_kernel[grid](x2, y if a is None else a, y, x2.shape[0], D, L2_EPS, DEG=deg, BR=_ROWS, BD=BD,
+                          num_warps=4)
     return y.view(x.shape), x2, a
 
 
@@ -122,8 +124,9 @@ class _NormalizedFeatures(torch.autograd.Function):
         grid, BD = _launch(N, D)
         dx = torch.empty_like(x2)
         da_part = torch.empty(grid[0], max(ctx.deg, 1), dtype=torch.float32, device=x2.device)
-        _backward_kernel[grid](x2, a, dy.reshape(N, D).contiguous(), dx, da_part, N, D, L2_EPS,
-                               DEG=ctx.deg, BR=_ROWS, BD=BD, num_warps=4)
+        A = da_part if a is None else a  # the identity map's slot, never read
+        _backward_kernel[grid](x2, A, dy.reshape(N, D).contiguous(), dx, da_part, N, D, L2_EPS, DEG=ctx.deg,
+                               BR=_ROWS, BD=BD, num_warps=4)
         da = da_part.sum(0).to(ctx.coefficients_dtype) if ctx.deg else None
         return dx.view(dy.shape), da, None
 
