@@ -19,10 +19,10 @@ this path splits the layer into
 
 The per-chunk update of step 1 is :func:`chunk_update` here (PyTorch, the definition) and, on
 the Triton backend (CUDA by default), a single kernel with a written-out backward
-(:mod:`.deep_attention_triton`). When Triton is asked for explicitly (``use_backend("triton")``),
-the whole of step 1 runs as a wavefront of Triton launches instead, its reads split into blocks
-per earlier chunk (:class:`_KeyPassTriton`, :mod:`.deep_attention_key_pass_triton`); automatic
-selection does not take it yet.
+(:mod:`.deep_attention_triton`). On CUDA, and wherever Triton is asked for explicitly
+(``use_backend("triton")``), the whole of step 1 runs as a wavefront of Triton launches instead,
+its reads split into blocks per earlier chunk (:class:`_KeyPassTriton`,
+:mod:`.deep_attention_key_pass_triton`), for the shapes :func:`triton_key_pass_wanted` admits.
 """
 
 from __future__ import annotations
