@@ -456,6 +456,29 @@ def test_snapshots_are_the_carries_at_stretch_ends_with_their_gradients(every, l
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("loop_mode", ["recompute", "replayed"])
+def test_the_spacing_asked_by_the_environment_is_the_default_one(loop_mode, monkeypatch, request):
+    """``MNEMO_CHUNK_CHECKPOINT_EVERY`` sets the stretches where the caller gives none (seen in the
+    snapshots, one per stretch end), keeps plain autograd's gradients, and yields to an explicit spacing."""
+    if loop_mode == "replayed":
+        request.getfixturevalue("replay_on_cpu")
+    h0, kept, inp, mask, w = toy_inputs()
+    plain_ys, plain_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), recompute=False)
+    expected = torch.autograd.grad(toy_loss(plain_ys, plain_carry), (h0, kept, inp, w))
+    recompute = {"recompute": True, "replayed": None}[loop_mode]
+    monkeypatch.setenv("MNEMO_CHUNK_CHECKPOINT_EVERY", "2")
+    ys, carry, snaps = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), recompute=recompute, snapshots=True)
+    assert len(snaps) == -(-N // 2) - 1  # the default for 7 chunks would be 3: two snapshots
+    for a, b in zip(torch.autograd.grad(toy_loss(ys, carry), (h0, kept, inp, w)), expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    explicit = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=7, snapshots=True)[2]
+    assert explicit == []
+    for bad in ("0", "two", "-3"):
+        monkeypatch.setenv("MNEMO_CHUNK_CHECKPOINT_EVERY", bad)
+        with pytest.raises(ValueError, match="MNEMO_CHUNK_CHECKPOINT_EVERY"):
+            run_chunks(toy_step, (h0, kept), (inp, mask), (w,))
+
+
 @pytest.mark.parametrize("agg", ["grm", "ssc", "residual", "mean"])
 def test_mc_titans_whole_segments_run_in_one_loop_and_equal_the_reference(agg, loop_mode, monkeypatch):
     """Whole segments of whole chunks take one chunk loop whose checkpoints are the cached memories
