@@ -389,14 +389,17 @@ def _hebbian_rows(q, k, v, eta, gamma, w1_init, chunk_size, scale, grad_clip, tr
     gamma = ones if gamma is None else heads_first(gamma)
     keys, values = heads_first(k), heads_first(v)
     w1 = w1_init.to(dtype).expand(B, -1, -1, -1)
-    o, us, w1s = hebbian_deep_attention(heads_first(q), keys, values, eta * gamma, w1, chunk_size=chunk_size,
+    # The queries go to the read as they are (bf16 models: no float32 round trip, exact either way).
+    o, us, w1s = hebbian_deep_attention(q.transpose(1, 2), keys, values, eta * gamma, w1, chunk_size=chunk_size,
                                         scale=scale, grad_clip=grad_clip, reads=read_dtype(k), triton=triton)
     count = torch.full((B,), T, dtype=torch.long, device=q.device)
     start = (T // chunk_size) * chunk_size
-    committed = (torch.arange(T, device=q.device) < start)[None, None, :, None]
+    if start < T:  # the open chunk's deep values are not committed yet
+        us = us * (torch.arange(T, device=q.device) < start)[None, None, :, None]
     state = DeepAttentionState(keys=keys, values=values, eta=eta, gamma=gamma, count=count,
-                               start=torch.full_like(count, start), us=us * committed, w1=w1s[T // chunk_size])
-    return o.transpose(1, 2).to(v.dtype), state
+                               start=torch.full_like(count, start), us=us, w1=w1s[T // chunk_size])
+    # (B, T, H, d_v) in v's dtype in one copy, so that the layer's merge of the heads is a view.
+    return o.transpose(1, 2).to(v.dtype, memory_format=torch.contiguous_format), state
 
 
 def _attention_torch(q, k, v, lengths, state, scale):

@@ -224,7 +224,8 @@ def hebbian_deep_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e:
     """The Hebbian deep memory over full rows from an empty state.
 
     ``q, k (B, H, T, d_k)``, ``v (B, H, T, d_v)``, ``e (B, H, T)`` = ``eta gamma``, ``w1 (B, H, d_v, h)``,
-    all float32 or wider; attention reads run in ``reads``, the chunk updates in Triton with
+    all float32 or wider but ``q``, which only the final read takes (in ``reads``: a query already in
+    that dtype is not copied); attention reads run in ``reads``, the chunk updates in Triton with
     ``triton``. Returns ``o (B, H, T, d_v)`` and, for the state, ``u (B, H, T, h)`` and ``w1s``.
     """
     B, H, T, _ = q.shape
@@ -240,7 +241,10 @@ def hebbian_deep_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e:
         lin, s = read[..., :dv], F.gelu(read[..., dv:])
         n_chunks = w1s.shape[0] - 1
         pad = n_chunks * C - T
-        chunked = lambda x: F.pad(x, (0, 0, 0, pad)).unflatten(2, (n_chunks, C))  # noqa: E731  (B, H, N, C, .)
+
+        def chunked(x):  # (B, H, N, C, .); a view where T fills the chunks (a pad is a copy each way)
+            return (F.pad(x, (0, 0, 0, pad)) if pad else x).unflatten(2, (n_chunks, C))
+
         s_c, sig_c, er_c = chunked(s), chunked(sig), chunked(er)
         w1_start = w1s[:-1].permute(1, 2, 0, 3, 4)  # (B, H, N, d_v, h)
         mine = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
