@@ -387,23 +387,54 @@ def _forward(step: Step, carry: Tensors, xs: Tensors, consts: Tensors, every: in
     return tuple(torch.cat(p) for p in zip(*parts)), carry, kept
 
 
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return a if b is None else (b if a is None else a + b)
+
+
+def _unshared(sources: Sequence[torch.Tensor | None], targets: Sequence[torch.Tensor]) -> list:
+    """``sources``, each cloned where it shares memory with a target other than its own: a gradient that
+    passed a carry through to another index of the step (a view of that index's buffer) would otherwise
+    be overwritten by the copies before it is read."""
+    ptrs = [t.untyped_storage().data_ptr() for t in targets]
+    return [a if a is None or all(p != a.untyped_storage().data_ptr() for k, p in enumerate(ptrs) if k != i)
+            else a.clone() for i, a in enumerate(sources)]
+
+
 def _backward_one(step: Step, graphed: GraphedStep | None, carry: Tensors, x: Tensors, consts_in: Tensors,
                   need_x: Sequence[bool], d_ys: Sequence[torch.Tensor | None],
-                  d_carry: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+                  d_carry: Sequence[torch.Tensor | None], d_more: Sequence[torch.Tensor | None] = (),
+                  own: bool = True) -> list[torch.Tensor | None]:
     """One chunk's backward from the carry entering it: gradients of its carry, ``x`` and ``consts``
-    (``None`` where there is none). Graphed, those of ``x`` and ``consts`` are the graph's own buffers,
-    valid until its next replay: the caller copies them out at once."""
+    (``None`` where there is none). The carry's gradient out of the unit is ``d_carry + d_more`` (``d_more``:
+    a snapshot's gradient, or empty). Graphed, the gradients of ``x`` and ``consts`` are the graph's own
+    buffers, valid until its next replay: the caller copies them out at once; so is the carry's where
+    ``own`` is false (else a clone): a caller that hands it to the next unit at once and replays no other
+    graph in between saves a carry-sized copy."""
+    d_more = tuple(d_more) or (None,) * len(d_carry)
     if graphed is not None:
-        graphed.load(carry, x)
-        pairs = list(zip(graphed.d_ys + graphed.d_carry_out, list(d_ys) + list(d_carry)))
+        # The carry's gradient first: the previous unit's may be (a view of) one of this graph's buffers,
+        # which the loads below overwrite. A snapshot's gradient is added on the way in, in one pass.
+        copies, absent = [], []
+        for buf, a, b in zip(graphed.d_carry_out, _unshared(d_carry, graphed.d_carry_out), d_more):
+            if a is not None and b is not None:
+                torch.add(a, b, out=buf)
+            elif a is not None or b is not None:
+                copies.append((buf, a if b is None else b))
+            else:
+                absent.append(buf)
+        copy_all([buf for buf, _ in copies], [g for _, g in copies])
+        pairs = list(zip(graphed.d_ys, d_ys))
         copy_all([b for b, g in pairs if g is not None], [g for _, g in pairs if g is not None])
-        absent = [b for b, g in pairs if g is None]
+        absent += [b for b, g in pairs if g is None]
         if absent:
             torch._foreach_zero_(absent)
+        graphed.load(carry, x)
         graphed.bwd.replay()
-        # The carry's gradient outlives the stretch, and the forward graph's replays in the next
-        # stretch's recompute may reuse its memory (one pool): it is cloned, the rest copied at once.
-        return [t.clone() for t in graphed.d_carry] + list(graphed.d_x + graphed.d_consts)
+        # A carry's gradient kept across a forward replay (the next stretch's recompute) must be owned: the
+        # forward graph shares the backward's memory pool and may reuse it.
+        d_carry_in = [t.clone() for t in graphed.d_carry] if own else list(graphed.d_carry)
+        return d_carry_in + list(graphed.d_x + graphed.d_consts)
+    d_carry = [_add(a, b) for a, b in zip(d_carry, d_more)]
     carry_in = tuple(t.detach().requires_grad_(_differentiable(t)) for t in carry)
     x_in = tuple(t.detach().requires_grad_(want) for t, want in zip(x, need_x))
     with torch.enable_grad():
@@ -516,10 +547,14 @@ class _ChunkLoop(torch.autograd.Function):
         d_consts: list[torch.Tensor | None] = [None] * n_consts
         consts_in = tuple(c.detach().requires_grad_(want) for c, want in zip(consts, need_consts))
 
+        # With one unit per stretch no forward graph replays between two backward replays, so a unit's carry
+        # gradient can stay in its graph's buffer until the next unit copies it in (one copy fewer per unit).
+        one_unit = u == r
+        borrowed = False  # whether d_carry is a graph's buffer
         for s in reversed(range(len(checkpoints))):
+            snap: Sequence[torch.Tensor | None] = ()
             if ctx.snapshots and s + 1 < len(checkpoints):  # the carry after stretch s is also an output
                 snap = d_snaps[s * n_carry:(s + 1) * n_carry]
-                d_carry = [a if b is None else (b if a is None else a + b) for a, b in zip(d_carry, snap)]
             units = [(lo, min(n, lo + u)) for lo in range(s * r, min(n, (s + 1) * r), u)]
             carries = [checkpoints[s]]
             with torch.no_grad(), _autocast(ctx.autocast), tf32_products(ctx.tf32):
@@ -532,8 +567,11 @@ class _ChunkLoop(torch.autograd.Function):
                     graphed.load(consts=consts)
                 with _autocast(ctx.autocast), tf32_products(ctx.tf32):
                     got = _backward_one(stretch, graphed, carry, _slice(xs, lo, hi), consts_in, need_xs,
-                                        [None if d is None else d[lo:hi] for d in d_ys], d_carry)
+                                        [None if d is None else d[lo:hi] for d in d_ys], d_carry, snap,
+                                        own=not one_unit)
+                snap = ()  # the snapshot's gradient enters at the stretch's end only
                 d_carry = got[:n_carry]
+                borrowed = graphed is not None and one_unit
                 pairs = [(d[lo:hi], g) for d, g in zip(d_xs, got[n_carry:n_carry + n_xs])
                          if g is not None and d is not None]
                 copy_all([d for d, _ in pairs], [g for _, g in pairs])
@@ -542,6 +580,8 @@ class _ChunkLoop(torch.autograd.Function):
                         # in place: a cache of memories makes these as large as the carry, once per memory
                         d_consts[i] = g.clone() if d_consts[i] is None else d_consts[i].add_(g)
         d_carry = [g if want else None for g, want in zip(d_carry, need[:n_carry])]
+        if borrowed:  # the graph's buffers are the next loop's
+            d_carry = [None if g is None else g.clone() for g in d_carry]
         return (None, None, None, None, None, None, None, None, *d_carry, *d_xs, *d_consts)
 
 

@@ -456,6 +456,49 @@ def test_snapshots_are_the_carries_at_stretch_ends_with_their_gradients(every, l
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("snapshots", [False, True])
+def test_a_carry_gradient_left_in_a_graph_buffer_is_owned_when_returned(snapshots, monkeypatch):
+    """With one unit per stretch the loop hands a unit's carry gradient to the next unit straight from the
+    graph's buffer; the one it returns must be its own. Graphs kept across loops (as the cache of graphs
+    does) and a second loop's backward must leave the first loop's gradients as they were."""
+    from mnemo.kernels import chunk_loop
+
+    kept_graphs: dict = {}
+
+    def cached(step, carry, x, consts, need_x=(), need_consts=(), backward=False):
+        key = (x[0].shape[0], backward)
+        if key not in kept_graphs:
+            kept_graphs[key] = ReplayOnCPU(step, carry, x, consts, need_x, need_consts, backward)
+        return kept_graphs[key]
+
+    monkeypatch.setattr(chunk_loop, "_graphs_wanted", lambda tensors, n, graphs=None: graphs is not False)
+    monkeypatch.setattr(chunk_loop, "graphed_step", cached)
+
+    def grads(scale):
+        h0, kept, inp, mask, w = toy_inputs()
+        h0 = (h0 * scale).detach().requires_grad_()
+        out = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=3, snapshots=snapshots)
+        loss = toy_loss(out[0], out[1]) + (sum(s[0].sum() for s in out[2]) if snapshots else 0)
+        return torch.autograd.grad(loss, (h0, kept, w))
+
+    first = grads(1.0)
+    saved = [g.clone() for g in first]
+    grads(-2.0)
+    for a, b in zip(first, saved):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_gradient_that_shares_another_buffer_is_copied_before_it_is_overwritten():
+    from mnemo.kernels.chunk_loop import _unshared
+
+    targets = [torch.zeros(4), torch.zeros(4)]
+    own, other, free = targets[0][:2], targets[0][2:], torch.ones(4)
+    got = _unshared([own, other, free, None], targets + [torch.zeros(4), torch.zeros(1)])
+    assert got[0] is own and got[2] is free and got[3] is None  # its own target, or no target: as it is
+    assert got[1] is not other and got[1].untyped_storage().data_ptr() != targets[0].untyped_storage().data_ptr()
+    torch.testing.assert_close(got[1], other)
+
+
 @pytest.mark.parametrize("loop_mode", ["recompute", "replayed"])
 def test_the_spacing_asked_by_the_environment_is_the_default_one(loop_mode, monkeypatch, request):
     """``MNEMO_CHUNK_CHECKPOINT_EVERY`` sets the stretches where the caller gives none (seen in the
