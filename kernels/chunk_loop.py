@@ -392,12 +392,13 @@ def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _unshared(sources: Sequence[torch.Tensor | None], targets: Sequence[torch.Tensor]) -> list:
-    """``sources``, each cloned where it shares memory with a target other than its own: a gradient that
-    passed a carry through to another index of the step (a view of that index's buffer) would otherwise
-    be overwritten by the copies before it is read."""
-    ptrs = [t.untyped_storage().data_ptr() for t in targets]
-    return [a if a is None or all(p != a.untyped_storage().data_ptr() for k, p in enumerate(ptrs) if k != i)
-            else a.clone() for i, a in enumerate(sources)]
+    """``sources``, each cloned where it shares memory with a target, unless it is its own target itself:
+    a gradient that passed a carry through to another index of the step (a view of that index's buffer)
+    would be overwritten by the copies before it is read, and one that is a transposed view of its own
+    buffer cannot be copied into it."""
+    ptrs = {t.untyped_storage().data_ptr() for t in targets}
+    return [a if a is None or a is targets[i] or a.untyped_storage().data_ptr() not in ptrs else a.clone()
+            for i, a in enumerate(sources)]
 
 
 def _backward_one(step: Step, graphed: GraphedStep | None, carry: Tensors, x: Tensors, consts_in: Tensors,
@@ -571,7 +572,8 @@ class _ChunkLoop(torch.autograd.Function):
                                         own=not one_unit)
                 snap = ()  # the snapshot's gradient enters at the stretch's end only
                 d_carry = got[:n_carry]
-                borrowed = graphed is not None and one_unit
+                # Sticky: an uncaptured unit that passes a carry through hands back the very tensor it got.
+                borrowed = borrowed or (graphed is not None and one_unit)
                 pairs = [(d[lo:hi], g) for d, g in zip(d_xs, got[n_carry:n_carry + n_xs])
                          if g is not None and d is not None]
                 copy_all([d for d, _ in pairs], [g for _, g in pairs])

@@ -491,12 +491,42 @@ def test_a_carry_gradient_left_in_a_graph_buffer_is_owned_when_returned(snapshot
 def test_a_gradient_that_shares_another_buffer_is_copied_before_it_is_overwritten():
     from mnemo.kernels.chunk_loop import _unshared
 
-    targets = [torch.zeros(4), torch.zeros(4)]
-    own, other, free = targets[0][:2], targets[0][2:], torch.ones(4)
-    got = _unshared([own, other, free, None], targets + [torch.zeros(4), torch.zeros(1)])
-    assert got[0] is own and got[2] is free and got[3] is None  # its own target, or no target: as it is
-    assert got[1] is not other and got[1].untyped_storage().data_ptr() != targets[0].untyped_storage().data_ptr()
-    torch.testing.assert_close(got[1], other)
+    targets = [torch.arange(4.0).view(2, 2), torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(2, 2)]
+    own, other, transposed, free = targets[0], targets[0], targets[2].mT, torch.ones(2, 2)
+    got = _unshared([own, other, transposed, free, None], targets + [torch.zeros(1)])
+    assert got[0] is own and got[3] is free and got[4] is None  # its own target, or no target: as it is
+    for i, source in ((1, other), (2, transposed)):  # another's buffer, or a view of its own: copied
+        assert got[i] is not source
+        assert all(got[i].untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in targets)
+        torch.testing.assert_close(got[i], source)
+
+
+def test_a_returned_carry_gradient_is_owned_when_uncaptured_units_follow_a_captured_one(monkeypatch):
+    """A unit without a graph (its capture failed) passes the ``kept`` entry's gradient through as the very
+    tensor it got, the graph's buffer of the unit after it: the loop must still return its own copy."""
+    from mnemo.kernels import chunk_loop
+
+    kept_graphs: dict = {}
+
+    def only_short_units(step, carry, x, consts, need_x=(), need_consts=(), backward=False):
+        if x[0].shape[0] != 1:
+            return None
+        return kept_graphs.setdefault(backward, ReplayOnCPU(step, carry, x, consts, need_x, need_consts, backward))
+
+    monkeypatch.setattr(chunk_loop, "_graphs_wanted", lambda tensors, n, graphs=None: graphs is not False)
+    monkeypatch.setattr(chunk_loop, "graphed_step", only_short_units)
+
+    def grads(scale):
+        h0, kept, inp, mask, w = toy_inputs()
+        h0 = (h0 * scale).detach().requires_grad_()  # kept's gradient is the final h: it changes with h0
+        ys, carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=3)
+        return torch.autograd.grad(toy_loss(ys, carry), (h0, kept, w))
+
+    first = grads(1.0)
+    saved = [g.clone() for g in first]
+    grads(-2.0)
+    for a, b in zip(first, saved):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("loop_mode", ["recompute", "replayed"])
