@@ -23,6 +23,10 @@ per earlier chunk: block ``(n, j)`` can run as soon as chunk ``j`` is written. T
 - The query side of the blocks (``dk_n`` as a query) depends on nothing the wavefront still computes:
   one launch after it takes every block at once, a program per query chunk.
 
+A chunk's write and its backward, the critical path of each pass, take the chunk ``_ROWS`` rows at a time:
+every row's read, write and gradients are its own, only ``W_1`` and its gradient sum over the rows, and a
+whole chunk's tiles at once did not fit in registers.
+
 Each gradient has one writer and a fixed order, no atomics: runs repeat bit for bit. Each block computes
 its scores in both orientations from loads rather than transposing a product, which Triton 3.4-3.7.0
 miscompiles on Hopper when it feeds another product.
@@ -47,14 +51,20 @@ from .deep_attention_triton import update_backward_tiles, update_tiles
 __all__ = ["key_pass_backward_triton", "key_pass_forward_triton"]
 
 # Warps of the step launches (a chunk's update and a few blocks) and of the bulk ones (many programs of
-# several blocks each). On an H100 (bf16 reads, C = 64, width 64, 16 heads, 16K tokens) 8 warps were slower
-# for both: steps by 16-21% (T = 2048 and 8192), the bulk launches by 10-18%.
-_WARPS = 4
+# several blocks each). On an H100 (bf16 reads, C = 64, width 64, 16 heads, 16K tokens) 8 warps made the bulk
+# launches 10-18% slower. The steps, with whole chunks in registers, were 16-21% slower with 8 warps too; in
+# blocks of _ROWS rows they spill nothing (forward) or 16 registers (backward) with 8 warps, 12 / 100 with 4,
+# and the depth-2 layer took 11.35 / 23.2 ms with 8 warps, 11.55 / 24.0 ms with 4 (T = 2048 / 8192).
+_WARPS = 8
 _BULK_WARPS = 4
 # No software pipelining in the steps: their loops run at most two blocks, and with Triton's default three
 # stages the backward's double-buffered tiles took 330 KB of shared memory for float32 reads at C = 64, width
 # 64 (an H100 has 227 KB; compiled for sm_90 with Triton 3.6), 98 KB with one stage.
 _STAGES = 1
+# Rows at a time in a chunk's write and its backward (the critical path of either pass; a power of two, 16 or
+# more for tl.dot). On the H100 above, with 4 warps, whole 64-row chunks took 255 registers and spilled 208
+# (the write) and 696 (its backward) more; blocks of 32 rows spilled 64 / 436, of 16 rows 12 / 100.
+_ROWS = 16
 # Chunks per group. Larger groups mean fewer bulk launches and state round trips, smaller ones less work in
 # the steps. On the H100 above, forward + backward of the pass: 4 / 8 / 16 took 19.2 / 19.7 / 17.9 ms at
 # T = 8192 and 6.85 / 6.33 / 7.03 ms at T = 2048 with Triton's launcher (host-bound alone, see _Launcher);
@@ -77,10 +87,18 @@ def _rows(X, bh, rows, cols, T, W):
 
 
 @triton.jit
-def _rows_t(X, bh, rows, cols, T, W):
-    """The transpose of :func:`_rows`, loaded transposed."""
+def _operand(X, bh, rows, cols, T, W):
+    """``X[bh, rows, cols]`` in its own dtype, zero outside it: a tile that only feeds products, which take
+    the reads' dtype (a float32 copy of it would hold twice the registers)."""
+    return tl.load(X + bh * T * W + rows[:, None] * W + cols[None, :], mask=(rows[:, None] < T) & (cols[None, :] < W),
+                   other=0.0)
+
+
+@triton.jit
+def _operand_t(X, bh, rows, cols, T, W):
+    """The transpose of :func:`_operand`, loaded transposed."""
     return tl.load(X + bh * T * W + rows[None, :] * W + cols[:, None], mask=(rows[None, :] < T) & (cols[:, None] < W),
-                   other=0.0).to(tl.float32)
+                   other=0.0)
 
 
 @triton.jit
@@ -125,17 +143,18 @@ def _store_state(MX, SUM, ACC, bh, rows, live, stats, T, HID, mx, total, acc, BH
 @triton.jit
 def _read_blocks(q, K, UR, bh, lo, hi, mx, total, acc, T, DK, HID, scale, C: tl.constexpr, BK: tl.constexpr,
                  BHID: tl.constexpr, PRECISION: tl.constexpr):
-    """Adds the blocks of key chunks ``lo .. hi - 1`` to a query chunk's online-softmax accumulators."""
+    """Adds the blocks of key chunks ``lo .. hi - 1`` to the online-softmax accumulators of queries ``q`` (a
+    chunk's rows, or a block of them)."""
     RD = K.dtype.element_ty
     rc, rk, rh = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BHID)
     for j in range(lo, hi):
         keys = j * C + rc
-        s = _mm(q, _rows_t(K, bh, keys, rk, T, DK), RD, PRECISION) * scale
+        s = _mm(q, _operand_t(K, bh, keys, rk, T, DK), RD, PRECISION) * scale
         new = tl.maximum(mx, tl.max(s, 1))
         p = tl.exp(s - new[:, None])
         fade = tl.exp(mx - new)
         total = total * fade + tl.sum(p, 1)
-        acc = acc * fade[:, None] + _mm(p, _rows(UR, bh, keys, rh, T, HID), RD, PRECISION)
+        acc = acc * fade[:, None] + _mm(p, _operand(UR, bh, keys, rh, T, HID), RD, PRECISION)
         mx = new
     return mx, total, acc
 
@@ -153,103 +172,124 @@ def _forward_reads(K, UR, MX, SUM, ACC, first, lo, hi, T, DK, HID, scale, FRESH:
                                                                                                           tl.float32)
     else:
         mx, total, acc = _load_state(MX, SUM, ACC, bh, rows, live, stats, T, HID, BHID)
-    mx, total, acc = _read_blocks(_rows(K, bh, rows, tl.arange(0, BK), T, DK), K, UR, bh, lo, hi, mx, total, acc,
-                                  T, DK, HID, scale, C, BK, BHID, PRECISION)
+    mx, total, acc = _read_blocks(_operand(K, bh, rows, tl.arange(0, BK), T, DK), K, UR, bh, lo, hi, mx, total,
+                                  acc, T, DK, HID, scale, C, BK, BHID, PRECISION)
     _store_state(MX, SUM, ACC, bh, rows, live, stats, T, HID, mx, total, acc, BHID)
 
 
 @triton.jit(do_not_specialize=["m", "lo"])
 def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, lo, T, BH, DK, DV, HID, scale, clip,
-                  CLIP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BHID: tl.constexpr,
-                  PRECISION: tl.constexpr, WRITE_READ: tl.constexpr):
+                  CLIP: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  BHID: tl.constexpr, PRECISION: tl.constexpr, WRITE_READ: tl.constexpr):
     """Block ``(n, m - 1)`` for the group's chunks ``n >= m`` (none when ``m`` starts the group), then chunk
-    ``m``'s write. ``WRITE_READ``: ``UR`` is a copy of ``U`` in the reads' dtype (otherwise ``U`` itself)."""
-    n = m + tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    ``m``'s write, ``R`` rows at a time: each row's read and write is its own, only ``W_1``'s update sums
+    over the rows (a whole chunk's tiles at once spilled registers, which made the write, the critical
+    path, several times slower). ``WRITE_READ``: ``UR`` is a copy of ``U`` in the reads' dtype (otherwise
+    ``U`` itself). The programs of the chunks' writes come first in the grid: they start in its first wave."""
+    bh = tl.program_id(0).to(tl.int64)
+    n = m + tl.program_id(1)
     RD = K.dtype.element_ty
-    rv, rh = tl.arange(0, BV), tl.arange(0, BHID)
-    rows, live, stats = _chunk(n, C, T, bh)
-    mx, total, acc = _load_state(MX, SUM, ACC, bh, rows, live, stats, T, HID, BHID)
-    mx, total, acc = _read_blocks(_rows(K, bh, rows, tl.arange(0, BK), T, DK), K, UR, bh, tl.maximum(m - 1, lo), m,
-                                  mx, total, acc, T, DK, HID, scale, C, BK, BHID, PRECISION)
-    if n == m:  # the chunk's read is complete: its write
-        if m > 0:
-            total = tl.where(live, total, 1.0)  # rows past T have no accumulators in memory: a read of 0
-            a = (acc / total[:, None]).to(RD).to(tl.float32)
-            tl.store(LSE + stats, mx + tl.log(total), mask=live)
-        else:  # no earlier key: the read is 0
-            a = tl.zeros((C, BHID), tl.float32)
-        _put(A, bh, rows, rh, T, HID, a)
-        v = _rows(V, bh, rows, rv, T, DV)
-        e = tl.load(E + stats, mask=live, other=0.0).to(tl.float32)
+    rk, rv, rh = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
+    first = tl.maximum(m - 1, lo)
+    if n == m:  # the chunk's reads are complete after this block: its write
+        square = rv[:, None] * HID + rh[None, :]
+        in_square = (rv[:, None] < DV) & (rh[None, :] < HID)
         wb = W1S + (m * BH + bh) * DV * HID
-        w = tl.load(wb + rv[:, None] * HID + rh[None, :], mask=(rv[:, None] < DV) & (rh[None, :] < HID), other=0.0)
-        u, sig, er, w_next = update_tiles(a, v, w, e, clip, CLIP)
-        _put(U, bh, rows, rh, T, HID, u)
-        if WRITE_READ:
-            _put(UR, bh, rows, rh, T, HID, u)
-        _put(SIG, bh, rows, rh, T, HID, sig)
-        _put(ER, bh, rows, rv, T, DV, er)
-        tl.store(wb + BH * DV * HID + rv[:, None] * HID + rh[None, :], w_next,
-                 mask=(rv[:, None] < DV) & (rh[None, :] < HID))
+        w = tl.load(wb + square, mask=in_square, other=0.0)
+        dw = tl.zeros((BV, BHID), tl.float32)
+        for r in range(0, C, R):
+            rows = m * C + r + tl.arange(0, R)
+            live, stats = rows < T, bh * T + rows
+            mx, total, acc = _load_state(MX, SUM, ACC, bh, rows, live, stats, T, HID, BHID)
+            mx, total, acc = _read_blocks(_operand(K, bh, rows, rk, T, DK), K, UR, bh, first, m, mx, total, acc, T,
+                                          DK, HID, scale, C, BK, BHID, PRECISION)
+            if m > 0:
+                total = tl.where(live, total, 1.0)  # rows past T have no accumulators in memory: a read of 0
+                a = (acc / total[:, None]).to(RD).to(tl.float32)
+                tl.store(LSE + stats, mx + tl.log(total), mask=live)
+            else:  # no earlier key: the read is 0
+                a = tl.zeros((R, BHID), tl.float32)
+            _put(A, bh, rows, rh, T, HID, a)
+            e = tl.load(E + stats, mask=live, other=0.0).to(tl.float32)
+            u, sig, er, part = update_tiles(a, _rows(V, bh, rows, rv, T, DV), w, e, clip, CLIP)
+            _put(U, bh, rows, rh, T, HID, u)
+            if WRITE_READ:
+                _put(UR, bh, rows, rh, T, HID, u)
+            _put(SIG, bh, rows, rh, T, HID, sig)
+            _put(ER, bh, rows, rv, T, DV, er)
+            dw += part
+        tl.store(wb + BH * DV * HID + square, w + dw, mask=in_square)
     else:
+        rows, live, stats = _chunk(n, C, T, bh)
+        mx, total, acc = _load_state(MX, SUM, ACC, bh, rows, live, stats, T, HID, BHID)
+        mx, total, acc = _read_blocks(_operand(K, bh, rows, rk, T, DK), K, UR, bh, first, m, mx, total, acc, T, DK,
+                                      HID, scale, C, BK, BHID, PRECISION)
         _store_state(MX, SUM, ACC, bh, rows, live, stats, T, HID, mx, total, acc, BHID)
 
 
 @triton.jit
 def _key_side(K, UR, LSE, DA, DD, DKEYS, DU, bh, keys, lo, hi, T, DK, HID, scale, C: tl.constexpr,
-              BK: tl.constexpr, BHID: tl.constexpr, PRECISION: tl.constexpr):
-    """The key side of the blocks ``(n, j)``, ``n = lo .. hi - 1``, for key chunk ``j`` (rows ``keys``): adds
-    its ``dk`` to ``DKEYS`` and returns its ``dU`` so far (``DU``'s plus these blocks'). The scores come
-    transposed from transposed loads, not by transposing a product: a transposed product fed to another
-    product is what Triton 3.4-3.7.0 miscompiles on Hopper."""
+              KR: tl.constexpr, BK: tl.constexpr, BHID: tl.constexpr, PRECISION: tl.constexpr):
+    """The key side of the blocks ``(n, j)``, ``n = lo .. hi - 1``, for ``KR`` rows ``keys`` of key chunk ``j``
+    (every row's gradients are its own): adds their ``dk`` to ``DKEYS`` and returns their ``dU`` so far
+    (``DU``'s plus these blocks'). The scores come transposed from transposed loads, not by transposing a
+    product: a transposed product fed to another product is what Triton 3.4-3.7.0 miscompiles on Hopper."""
     RD = K.dtype.element_ty
     rk, rh = tl.arange(0, BK), tl.arange(0, BHID)
-    k, u, du = _rows(K, bh, keys, rk, T, DK), _rows(UR, bh, keys, rh, T, HID), _rows(DU, bh, keys, rh, T, HID)
-    dk = tl.zeros((C, BK), tl.float32)
+    k, u, du = _operand(K, bh, keys, rk, T, DK), _operand(UR, bh, keys, rh, T, HID), _rows(DU, bh, keys, rh, T, HID)
+    dk = tl.zeros((KR, BK), tl.float32)
     for n in range(lo, hi):
         rows, live, stats = _chunk(n, C, T, bh)
         lse = tl.load(LSE + stats, mask=live, other=float("inf"))
         dd = tl.load(DD + stats, mask=live, other=0.0)
-        p_t = tl.exp(_mm(k, _rows_t(K, bh, rows, rk, T, DK), RD, PRECISION) * scale - lse[None, :])
-        dp_t = _mm(u, _rows_t(DA, bh, rows, rh, T, HID), RD, PRECISION)
-        du += _mm(p_t, _rows(DA, bh, rows, rh, T, HID), RD, PRECISION)
-        dk += _mm(p_t * (dp_t - dd[None, :]) * scale, _rows(K, bh, rows, rk, T, DK), RD, PRECISION)
+        p_t = tl.exp(_mm(k, _operand_t(K, bh, rows, rk, T, DK), RD, PRECISION) * scale - lse[None, :])
+        dp_t = _mm(u, _operand_t(DA, bh, rows, rh, T, HID), RD, PRECISION)
+        du += _mm(p_t, _operand(DA, bh, rows, rh, T, HID), RD, PRECISION)
+        dk += _mm(p_t * (dp_t - dd[None, :]) * scale, _operand(K, bh, rows, rk, T, DK), RD, PRECISION)
     _add(DKEYS, bh, keys, rk, T, DK, dk)
     return du
 
 
 @triton.jit(do_not_specialize=["m", "top"])
 def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DKEYS, DU, DSIG, DER, DW1S, DWC, DV_OUT, DE, m, top, T, BH, DK,
-                   DV, HID, scale, clip, CLIP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   BHID: tl.constexpr, PRECISION: tl.constexpr):
+                   DV, HID, scale, clip, CLIP: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, BHID: tl.constexpr, PRECISION: tl.constexpr):
     """The key side of block ``(m + 1, j)`` for the group's chunks ``j <= m`` (none when ``m`` ends the group,
-    at ``top - 1``), then chunk ``m``'s update backward."""
-    j = m - tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    at ``top - 1``), then chunk ``m``'s update backward, ``R`` rows at a time as in :func:`_forward_step`
+    (only ``W_1``'s gradient sums over the rows); its programs come first in the grid."""
+    bh = tl.program_id(0).to(tl.int64)
+    j = m - tl.program_id(1)
     RD = K.dtype.element_ty
     rv, rh = tl.arange(0, BV), tl.arange(0, BHID)
-    keys, in_keys, key_stats = _chunk(j, C, T, bh)
-    du = _key_side(K, UR, LSE, DA, DD, DKEYS, DU, bh, keys, m + 1, tl.minimum(m + 2, top), T, DK, HID, scale, C, BK,
-                   BHID, PRECISION)
-    if j == m:  # every later read of this chunk's U is in: its write's backward
-        a = _rows(A, bh, keys, rh, T, HID)
-        v = _rows(V, bh, keys, rv, T, DV)
-        e = tl.load(E + key_stats, mask=in_keys, other=0.0).to(tl.float32)
+    hi = tl.minimum(m + 2, top)
+    if j == m:  # every later read of this chunk's U is in after this block: its write's backward
         square = rv[:, None] * HID + rh[None, :]
         in_square = (rv[:, None] < DV) & (rh[None, :] < HID)
         w = tl.load(W1S + (m * BH + bh) * DV * HID + square, mask=in_square, other=0.0)
         dwn = tl.load(DWC + bh * DV * HID + square, mask=in_square, other=0.0)
-        da, dv, dw, de = update_backward_tiles(a, v, w, e, du, _rows(DSIG, bh, keys, rh, T, HID),
-                                               _rows(DER, bh, keys, rv, T, DV), dwn, clip, CLIP)
-        da = da.to(RD).to(tl.float32)
-        _put(DA, bh, keys, rh, T, HID, da)
-        tl.store(DD + key_stats, tl.sum(da * a, 1), mask=in_keys)
-        _put(DV_OUT, bh, keys, rv, T, DV, dv)
-        tl.store(DE + key_stats, de, mask=in_keys)
-        dw += tl.load(DW1S + (m * BH + bh) * DV * HID + square, mask=in_square, other=0.0)
+        dw = tl.zeros((BV, BHID), tl.float32)
+        for r in range(0, C, R):
+            keys = m * C + r + tl.arange(0, R)
+            in_keys, key_stats = keys < T, bh * T + keys
+            du = _key_side(K, UR, LSE, DA, DD, DKEYS, DU, bh, keys, m + 1, hi, T, DK, HID, scale, C, R, BK, BHID,
+                           PRECISION)
+            a = _rows(A, bh, keys, rh, T, HID)
+            v = _rows(V, bh, keys, rv, T, DV)
+            e = tl.load(E + key_stats, mask=in_keys, other=0.0).to(tl.float32)
+            da, dv, part, de = update_backward_tiles(a, v, w, e, du, _rows(DSIG, bh, keys, rh, T, HID),
+                                                     _rows(DER, bh, keys, rv, T, DV), dwn, clip, CLIP)
+            da = da.to(RD).to(tl.float32)
+            _put(DA, bh, keys, rh, T, HID, da)
+            tl.store(DD + key_stats, tl.sum(da * a, 1), mask=in_keys)
+            _put(DV_OUT, bh, keys, rv, T, DV, dv)
+            tl.store(DE + key_stats, de, mask=in_keys)
+            dw += part
+        dw += dwn + tl.load(DW1S + (m * BH + bh) * DV * HID + square, mask=in_square, other=0.0)
         tl.store(DWC + bh * DV * HID + square, dw, mask=in_square)
     else:
+        keys = j * C + tl.arange(0, C)
+        du = _key_side(K, UR, LSE, DA, DD, DKEYS, DU, bh, keys, m + 1, hi, T, DK, HID, scale, C, C, BK, BHID,
+                       PRECISION)
         _put(DU, bh, keys, rh, T, HID, du)
 
 
@@ -260,7 +300,7 @@ def _backward_key_side(K, UR, LSE, DA, DD, DKEYS, DU, first, lo, hi, T, DK, HID,
     ``j = first + pid``."""
     bh = tl.program_id(1).to(tl.int64)
     keys = (first + tl.program_id(0)) * C + tl.arange(0, C)
-    du = _key_side(K, UR, LSE, DA, DD, DKEYS, DU, bh, keys, lo, hi, T, DK, HID, scale, C, BK, BHID, PRECISION)
+    du = _key_side(K, UR, LSE, DA, DD, DKEYS, DU, bh, keys, lo, hi, T, DK, HID, scale, C, C, BK, BHID, PRECISION)
     _put(DU, bh, keys, tl.arange(0, BHID), T, HID, du)
 
 
@@ -276,14 +316,14 @@ def _query_gradients(K, UR, LSE, DA, DD, DKEYS, N, T, DK, HID, scale, C: tl.cons
     rows, live, stats = _chunk(n, C, T, bh)
     lse = tl.load(LSE + stats, mask=live, other=float("inf"))
     dd = tl.load(DD + stats, mask=live, other=0.0)
-    q = _rows(K, bh, rows, rk, T, DK)
-    da = _rows(DA, bh, rows, rh, T, HID)
+    q = _operand(K, bh, rows, rk, T, DK)
+    da = _operand(DA, bh, rows, rh, T, HID)
     dq = tl.zeros((C, BK), tl.float32)
     for j in range(0, n):
         keys = j * C + tl.arange(0, C)
-        p = tl.exp(_mm(q, _rows_t(K, bh, keys, rk, T, DK), RD, PRECISION) * scale - lse[:, None])
-        dp = _mm(da, _rows_t(UR, bh, keys, rh, T, HID), RD, PRECISION)
-        dq += _mm(p * (dp - dd[:, None]) * scale, _rows(K, bh, keys, rk, T, DK), RD, PRECISION)
+        p = tl.exp(_mm(q, _operand_t(K, bh, keys, rk, T, DK), RD, PRECISION) * scale - lse[:, None])
+        dp = _mm(da, _operand_t(UR, bh, keys, rh, T, HID), RD, PRECISION)
+        dq += _mm(p * (dp - dd[:, None]) * scale, _operand(K, bh, keys, rk, T, DK), RD, PRECISION)
     _add(DKEYS, bh, rows, rk, T, DK, dq)
 
 
@@ -356,7 +396,7 @@ def _options(reads: torch.dtype, chunk: int, DK: int, DV: int, HID: int, clip: f
     arguments."""
     p = lambda n: max(16, triton.next_power_of_2(n))  # noqa: E731  (tl.dot needs 16 or more)
     shared = dict(C=chunk, BK=p(DK), BHID=p(HID), PRECISION=_precision(reads))
-    step = dict(shared, BV=p(DV), num_warps=_WARPS, num_stages=_STAGES)
+    step = dict(shared, R=min(_ROWS, chunk), BV=p(DV), num_warps=_WARPS, num_stages=_STAGES)
     bulk = dict(shared, num_warps=_BULK_WARPS, num_stages=_bulk_stages(reads))
     return step, bulk, (0.0 if clip is None else float(clip), clip is not None)
 
@@ -392,7 +432,7 @@ def key_pass_forward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tensor
             side.wait(("far", g))
             reads(lo, lo - S, lo, fresh=lo == S)
         for m in range(lo, min(lo + S, N)):
-            launch(_forward_step, (min(lo + S, N) - m, BH), keys, u_read, v, e, w1s, u, sig, er, a, lse, mx, total,
+            launch(_forward_step, (BH, min(lo + S, N) - m), keys, u_read, v, e, w1s, u, sig, er, a, lse, mx, total,
                    acc, m, lo, T, BH, DK, DV, HID, scale, *clipped, WRITE_READ=u_read is not u, **step)
         far = lo + 2 * S  # the group after next reads this one and every earlier one beside the next group
         if far < N:
@@ -429,7 +469,7 @@ def key_pass_backward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tenso
         lo, top = groups[g], min(groups[g] + S, N)
         side.wait(("far", g + 2))  # every side launch that wrote to this group's chunks
         for m in reversed(range(lo, top)):
-            launch(_backward_step, (m - lo + 1, BH), keys, u_read, v, e, w1s, a, lse, da, dd, dk, du, dsig, der, dw1s,
+            launch(_backward_step, (BH, m - lo + 1), keys, u_read, v, e, w1s, a, lse, da, dd, dk, du, dsig, der, dw1s,
                    carry, dv, de, m, top, T, BH, DK, DV, HID, scale, *clipped, **step)
         if lo > 0:  # the group before, next on the critical path, here; earlier groups on the side stream
             side.wait(("far", g + 1))

@@ -72,17 +72,21 @@ def _update_parts(a, v, w, e, clip, CLIP: tl.constexpr):
 
 @triton.jit
 def update_tiles(a, v, w, e, clip, CLIP: tl.constexpr):
-    """The chunk's write ``(u, sig, er, w1_next)`` from its tiles (see :func:`_update_parts`)."""
+    """The write ``(u, sig, er, dw1)`` of a chunk's rows from their tiles (see :func:`_update_parts`):
+    ``W_1`` after the chunk is ``w1 + dw1``, the sum of ``dw1`` over the chunk's rows. Every other output
+    is a row's own, so a caller may take a chunk in blocks of rows (fewer live registers)."""
     g, d, s, gd, pdf, n, scale = _update_parts(a, v, w, e, clip, CLIP)
     rate = (e * scale)[:, None]
     # er^T s as v^T (rate s): the transposed operand is a load, never a computed tile (Triton 3.4-3.7.0
     # miscompiles a transposed computed tile fed to a product on Hopper).
-    return rate * gd, s, rate * v, w + tl.dot(tl.trans(v), rate * s, input_precision=_PRODUCTS)
+    return rate * gd, s, rate * v, tl.dot(tl.trans(v), rate * s, input_precision=_PRODUCTS)
 
 
 @triton.jit
 def update_backward_tiles(a, v, w, e, du, ds, der, dwn, clip, CLIP: tl.constexpr):
-    """The gradients ``(da, dv, dw1, de)`` of :func:`update_tiles` for its outputs' ``(du, dsig, der, dw1_next)``."""
+    """The gradients ``(da, dv, dw1, de)`` of :func:`update_tiles` for its outputs' ``(du, dsig, der, dw1_next)``,
+    ``dw1`` without ``dw1_next``'s own part: as in the forward, a sum over the chunk's rows (``dw1_next``
+    reaches every row's ``der`` and ``dsig``), so the rows may come in blocks."""
     g, d, s, gd, pdf, n, scale = _update_parts(a, v, w, e, clip, CLIP)
     rate = e * scale
     der = der + tl.dot(s, tl.trans(dwn), input_precision=_PRODUCTS)
@@ -100,7 +104,7 @@ def update_backward_tiles(a, v, w, e, du, ds, der, dwn, clip, CLIP: tl.constexpr
         ds += (2.0 * dn * tl.sum(v * v, 1))[:, None] * s
     dg = dgd * d
     dv += tl.dot(dg, tl.trans(w), input_precision=_PRODUCTS)
-    dw = dwn + tl.dot(tl.trans(v), dg, input_precision=_PRODUCTS)
+    dw = tl.dot(tl.trans(v), dg, input_precision=_PRODUCTS)
     da = dgd * g * pdf * (2.0 - a * a) + ds * d
     return da, dv, dw, de
 
@@ -121,7 +125,8 @@ def _update_kernel(A, V, W, E, U, S, ER, WN, UR, TAB, R, DV, HID, clip, CLIP: tl
     b, h = tl.program_id(0), tl.program_id(1)
     rc, rv, rh = tl.arange(0, BC), tl.arange(0, BV), tl.arange(0, BH)
     a, v, w, e = _loads(A, V, W, E, TAB, b, h, rc, rv, rh, R, DV, HID)
-    u, s, er, w_next = update_tiles(a, v, w, e, clip, CLIP)
+    u, s, er, dw = update_tiles(a, v, w, e, clip, CLIP)
+    w_next = w + dw
     m_ch = (rc[:, None] < R) & (rh[None, :] < HID)
     tl.store(_ptrs(U, TAB, 4, b, h, rc, rh), u, mask=m_ch)
     tl.store(_ptrs(S, TAB, 5, b, h, rc, rh), s, mask=m_ch)
@@ -137,13 +142,14 @@ def _update_backward_kernel(A, V, W, E, DU, DS, DER, DWN, DA, DVO, DW, DE, TAB, 
     b, h = tl.program_id(0), tl.program_id(1)
     rc, rv, rh = tl.arange(0, BC), tl.arange(0, BV), tl.arange(0, BH)
     a, v, w, e = _loads(A, V, W, E, TAB, b, h, rc, rv, rh, R, DV, HID)
+    dwn = _tile(DWN, TAB, 7, b, h, rv, rh, DV, HID)
     da, dv, dw, de = update_backward_tiles(
         a, v, w, e, _tile(DU, TAB, 4, b, h, rc, rh, R, HID), _tile(DS, TAB, 5, b, h, rc, rh, R, HID),
-        _tile(DER, TAB, 6, b, h, rc, rv, R, DV), _tile(DWN, TAB, 7, b, h, rv, rh, DV, HID), clip, CLIP)
+        _tile(DER, TAB, 6, b, h, rc, rv, R, DV), dwn, clip, CLIP)
     m_ch, m_cv = (rc[:, None] < R) & (rh[None, :] < HID), (rc[:, None] < R) & (rv[None, :] < DV)
     tl.store(_ptrs(DA, TAB, 0, b, h, rc, rh), da.to(DA.dtype.element_ty), mask=m_ch)
     tl.store(_ptrs(DVO, TAB, 1, b, h, rc, rv), dv, mask=m_cv)
-    tl.store(_ptrs(DW, TAB, 2, b, h, rv, rh), dw, mask=(rv[:, None] < DV) & (rh[None, :] < HID))
+    tl.store(_ptrs(DW, TAB, 2, b, h, rv, rh), dwn + dw, mask=(rv[:, None] < DV) & (rh[None, :] < HID))
     tl.store(DE + b * tl.load(TAB + 9) + h * tl.load(TAB + 10) + rc * tl.load(TAB + 11), de, mask=rc < R)
 
 

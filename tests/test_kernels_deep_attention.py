@@ -296,19 +296,23 @@ def test_hebbian_full_rows_with_triton_chunk_updates(opts):
     _assert_matches_the_chunk_loop(inputs, out, state, opts)
 
 
-KEY_PASS_CASES = [(53, None, torch.float32, 1), (53, 0.5, torch.float32, 1), (48, 2.0, torch.float32, 1),
-                  (16, None, torch.float32, 1), (53, 0.5, torch.bfloat16, 1), (150, 0.5, torch.float32, 2),
-                  (150, None, torch.float32, 3), (150, 0.5, torch.bfloat16, 4), (53, 0.5, torch.float32, 8)]
+KEY_PASS_CASES = [(53, None, torch.float32, 1, 16), (53, 0.5, torch.float32, 1, 16), (48, 2.0, torch.float32, 1, 16),
+                  (16, None, torch.float32, 1, 16), (53, 0.5, torch.bfloat16, 1, 16),
+                  (150, 0.5, torch.float32, 2, 16), (150, None, torch.float32, 3, 16),
+                  (150, 0.5, torch.bfloat16, 4, 16), (53, 0.5, torch.float32, 8, 16),
+                  (150, 0.5, torch.float32, 2, 32), (75, None, torch.bfloat16, 1, 32)]
 
 
-@pytest.mark.parametrize("T_,clip,reads,group", KEY_PASS_CASES)
-def test_triton_key_pass_equals_the_torch_one(T_, clip, reads, group, monkeypatch):
+@pytest.mark.parametrize("T_,clip,reads,group,C", KEY_PASS_CASES)
+def test_triton_key_pass_equals_the_torch_one(T_, clip, reads, group, C, monkeypatch):
     """The wavefront key pass (:mod:`mnemo.kernels.deep_attention_key_pass_triton`; the interpreter on the
     CPU) against the PyTorch pass, float32: ``u, sig, er, W_1`` at every chunk start and the gradients of
     ``k, v, e, W_1``, with a partial last chunk, one chunk only, with and without the clip acting. With bf16
     reads both round the reads and their gradients to bf16 at different points: relative 2e-2. ``group``:
-    chunks per group (T = 150 is ten chunks: groups of 2, 3 and 4 leave a partial last group and take the
-    earlier groups' blocks in the bulk launches; 8 is more than the four chunks of T = 53)."""
+    chunks per group (T = 150 is ten chunks of 16: groups of 2, 3 and 4 leave a partial last group and take
+    the earlier groups' blocks in the bulk launches; 8 is more than the four chunks of T = 53). Chunks of 32
+    take a chunk's write and its backward in two blocks of 16 rows (``_ROWS``), the second one partial at
+    T = 150 and T = 75."""
     pytest.importorskip("triton")
     from mnemo.kernels import deep_attention_key_pass_triton
     from mnemo.kernels.deep_attention_hebbian import _KeyPass, _KeyPassTriton
@@ -317,7 +321,7 @@ def test_triton_key_pass_equals_the_torch_one(T_, clip, reads, group, monkeypatc
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(T_)
-    B_, H_, DK_, DV_, HID_, C = 2, 2, 8, 8, 12, 16
+    B_, H_, DK_, DV_, HID_ = 2, 2, 8, 8, 12
     k = torch.randn(B_, H_, T_, DK_, generator=gen)
     v = torch.randn(B_, H_, T_, DV_, generator=gen)
     e = torch.rand(B_, H_, T_, generator=gen)
