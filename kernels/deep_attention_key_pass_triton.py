@@ -6,7 +6,7 @@ and its own ``U`` comes from that read. The PyTorch pass makes, per chunk, one a
 whole prefix and one update kernel, and its backward an autograd call per chunk and a gradient add over
 the prefix: at 128 chunks the host, not the GPU, set the time. Here a read is split into blocks, one
 per earlier chunk: block ``(n, j)`` can run as soon as chunk ``j`` is written. The chunks form groups of
-``S`` (``_GROUP``).
+``S`` (:func:`_group_size`).
 
 - Forward, group by group: one launch adds the blocks of the group just before to the online-softmax
   accumulators (running max, sum, weighted sum of ``U``) of this group's chunks; then launch ``m`` per
@@ -65,11 +65,24 @@ _STAGES = 1
 # more for tl.dot). On the H100 above, with 4 warps, whole 64-row chunks took 255 registers and spilled 208
 # (the write) and 696 (its backward) more; blocks of 32 rows spilled 64 / 436, of 16 rows 12 / 100.
 _ROWS = 16
-# Chunks per group. Larger groups mean fewer bulk launches and state round trips, smaller ones less work in
-# the steps. On the H100 above, forward + backward of the pass: 4 / 8 / 16 took 19.2 / 19.7 / 17.9 ms at
-# T = 8192 and 6.85 / 6.33 / 7.03 ms at T = 2048 with Triton's launcher (host-bound alone, see _Launcher);
-# the layer is what counts, and 8 is the size measured there.
-_GROUP = 8
+# Chunks per group (None: by _group_size). Larger groups mean fewer bulk launches and state round trips,
+# smaller ones less work in the steps, whose grids are the group's chunks times the (batch, head) rows.
+_GROUP = None
+# Step programs a group may give a launch: _group_size aims at this many, from 4 to 16 chunks a group. The
+# depth-2 layer at 16 heads, 16K tokens, 8 warps a step (one program per SM at 255 registers): on an H100,
+# groups of 4 / 8 / 16 took 10.99 / 11.35 / 12.16 ms at T = 2048 (B * H = 128 rows) and 25.04 / 23.2 /
+# 22.49 ms at T = 8192 (32 rows); on an H200, groups of 4 against 8 at T = 2048 took 10.95, 10.32, 11.25
+# against 10.91, 10.56, 10.52 ms (no gain), 16 against 8 at T = 8192 21.78-22.03 against 22.25-22.50 ms.
+# 1024 programs keeps 8 for 128 rows and takes 16 for 64 rows or fewer.
+_STEP_PROGRAMS = 1024
+
+
+def _group_size(rows: int) -> int:
+    """Chunks per group for ``rows`` (batch times heads) rows: ``_GROUP`` if set, else the largest power of
+    two at most ``_STEP_PROGRAMS / rows``, clamped to 4 .. 16."""
+    if _GROUP is not None:
+        return _GROUP
+    return max(4, min(16, 1 << max(0, (_STEP_PROGRAMS // max(rows, 1)).bit_length() - 1)))
 
 
 def _bulk_stages(reads: torch.dtype) -> int:
@@ -420,7 +433,7 @@ def key_pass_forward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tensor
     lse = torch.zeros(BH, T, **f32)
     mx, total = torch.full((BH, T), float("-inf"), **f32), torch.zeros(BH, T, **f32)
     acc = torch.zeros(BH, T, HID, **f32)
-    S, side, launch = _GROUP, _SideStream(keys.device), _Launcher(keys.device)
+    S, side, launch = _group_size(BH), _SideStream(keys.device), _Launcher(keys.device)
     step, bulk, clipped = _options(keys.dtype, chunk, DK, DV, HID, clip)
 
     def reads(first, lo, hi, fresh):  # chunks first .. first + S - 1 read key chunks lo .. hi - 1
@@ -457,7 +470,7 @@ def key_pass_backward_triton(keys: torch.Tensor, v: torch.Tensor, e: torch.Tenso
     da, dd = torch.empty_like(a), torch.zeros(BH, T, **f32)
     carry = dw1s[N].clone()
     dv, de = torch.empty(BH, T, DV, **f32), torch.empty(BH, T, **f32)
-    S, side, launch = _GROUP, _SideStream(keys.device), _Launcher(keys.device)
+    S, side, launch = _group_size(BH), _SideStream(keys.device), _Launcher(keys.device)
     step, bulk, clipped = _options(keys.dtype, chunk, DK, DV, HID, clip)
 
     def key_side(first, count, lo, hi):  # key chunks first .. first + count - 1, query chunks lo .. hi - 1

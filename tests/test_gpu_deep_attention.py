@@ -43,7 +43,7 @@ def _errors(fn, inputs, want, want_grads):
     return errors
 
 
-@pytest.mark.parametrize("key_pass", ["sdpa", "wavefront"])
+@pytest.mark.parametrize("key_pass", ["sdpa", "wavefront", "wavefront_groups_of_4"])
 @pytest.mark.parametrize("clip", [10.0, 0.5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_whole_rows_equal_the_chunk_loop(dtype, clip, key_pass, monkeypatch):
@@ -51,9 +51,16 @@ def test_whole_rows_equal_the_chunk_loop(dtype, clip, key_pass, monkeypatch):
     1e-5. bf16 (inputs in bf16, and float32 inputs under bf16 autocast): no more than twice the bf16
     chunk loop's own error (under autocast), or 1e-2. The clip's gradient cancels: at clip 0.5 the
     bf16 ``W_1`` gradient is off by a few percent on either path. ``wavefront``: the key pass in the
-    Triton wavefront kernels, which automatic selection takes on CUDA; ``sdpa``: SDPA reads chunk by
-    chunk with the Triton chunk updates, the path for shapes the wavefront does not take."""
+    Triton wavefront kernels, which automatic selection takes on CUDA (here its 16 chunks are one
+    group); ``wavefront_groups_of_4``: the same in four groups, through the bulk launches and the
+    second stream; ``sdpa``: SDPA reads chunk by chunk with the Triton chunk updates, the path for
+    shapes the wavefront does not take."""
+    from mnemo.kernels import deep_attention_key_pass_triton
+
     opts = dict(memory_depth=2, learning_rule="hebbian", chunk_size=C, grad_clip=clip)
+    if key_pass == "wavefront_groups_of_4":
+        monkeypatch.setattr(deep_attention_key_pass_triton, "_GROUP", 4)
+        key_pass = "wavefront"
     inputs = _inputs(dtype)
     wanted = deep_attention_hebbian.triton_key_pass_wanted
     taken = []

@@ -346,6 +346,17 @@ def test_triton_key_pass_equals_the_torch_one(T_, clip, reads, group, C, monkeyp
             assert (a - b).norm() <= 2e-2 * b.norm(), (label, float((a - b).norm() / b.norm()))
 
 
+def test_key_pass_group_size_follows_the_rows(monkeypatch):
+    """Groups of chunks by the step grid's size: 16 chunks for 64 (batch, head) rows or fewer, 8 for 128,
+    4 for 256 or more; ``_GROUP`` overrides."""
+    pytest.importorskip("triton")
+    from mnemo.kernels import deep_attention_key_pass_triton as kp
+
+    assert [kp._group_size(r) for r in (1, 32, 64, 65, 128, 129, 256, 4096)] == [16, 16, 16, 8, 8, 4, 4, 4]
+    monkeypatch.setattr(kp, "_GROUP", 3)
+    assert kp._group_size(128) == 3
+
+
 @pytest.mark.parametrize("grad_clip", [None, 0.3])
 def test_hebbian_full_rows_with_the_triton_key_pass(grad_clip, monkeypatch):
     """``use_backend("triton")`` with chunks of 16 takes the wavefront key pass: the layer's outputs, state and
