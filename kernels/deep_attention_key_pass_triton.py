@@ -82,7 +82,8 @@ def _group_size(rows: int) -> int:
     two at most ``_STEP_PROGRAMS / rows``, clamped to 4 .. 16."""
     if _GROUP is not None:
         return _GROUP
-    return max(4, min(16, 1 << max(0, (_STEP_PROGRAMS // max(rows, 1)).bit_length() - 1)))
+    chunks = max(1, _STEP_PROGRAMS // max(rows, 1))
+    return max(4, min(16, 1 << (chunks.bit_length() - 1)))
 
 
 def _bulk_stages(reads: torch.dtype) -> int:
@@ -115,10 +116,24 @@ def _operand_t(X, bh, rows, cols, T, W):
 
 
 @triton.jit
-def _chunk(n, C: tl.constexpr, T, bh):
-    """Chunk ``n``'s rows, which of them are in the sequence, and their offsets in ``(BH, T)`` tensors."""
-    rows = n * C + tl.arange(0, C)
+def _span(first, R: tl.constexpr, T, bh):
+    """Rows ``first .. first + R - 1``, which of them are in the sequence, and their offsets in ``(BH, T)``
+    tensors."""
+    rows = first + tl.arange(0, R)
     return rows, rows < T, bh * T + rows
+
+
+@triton.jit
+def _chunk(n, C: tl.constexpr, T, bh):
+    """Chunk ``n``'s rows as :func:`_span`."""
+    return _span(n * C, C, T, bh)
+
+
+@triton.jit
+def _square(DV, HID, BV: tl.constexpr, BHID: tl.constexpr):
+    """Offsets and mask of a ``(d_v, h)`` matrix (``W_1``, its gradient) of the ``(.., BH, d_v, h)`` stacks."""
+    rv, rh = tl.arange(0, BV), tl.arange(0, BHID)
+    return rv[:, None] * HID + rh[None, :], (rv[:, None] < DV) & (rh[None, :] < HID)
 
 
 @triton.jit
@@ -196,8 +211,7 @@ def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, lo, T, 
                   BHID: tl.constexpr, PRECISION: tl.constexpr, WRITE_READ: tl.constexpr):
     """Block ``(n, m - 1)`` for the group's chunks ``n >= m`` (none when ``m`` starts the group), then chunk
     ``m``'s write, ``R`` rows at a time: each row's read and write is its own, only ``W_1``'s update sums
-    over the rows (a whole chunk's tiles at once spilled registers, which made the write, the critical
-    path, several times slower). ``WRITE_READ``: ``UR`` is a copy of ``U`` in the reads' dtype (otherwise
+    over the rows (a whole chunk's tiles at once spilled registers). ``WRITE_READ``: ``UR`` is a copy of ``U`` in the reads' dtype (otherwise
     ``U`` itself). The programs of the chunks' writes come first in the grid: they start in its first wave."""
     bh = tl.program_id(0).to(tl.int64)
     n = m + tl.program_id(1)
@@ -205,14 +219,12 @@ def _forward_step(K, UR, V, E, W1S, U, SIG, ER, A, LSE, MX, SUM, ACC, m, lo, T, 
     rk, rv, rh = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BHID)
     first = tl.maximum(m - 1, lo)
     if n == m:  # the chunk's reads are complete after this block: its write
-        square = rv[:, None] * HID + rh[None, :]
-        in_square = (rv[:, None] < DV) & (rh[None, :] < HID)
+        square, in_square = _square(DV, HID, BV, BHID)
         wb = W1S + (m * BH + bh) * DV * HID
         w = tl.load(wb + square, mask=in_square, other=0.0)
         dw = tl.zeros((BV, BHID), tl.float32)
         for r in range(0, C, R):
-            rows = m * C + r + tl.arange(0, R)
-            live, stats = rows < T, bh * T + rows
+            rows, live, stats = _span(m * C + r, R, T, bh)
             mx, total, acc = _load_state(MX, SUM, ACC, bh, rows, live, stats, T, HID, BHID)
             mx, total, acc = _read_blocks(_operand(K, bh, rows, rk, T, DK), K, UR, bh, first, m, mx, total, acc, T,
                                           DK, HID, scale, C, BK, BHID, PRECISION)
@@ -276,14 +288,12 @@ def _backward_step(K, UR, V, E, W1S, A, LSE, DA, DD, DKEYS, DU, DSIG, DER, DW1S,
     rv, rh = tl.arange(0, BV), tl.arange(0, BHID)
     hi = tl.minimum(m + 2, top)
     if j == m:  # every later read of this chunk's U is in after this block: its write's backward
-        square = rv[:, None] * HID + rh[None, :]
-        in_square = (rv[:, None] < DV) & (rh[None, :] < HID)
+        square, in_square = _square(DV, HID, BV, BHID)
         w = tl.load(W1S + (m * BH + bh) * DV * HID + square, mask=in_square, other=0.0)
         dwn = tl.load(DWC + bh * DV * HID + square, mask=in_square, other=0.0)
         dw = tl.zeros((BV, BHID), tl.float32)
         for r in range(0, C, R):
-            keys = m * C + r + tl.arange(0, R)
-            in_keys, key_stats = keys < T, bh * T + keys
+            keys, in_keys, key_stats = _span(m * C + r, R, T, bh)
             du = _key_side(K, UR, LSE, DA, DD, DKEYS, DU, bh, keys, m + 1, hi, T, DK, HID, scale, C, R, BK, BHID,
                            PRECISION)
             a = _rows(A, bh, keys, rh, T, HID)
