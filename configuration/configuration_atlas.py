@@ -26,7 +26,7 @@ PRESETS = {
 }
 
 
-# Memory Caching aggregations, those of MC-Titans (FAMILIES.md §2, ``kernels/atlas_caching.py``). The
+# Memory Caching aggregations, those of MC-Titans (FAMILIES.md §2, ``kernels/mc_atlas.py``). The
 # parameter-free ones are also the ones post-training conversion offers (it adds no gate projection); the
 # gated ones score each cached memory with the layer's own gate projection ``u_proj``.
 MC_AGGREGATIONS = ("mean", "residual")
@@ -65,7 +65,7 @@ class AtlasConfig(PretrainedConfig):
         sliding_window: window of the hybrid's attention.
         segment_size: Memory Caching (``None``: off): the memory is cached at the end of
             every ``segment_size`` tokens of a row and each token also reads the cached
-            memories (``kernels/atlas_caching.py``).
+            memories (``kernels/mc_atlas.py``).
         aggregation: how a token reads the online and cached memories, as in
             :class:`~mnemo.MCTitansConfig`: ``"mean"`` (uniform average; the post-training
             mode), ``"residual"`` (their sum), or the gated ``"grm"`` (softmax of the scores
@@ -73,7 +73,7 @@ class AtlasConfig(PretrainedConfig):
             same gates mix the memories' weights) and ``"ssc"`` (``grm`` over the ``ssc_topk``
             best cached memories, ties kept, and the online one). The gated ones add a gate projection
             ``u_proj`` of width ``num_heads * feature_dim``: a segment's summary ``r^(i)`` is the
-            mean of its L2-normalised feature-mapped keys (``kernels/atlas_caching.py``).
+            mean of its L2-normalised feature-mapped keys (``kernels/mc_atlas.py``).
         ssc_topk: cached memories each token reads with ``"ssc"`` (``>= 1``).
     """
 

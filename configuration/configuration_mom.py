@@ -7,7 +7,7 @@ from transformers import PretrainedConfig
 from .validation import check, check_block, check_choice, check_layer_indices, check_positive_int, swiglu_width
 
 MEMORY_UPDATES = ("gated_deltanet", "deltanet")
-# Memory Caching aggregations (FAMILIES.md §2, ``kernels/cached_linear.py``). The parameter-free ones are
+# Memory Caching aggregations (FAMILIES.md §2, ``kernels/mc_gated_delta.py``). The parameter-free ones are
 # also the ones post-training conversion offers (it adds no gate projection); the gated ones score each
 # cached memory with the layer's gate projection ``u_proj``.
 MC_AGGREGATIONS = ("mean", "residual")
@@ -49,7 +49,7 @@ class MoMConfig(PretrainedConfig):
         chunk_size: Chunk length of the chunked memory kernel (changes rounding only).
         segment_size: Memory Caching (``None``: off): at the end of every ``segment_size``
             tokens of a row every memory of a MoM layer is cached, and each token also
-            reads the cached memories (``kernels/cached_linear.py``).
+            reads the cached memories (``kernels/mc_gated_delta.py``).
         aggregation: How a token reads its online and cached memories, as in
             :class:`~mnemo.MCTitansConfig`: ``"mean"`` (uniform average; the post-training
             mode) or ``"residual"`` (their sum), which keep one running sum of the cached

@@ -7,9 +7,9 @@ gets the chosen ``segment_size`` and ``aggregation``; every trained tensor is ke
 as it is and no parameter is added:
 
 - Titans (``MCTitansForCausalLM``) becomes MC-Titans: any aggregation.
-- MoM (``MoMForCausalLM``) caches all its matrix memories (``kernels/cached_linear.py``).
+- MoM (``MoMForCausalLM``) caches all its matrix memories (``kernels/mc_gated_delta.py``).
 - Atlas (``AtlasForCausalLM``, every preset and hybrid) caches its MLP memory
-  (``kernels/atlas_caching.py``).
+  (``kernels/mc_atlas.py``).
 
 Every family takes every aggregation: ``mean`` and ``residual`` add no parameter.
 The gated ones (``grm``, ``soup``, ``ssc``) score each cached memory through a gate

@@ -1,6 +1,6 @@
-"""Triton kernels for one chunk of the Hebbian DeepTransformer's key pass (:mod:`.deep_attention_hebbian`).
+"""Triton kernels for one chunk of the Hebbian DeepTransformer's key pass (:mod:`.deep_attention`).
 
-:func:`~.deep_attention_hebbian.chunk_update` is about thirty small PyTorch kernels (the GELU and
+:func:`~.deep_attention.chunk_update` is about thirty small PyTorch kernels (the GELU and
 its derivative, the clip's three norms, the scales, the rank-``C`` update of ``W_1``), and the key
 pass runs it once per chunk, in sequence: at 128 chunks the launches alone outweighed the
 attention reads. Here it is one program per ``(batch, head)`` with the chunk in registers, and
@@ -173,7 +173,7 @@ def _blocks(R: int, DV: int, HID: int) -> dict:
 def chunk_update_triton(a: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, e: torch.Tensor, clip: float | None,
                         out: tuple[torch.Tensor, ...], u_read: torch.Tensor | None = None,
                         table: torch.Tensor | None = None) -> None:
-    """:func:`~.deep_attention_hebbian.chunk_update` written into ``out = (u, sig, er, w1_next)``;
+    """:func:`~.deep_attention.chunk_update` written into ``out = (u, sig, er, w1_next)``;
     ``u`` also into ``u_read`` (the reads' dtype) when given. ``table``: :func:`stride_table` of these
     operands, or of any with the same strides (the caller's cache)."""
     B, H, R, HID = a.shape

@@ -31,140 +31,21 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from torch.nn import functional as F
 
-from .activations import gelu_derivative
 from .backend import resolve_backend
 from .chunk_loop import run_chunks, tf32_products, tf32_wanted
 from .normalized_features import normalized_features
-from .norms import clip_rank_one, l2_normalize
+from .mlp_memory import MLPMemorySpec, grad_factors, memory_apply, static_apply
+from .norms import l2_normalize
 from .titans_chunk import chunk_memory
 from .titans_chunk import wanted as fused_chunks
 
 __all__ = [
-    "TitansMemorySpec",
     "TitansState",
     "chunk_titans",
-    "memory_apply",
     "reference_titans",
     "step_titans",
 ]
-
-
-@dataclass(frozen=True)
-class TitansMemorySpec:
-    """The memory MLP of one head: ``d_k -> d_v``, hidden ``expansion * d_v``, and its objective.
-
-    The MLP's skip is the identity when ``d_k == d_v`` and otherwise a linear map
-    ``w0`` that belongs to the memory (learned initial value, trained in context).
-    ``objective`` is ``"l2"`` (``||M(k) - v||^2``) or ``"dot"`` (``-<M(k), v>``).
-    ``grad_clip`` bounds the norm of each token's gradient over all the memory's weights
-    (``None``: unclipped, the papers' rule); see :func:`grad_factors`.
-    """
-
-    depth: int = 2
-    gated: bool = False
-    d_k: int = 64
-    d_v: int = 64
-    expansion: int = 4
-    objective: str = "l2"
-    grad_clip: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.depth not in (1, 2):
-            raise ValueError(f"memory depth must be 1 (linear) or 2 (MLP), got {self.depth}")
-        if self.objective not in ("l2", "dot"):
-            raise ValueError(f"objective must be 'l2' or 'dot', got {self.objective!r}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
-
-    @property
-    def hidden(self) -> int:
-        return self.expansion * self.d_v
-
-    @property
-    def linear_skip(self) -> bool:
-        return self.depth == 2 and self.d_k != self.d_v
-
-    @property
-    def shapes(self) -> dict[str, tuple[int, int]]:
-        """``(d_out, d_in)`` of every weight matrix."""
-        if self.depth == 1:
-            return {"w": (self.d_v, self.d_k)}
-        shapes = {"w1": (self.d_v, self.hidden), "w2": (self.hidden, self.d_k)}
-        if self.gated:
-            shapes["w3"] = (self.hidden, self.d_k)
-        if self.linear_skip:
-            shapes["w0"] = (self.d_v, self.d_k)
-        return shapes
-
-
-Apply = Callable[[str, torch.Tensor], torch.Tensor]
-
-
-def static_apply(weights: dict[str, torch.Tensor]) -> Apply:
-    """``apply(name, x) = x W_name^T`` for weights ``(..., d_out, d_in)`` and ``x`` ``(..., T, d_in)``."""
-    return lambda name, x: x @ weights[name].transpose(-1, -2).to(x.dtype)
-
-
-def memory_apply(spec: TitansMemorySpec, apply: Apply, z: torch.Tensor) -> torch.Tensor:
-    """The memory MLP on ``z``, with every weight product delegated to ``apply`` (static,
-    per-token online, mixed): the one definition of ``M(z)``."""
-    if spec.depth == 1:
-        return apply("w", z)
-    hidden = F.gelu(apply("w2", z))
-    if spec.gated:
-        hidden = hidden * apply("w3", z)
-    return (apply("w0", z) if spec.linear_skip else z) + apply("w1", hidden)
-
-
-def grad_factors(spec: TitansMemorySpec, weights: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor):
-    """Gradients of the objective as rank-1 factors ``{name: (A, B)}``, ``grad = A B^T`` per token.
-
-    With ``spec.grad_clip`` each token's gradient is rescaled so that its norm over all
-    the memory's weights is at most ``grad_clip``. A rank-1 gradient's Frobenius norm is
-    ``||A|| ||B||``, so the clip costs two vector norms per weight and never forms a matrix;
-    it is applied here, where every path (reference, step, chunked, cached) gets its
-    gradients, so the paths stay equal.
-    """
-    factors = _raw_grad_factors(spec, weights, k, v)
-    if spec.grad_clip is None:
-        return factors
-    # Why: the inner descent on an MLP memory diverges once the outer training makes values
-    # (hence errors) large; a bounded step keeps the memory finite whatever the gates do.
-    return clip_rank_one(factors, spec.grad_clip)
-
-
-def _raw_grad_factors(spec: TitansMemorySpec, weights: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
-                      keep: dict | None = None):
-    """The unclipped factors; ``keep`` (non-gated MLPs) receives the hidden layer's pre-activation
-    ``pre``, its gradient ``back`` and the activation's slope ``slope``, which a hand-written
-    backward (:mod:`.titans_chunk`) reuses."""
-    apply = static_apply(weights)
-
-    def d_loss(prediction):  # dL/dM(k)
-        return 2 * (prediction - v) if spec.objective == "l2" else -v.expand_as(prediction)
-
-    if spec.depth == 1:
-        return {"w": (d_loss(apply("w", k)), k)}
-    pre2 = apply("w2", k)
-    act = F.gelu(pre2)
-    hidden = act * apply("w3", k) if spec.gated else act
-    err = d_loss((apply("w0", k) if spec.linear_skip else k) + apply("w1", hidden))
-    back = err @ weights["w1"].to(err.dtype)  # dL/d hidden
-    factors = {"w1": (err, hidden)}
-    if spec.linear_skip:
-        factors["w0"] = (err, k)
-    if spec.gated:
-        pre3 = apply("w3", k)
-        factors["w2"] = (back * pre3 * gelu_derivative(pre2), k)
-        factors["w3"] = (back * act, k)
-    else:
-        slope = gelu_derivative(pre2)
-        factors["w2"] = (back * slope, k)
-        if keep is not None:
-            keep.update(pre=pre2, back=back, slope=slope)
-    return factors
 
 
 @dataclass
@@ -218,7 +99,7 @@ def _prepare(q, k, use_qk_l2norm: bool, dtype: torch.dtype):
 
 
 def step_titans(
-    spec: TitansMemorySpec,
+    spec: MLPMemorySpec,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -251,7 +132,7 @@ def _step_titans(spec, q, k, v, alpha, eta, theta, state, chunk_size, live, use_
     kernel = all(t.dtype == torch.float32 for t in memory) and not (
         torch.is_grad_enabled() and any(t.requires_grad for t in (*memory, k, v, a, e, th)))
     if resolve_backend(q, has_triton_impl=kernel) == "triton":
-        from .titans_step_triton import step_update as update
+        from .titans_triton_update import step_update as update
     else:
         update = step_update
     weights, momentum, chunk_start = {}, {}, {}
@@ -269,7 +150,7 @@ def step_update(W: torch.Tensor, S: torch.Tensor, C: torch.Tensor, A: torch.Tens
     """A one-token step's weights, momenta and chunk-start weights (``(B, H, M, N)``) from the token's
     rank-1 gradient ``A B^T`` (``A (B, H, M)``, ``Bf (B, H, N)``) and gates ``(B, H)``: on ``live``
     rows ``S' = e S - th A B^T`` and ``W' = a W + S'``; rows ``at_start`` of an inner chunk store ``W``
-    as its start. (:mod:`.titans_step_triton` does the same in one pass.)"""
+    as its start. (:mod:`.titans_triton_update` does the same in one pass.)"""
     on = live[:, None, None, None]
     new_s = e[..., None, None] * S - th[..., None, None] * (A[..., :, None] * Bf[..., None, :])
     return (torch.where(on, a[..., None, None] * W + new_s, W), torch.where(on, new_s, S),
@@ -277,7 +158,7 @@ def step_update(W: torch.Tensor, S: torch.Tensor, C: torch.Tensor, A: torch.Tens
 
 
 def reference_titans(
-    spec: TitansMemorySpec,
+    spec: MLPMemorySpec,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -461,7 +342,7 @@ def next_chunk_start(stops: torch.Tensor, grad_w: dict[str, torch.Tensor],
     return tuple(torch.where(here, grad_w[n], c) for n, c in zip(grad_w, chunk_start))
 
 
-def _titans_step(spec: TitansMemorySpec, track_start: bool, fused: bool, carry, x, consts):
+def _titans_step(spec: MLPMemorySpec, track_start: bool, fused: bool, carry, x, consts):
     """One inner chunk as a :func:`~.chunk_loop.run_chunks` step.
 
     ``carry`` is the weights, momenta and (``track_start``) chunk-start weights in
@@ -525,7 +406,7 @@ def chunks_last(y: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_titans(
-    spec: TitansMemorySpec,
+    spec: MLPMemorySpec,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

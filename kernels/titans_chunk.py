@@ -43,24 +43,24 @@ from .backend import resolve_backend
 from .norms import clip_rank_one
 
 if TYPE_CHECKING:
-    from .titans import TitansMemorySpec
+    from .mlp_memory import MLPMemorySpec
 
 __all__ = ["chunk_memory", "supported", "wanted"]
 
 
-def supported(spec: TitansMemorySpec) -> bool:
+def supported(spec: MLPMemorySpec) -> bool:
     """Whether :func:`chunk_memory` computes this memory (see the module's scope)."""
     return not spec.gated
 
 
-def wanted(spec: TitansMemorySpec) -> bool:
+def wanted(spec: MLPMemorySpec) -> bool:
     """Whether the chunk loops run this memory through :func:`chunk_memory`: wherever it is
     :func:`supported`, unless ``MNEMO_CHUNK_BACKWARD=autograd`` asks for autograd over
     :class:`~.titans.ChunkOperator` (the same values; kept to compare the two)."""
     return supported(spec) and os.environ.get("MNEMO_CHUNK_BACKWARD", "fused") != "autograd"
 
 
-def chunk_memory(spec: TitansMemorySpec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] | None,
+def chunk_memory(spec: MLPMemorySpec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] | None,
                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None,
                  c: torch.Tensor, sa_last: torch.Tensor | None, sc_last: torch.Tensor | None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
@@ -117,7 +117,7 @@ def _stacked_product(pairs: list[tuple[torch.Tensor, torch.Tensor]], base: torch
 
 
 def _final_update_torch(W, S, a, b, sa, U_w, U_s, Bf):
-    """``W' = a W + b S + U_w^T B``, ``S' = sa S + U_s^T B`` (see :func:`~.titans_chunk_triton.final_update`)."""
+    """``W' = a W + b S + U_w^T B``, ``S' = sa S + U_s^T B`` (see :func:`~.titans_triton_update.final_update`)."""
     base = a[..., None, None] * W
     if S is None:
         return _stacked_product([(U_w, Bf)], base), None
@@ -126,7 +126,7 @@ def _final_update_torch(W, S, a, b, sa, U_w, U_s, Bf):
 
 
 def _final_update_backward_torch(W, S, dW_new, dS_new, a, b, sa, uses_w, uses_s):
-    """See :func:`~.titans_chunk_triton.final_update_backward`."""
+    """See :func:`~.titans_triton_update.final_update_backward`."""
     base = a[..., None, None] * dW_new
     dW = _stacked_product(uses_w, base) if uses_w else base
     if S is None:
@@ -138,9 +138,9 @@ def _final_update_backward_torch(W, S, dW_new, dS_new, a, b, sa, uses_w, uses_s)
 
 def _final_update_fns(like: torch.Tensor):
     """The final update and its backward: Triton kernels for float32 memories on CUDA (see
-    :mod:`.titans_chunk_triton`)."""
+    :mod:`.titans_triton_update`)."""
     if resolve_backend(like, has_triton_impl=like.dtype == torch.float32) == "triton":
-        from .titans_chunk_triton import final_update, final_update_backward
+        from .titans_triton_update import final_update, final_update_backward
 
         return final_update, final_update_backward
     return _final_update_torch, _final_update_backward_torch
@@ -190,10 +190,10 @@ class _Grads:
 def _factors(spec, W, k, v):
     """The gradient factors ``{name: (A, B)}`` at ``W`` (the same definition as every other path) and
     the intermediates their backward needs."""
-    from .titans import _raw_grad_factors  # the module imports this one
+    from .mlp_memory import raw_grad_factors  # the module imports this one
 
     inner: dict = {}
-    return _raw_grad_factors(spec, W, k, v, keep=inner), inner
+    return raw_grad_factors(spec, W, k, v, keep=inner), inner
 
 
 def _unpack(spec, momentum, m, tensors):
@@ -227,7 +227,7 @@ def _inputs_of_reads(spec, q, hidden):
 
 
 def _sliced_forward_wanted(spec, q, k) -> bool:
-    """Whether the chunk's forward runs as the hidden-layer slices of :mod:`.titans_chunk_forward_triton`:
+    """Whether the chunk's forward runs as the hidden-layer slices of :mod:`.titans_triton_forward`:
     on the Triton backend, for the memories and chunk sizes it covers (``MNEMO_CHUNK_FORWARD=torch``
     keeps the cuBLAS forward, to compare the two)."""
     if os.environ.get("MNEMO_CHUNK_FORWARD", "triton") == "torch" or q.dtype != torch.float32:
@@ -235,7 +235,7 @@ def _sliced_forward_wanted(spec, q, k) -> bool:
     # The backend first: the kernels' module imports Triton, which a plain install does not bring.
     if resolve_backend(q, has_triton_impl=True) != "triton":
         return False
-    from .titans_chunk_forward_triton import covers
+    from .titans_triton_forward import covers
 
     return covers(spec, q.shape[-2], k.shape[-2])
 
@@ -256,19 +256,19 @@ def _split_heads(x: torch.Tensor | None, lead: torch.Size) -> torch.Tensor | Non
 
 def _sliced_backward_wanted(k: torch.Tensor, momentum: bool) -> bool:
     """Whether a chunk whose forward ran sliced also runs its backward sliced: where its launches fit
-    (:func:`~.titans_chunk_backward_triton.covers`), unless ``MNEMO_CHUNK_BACKWARD=torch`` takes the
+    (:func:`~.titans_triton_backward.covers`), unless ``MNEMO_CHUNK_BACKWARD=torch`` takes the
     written-out PyTorch backward instead (to compare the two). Elsewhere the PyTorch backward takes the
     sliced forward's intermediates."""
     if os.environ.get("MNEMO_CHUNK_BACKWARD", "fused") == "torch":
         return False
-    from .titans_chunk_backward_triton import covers
+    from .titans_triton_backward import covers
 
     return covers(k.shape[-2], momentum)
 
 
 def _from_parts(spec, parts, lead, k):
     """The factors, intermediates and read products of the backward from the sliced forward's
-    :class:`~.titans_chunk_forward_triton.ForwardParts` (``(G, ...)``, viewed as ``lead + ...``)."""
+    :class:`~.titans_triton_forward.ForwardParts` (``(G, ...)``, viewed as ``lead + ...``)."""
     view = lambda x: _split_heads(x, lead)  # noqa: E731
     pre, back, e, err, scale = map(view, (parts.pre, parts.back, parts.e, parts.err, parts.scale))
     act = F.gelu(pre)
@@ -291,7 +291,7 @@ class _ChunkMemory(torch.autograd.Function):
         ctx.spec, ctx.momentum, ctx.m = spec, momentum, m
         ctx.save_for_backward(*tensors)
         if _sliced_forward_wanted(spec, q, k):
-            from .titans_chunk_forward_triton import chunk_forward
+            from .titans_triton_forward import chunk_forward
 
             lead = ctx.lead = q.shape[:2]
             y, W_new, S_new, ctx.parts = chunk_forward(
@@ -459,8 +459,8 @@ class _ChunkMemory(torch.autograd.Function):
 
     @staticmethod
     def _sliced_backward(ctx, names, W, S, q, k, a, b, c, sa_last, sc_last, d_y, d_new):
-        """The backward of the sliced forward as its own Triton launches (:mod:`.titans_chunk_backward_triton`)."""
-        from .titans_chunk_backward_triton import chunk_backward
+        """The backward of the sliced forward as its own Triton launches (:mod:`.titans_triton_backward`)."""
+        from .titans_triton_backward import chunk_backward
 
         spec, momentum, m, lead = ctx.spec, ctx.momentum, ctx.m, ctx.lead
         dW_new = _merge_heads_of(dict(zip(names, d_new[:m])))

@@ -24,10 +24,10 @@ from torch import nn
 
 from ..configuration.configuration_atlas import AtlasConfig
 from ..kernels.atlas import AtlasState, chunk_atlas, step_atlas
-from ..kernels.atlas_caching import CachedMemories, chunk_mc_atlas
+from ..kernels.mc_atlas import CachedMemories, chunk_mc_atlas
 from ..kernels.feature_maps import initial_coefficients
 from ..kernels.normalized_features import normalized_features
-from ..kernels.titans import TitansMemorySpec
+from ..kernels.mlp_memory import MLPMemorySpec
 from .cache import LayerCache
 from .gates import GateProjection
 from .normalization import GatedRMSNorm
@@ -48,7 +48,7 @@ class AtlasMemory(nn.Module):
         self.aggregation = config.aggregation
         self.ssc_topk = config.ssc_topk
         self.gated = config.gated_aggregation
-        self.spec = TitansMemorySpec(depth=config.memory_depth, gated=config.memory_gated, d_k=config.feature_dim,
+        self.spec = MLPMemorySpec(depth=config.memory_depth, gated=config.memory_gated, d_k=config.feature_dim,
                                      d_v=D, expansion=config.memory_expansion, objective=config.objective,
                                      grad_clip=config.memory_grad_clip)
         self.options = dict(optimizer=config.inner_optimizer, omega_window=config.omega_window,

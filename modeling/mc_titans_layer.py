@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from ..configuration.configuration_mc_titans import MCTitansConfig
-from ..kernels.memory_caching import MCOptions, MCState, chunk_mc_titans
-from ..kernels.titans import TitansMemorySpec
+from ..kernels.memory_caching import MCOptions
+from ..kernels.mc_titans import MCState, chunk_mc_titans
+from ..kernels.mlp_memory import MLPMemorySpec
 from .cache import LayerCache
 from .gates import GateProjection
 from .normalization import GatedRMSNorm
@@ -32,7 +33,7 @@ class MCTitansLayer(nn.Module):
         H, D, hidden = config.num_heads, config.head_dim, config.hidden_size
         self.num_heads, self.head_dim = H, D
         self.max_lr = config.max_lr
-        self.spec = TitansMemorySpec(depth=config.memory_depth, gated=config.memory_gated, d_k=D, d_v=D,
+        self.spec = MLPMemorySpec(depth=config.memory_depth, gated=config.memory_gated, d_k=D, d_v=D,
                                      expansion=config.memory_expansion, grad_clip=config.memory_grad_clip)
         self.options = MCOptions(
             segment_size=config.segment_size, segmentation=config.segmentation, cache_mode=config.cache_mode,

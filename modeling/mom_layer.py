@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..configuration.configuration_mom import MoMConfig
-from ..kernels.cached_linear import CachedStates, chunk_mc_gated_delta, step_mc_gated_delta
+from ..kernels.mc_gated_delta import CachedStates, chunk_mc_gated_delta, step_mc_gated_delta
 from ..kernels.gated_delta import chunk_gated_delta, step_gated_delta, step_gated_delta_
 from .cache import LayerCache
 from .normalization import GatedRMSNorm

@@ -7,9 +7,11 @@ import torch
 
 from mnemo.kernels.chunk_loop import run_chunks
 from mnemo.kernels.atlas import AtlasState, chunk_atlas, reference_atlas
-from mnemo.kernels.atlas_caching import GATED_AGGREGATIONS, CachedMemories, chunk_mc_atlas, reference_mc_atlas
-from mnemo.kernels.memory_caching import MCOptions, MCState, chunk_mc_titans, reference_mc_titans
-from mnemo.kernels.titans import TitansMemorySpec, TitansState, chunk_titans, reference_titans
+from mnemo.kernels.mc_atlas import GATED_AGGREGATIONS, CachedMemories, chunk_mc_atlas, reference_mc_atlas
+from mnemo.kernels.memory_caching import MCOptions
+from mnemo.kernels.mc_titans import MCState, chunk_mc_titans, reference_mc_titans
+from mnemo.kernels.mlp_memory import MLPMemorySpec
+from mnemo.kernels.titans import TitansState, chunk_titans, reference_titans
 
 N, B, D = 7, 3, 5
 
@@ -196,10 +198,10 @@ def loop_mode(request, monkeypatch):
 
 H, T, DK = 2, 19, 4
 SPECS = {
-    "linear": TitansMemorySpec(depth=1, d_k=DK, d_v=DK),
-    "mlp": TitansMemorySpec(depth=2, d_k=DK, d_v=DK, expansion=2),
-    "gated_skip_dot": TitansMemorySpec(depth=2, gated=True, d_k=DK, d_v=DK + 1, expansion=2, objective="dot"),
-    "clipped": TitansMemorySpec(depth=2, d_k=DK, d_v=DK, expansion=2, grad_clip=0.3),
+    "linear": MLPMemorySpec(depth=1, d_k=DK, d_v=DK),
+    "mlp": MLPMemorySpec(depth=2, d_k=DK, d_v=DK, expansion=2),
+    "gated_skip_dot": MLPMemorySpec(depth=2, gated=True, d_k=DK, d_v=DK + 1, expansion=2, objective="dot"),
+    "clipped": MLPMemorySpec(depth=2, d_k=DK, d_v=DK, expansion=2, grad_clip=0.3),
 }
 
 
@@ -320,7 +322,7 @@ ATLAS_CASES = [("mlp", "muon", 3, 4), ("gated-dot", "momentum", 4, 5), ("linear"
 def atlas_case(memory, optimizer):
     from test_kernels_atlas import MEMORIES, inputs
 
-    spec = TitansMemorySpec(d_v=4, expansion=2, **MEMORIES[memory])
+    spec = MLPMemorySpec(d_v=4, expansion=2, **MEMORIES[memory])
     init, xs = inputs(spec)
     if optimizer == "gd":
         xs = xs[:5] + (None,) + xs[6:]
@@ -555,12 +557,12 @@ def test_the_spacing_asked_by_the_environment_is_the_default_one(loop_mode, monk
 @pytest.mark.parametrize("agg", ["grm", "ssc", "residual", "mean"])
 def test_mc_titans_whole_segments_run_in_one_loop_and_equal_the_reference(agg, loop_mode, monkeypatch):
     """Whole segments of whole chunks take one chunk loop whose checkpoints are the cached memories
-    (memory_caching._segments_in_one_loop); two calls of whole segments equal one reference run."""
-    from mnemo.kernels import memory_caching
+    (mc_titans._segments_in_one_loop); two calls of whole segments equal one reference run."""
+    from mnemo.kernels import mc_titans
 
     taken = []
-    original = memory_caching._segments_in_one_loop
-    monkeypatch.setattr(memory_caching, "_segments_in_one_loop", lambda *a: taken.append(1) or original(*a))
+    original = mc_titans._segments_in_one_loop
+    monkeypatch.setattr(mc_titans, "_segments_in_one_loop", lambda *a: taken.append(1) or original(*a))
     spec, Tn = SPECS["clipped"], 24
     gen = torch.Generator().manual_seed(8)
     init = {n: (torch.randn(H, *s, generator=gen, dtype=torch.float64) * 0.5).requires_grad_()

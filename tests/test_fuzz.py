@@ -59,10 +59,10 @@ from mnemo import MnemoCache
 from mnemo.kernels import chunk_gated_delta, reference_gated_delta, step_gated_delta
 from mnemo.kernels.atlas import AtlasState, chunk_atlas, reference_atlas, step_atlas
 from mnemo.kernels.deep_attention import chunk_deep_attention, reference_deep_attention, step_deep_attention
-from mnemo.kernels.memory_caching import (
-    MCOptions, MCState, chunk_mc_titans, reference_mc_titans, ssc_select, step_mc_titans,
-)
-from mnemo.kernels.titans import TitansMemorySpec, TitansState, chunk_titans, reference_titans, step_titans
+from mnemo.kernels.memory_caching import MCOptions, ssc_select
+from mnemo.kernels.mc_titans import MCState, chunk_mc_titans, reference_mc_titans, step_mc_titans
+from mnemo.kernels.mlp_memory import MLPMemorySpec
+from mnemo.kernels.titans import TitansState, chunk_titans, reference_titans, step_titans
 
 from conftest import MODEL_VARIANTS, tiny_deep_transformer, tiny_mc_titans
 
@@ -295,8 +295,8 @@ def test_gated_delta_chunk_step_reference(layout, heads, d_k, d_v, gated, dtype,
 # --------------------------------------------------------------------------- Titans
 
 
-def titans_spec(depth: int, gated: bool, width: int) -> TitansMemorySpec:
-    return TitansMemorySpec(depth=depth, gated=gated and depth == 2, d_k=width, d_v=width, expansion=2)
+def titans_spec(depth: int, gated: bool, width: int) -> MLPMemorySpec:
+    return MLPMemorySpec(depth=depth, gated=gated and depth == 2, d_k=width, d_v=width, expansion=2)
 
 
 def titans_inputs(gen, spec, B, T, H, dtype):
@@ -422,7 +422,7 @@ def test_atlas_chunk_step_reference(layout, heads, d_v, extra_k, depth, gated, o
     B = lengths.numel()
     first = data.draw(first_takes(C, B), label="first call")
     gen = torch.Generator().manual_seed(seed)
-    spec = TitansMemorySpec(depth=depth, gated=gated and depth == 2, d_k=d_v + extra_k, d_v=d_v, expansion=2,
+    spec = MLPMemorySpec(depth=depth, gated=gated and depth == 2, d_k=d_v + extra_k, d_v=d_v, expansion=2,
                             objective=objective)
     init = {n: randn(gen, heads, *s, scale=0.5, dtype=dtype) for n, s in spec.shapes.items()}
     q, k = randn(gen, B, T, heads, spec.d_k, dtype=dtype), randn(gen, B, T, heads, spec.d_k, dtype=dtype)
@@ -638,7 +638,7 @@ def test_deep_transformer_batch_padded_in_front_of_every_row():
 def test_memory_caching_chunk_after_a_step_that_closes_a_segment():
     """Segments of 6 tokens, inner chunks of 4: a one-token step ending a segment leaves the memory at
     position 2 of its chunk; the next multi-token call starts a segment and must start a fresh chunk."""
-    spec = TitansMemorySpec(depth=2, d_k=4, d_v=4, expansion=2)
+    spec = MLPMemorySpec(depth=2, d_k=4, d_v=4, expansion=2)
     gen = torch.Generator().manual_seed(0)
     init, xs = titans_inputs(gen, spec, 2, 12, 2, torch.float32)
     opts = MCOptions(segment_size=6, chunk_size=4, aggregation="grm")
@@ -661,7 +661,7 @@ def test_memory_caching_chunk_after_a_step_that_closes_a_segment():
 def test_ssc_ties_keep_every_tied_memory_in_every_path():
     """Tied scores (a zero gate projection, as after ``convert to-mc``): ssc reads every memory
     tied with the k-th best, so it equals ``mean``; the reference used to keep exactly k."""
-    spec = TitansMemorySpec(depth=2, d_k=4, d_v=4, expansion=2)
+    spec = MLPMemorySpec(depth=2, d_k=4, d_v=4, expansion=2)
     gen = torch.Generator().manual_seed(1)
     init, (q, k, v, u, alpha, eta, theta) = titans_inputs(gen, spec, 2, 11, 2, torch.float32)
     xs = (q, k, v, torch.zeros_like(u), alpha, eta, theta)

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from mnemo.kernels.atlas import AtlasState, chunk_atlas
-from mnemo.kernels.memory_caching import MCOptions, MCState, chunk_mc_titans
-from mnemo.kernels.titans import TitansMemorySpec, TitansState, chunk_titans, reference_titans
+from mnemo.kernels.memory_caching import MCOptions
+from mnemo.kernels.mc_titans import MCState, chunk_mc_titans
+from mnemo.kernels.mlp_memory import MLPMemorySpec
+from mnemo.kernels.titans import TitansState, chunk_titans, reference_titans
 
 pytestmark = pytest.mark.gpu
 
@@ -15,7 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 B, T, H, D = 2, 200, 2, 32
-SPEC = TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=4)
+SPEC = MLPMemorySpec(depth=2, d_k=D, d_v=D, expansion=4)
 
 
 def make_inputs(dtype=torch.float32, seed=0, device="cuda"):
@@ -192,8 +194,8 @@ def _real_atlas(spec, optimizer):
 
 
 # The configs' default per-token gradient clip (10), as the layers run them.
-WIDE = TitansMemorySpec(depth=2, d_k=256, d_v=256, expansion=4, grad_clip=10.0)
-NARROW = TitansMemorySpec(depth=2, d_k=64, d_v=64, expansion=4, grad_clip=10.0)
+WIDE = MLPMemorySpec(depth=2, d_k=256, d_v=256, expansion=4, grad_clip=10.0)
+NARROW = MLPMemorySpec(depth=2, d_k=64, d_v=64, expansion=4, grad_clip=10.0)
 REAL = {
     "titans_4x256": (WIDE, _real_titans),
     "mc_grm_4x256": (WIDE, _real_mc),
@@ -233,7 +235,7 @@ def _real_reads(aggregation):
     state's) read every query, the others each from the end of its segment of 128; gates of ``grm`` or ssc
     top 2. Returns the spec, ``starts``, ``q``, ``g (N, B, H, T)``, the weights and the reference's outputs."""
     import mnemo.kernels.memory_caching as mc
-    from mnemo.kernels.titans import memory_apply, static_apply
+    from mnemo.kernels.mlp_memory import memory_apply, static_apply
 
     spec, (Bn, Hn, Tn, seg) = WIDE, (2, 4, 2048, 128)
     starts = (0, 0, 0) + tuple(range(seg, Tn, seg))
@@ -292,13 +294,13 @@ def test_cached_reads_in_batches_equal_the_reads_memory_by_memory_at_real_shapes
 @pytest.mark.parametrize("operands", ["float32", "bf16"])
 @pytest.mark.parametrize("aggregation", ["grm", "ssc"])
 def test_fused_cached_reads_equal_the_reads_memory_by_memory_at_real_shapes(aggregation, operands, monkeypatch):
-    """The fused Triton reads (:mod:`mnemo.kernels.memory_caching_triton`, compiled for this GPU) at the
+    """The fused Triton reads (:mod:`mnemo.kernels.mc_titans_triton`, compiled for this GPU) at the
     benchmark's head shape (:func:`_real_reads`) against ``sum_j g_j M_j(q)`` in float32: exact float32
     operands (Triton asked for, a float32 problem) to 1e-5; bf16 operands (what a bf16 problem takes) to
     bf16's rounding, 1e-2. grm: every memory in one pass; ssc top 2: selective batches of several memories,
     each over its gathered queries."""
     import mnemo.kernels.memory_caching as mc
-    import mnemo.kernels.memory_caching_triton as fused
+    import mnemo.kernels.mc_titans_triton as fused
     from mnemo.kernels.backend import use_backend
 
     calls = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mnemo.kernels import deep_attention_hebbian
+from mnemo.kernels import deep_attention
 from mnemo.kernels.deep_attention import _chunk_torch, chunk_deep_attention
 
 pytestmark = pytest.mark.gpu
@@ -55,16 +55,16 @@ def test_whole_rows_equal_the_chunk_loop(dtype, clip, key_pass, monkeypatch):
     group); ``wavefront_groups_of_4``: the same in four groups, through the bulk launches and the
     second stream; ``sdpa``: SDPA reads chunk by chunk with the Triton chunk updates, the path for
     shapes the wavefront does not take."""
-    from mnemo.kernels import deep_attention_key_pass_triton
+    from mnemo.kernels import deep_attention_triton_key_pass
 
     opts = dict(memory_depth=2, learning_rule="hebbian", chunk_size=C, grad_clip=clip)
     if key_pass == "wavefront_groups_of_4":
-        monkeypatch.setattr(deep_attention_key_pass_triton, "_GROUP", 4)
+        monkeypatch.setattr(deep_attention_triton_key_pass, "_GROUP", 4)
         key_pass = "wavefront"
     inputs = _inputs(dtype)
-    wanted = deep_attention_hebbian.triton_key_pass_wanted
+    wanted = deep_attention.triton_key_pass_wanted
     taken = []
-    monkeypatch.setattr(deep_attention_hebbian, "triton_key_pass_wanted",
+    monkeypatch.setattr(deep_attention, "triton_key_pass_wanted",
                         lambda *args: taken.append(key_pass == "wavefront" and wanted(*args)) or taken[-1])
 
     def fast(x):

@@ -11,7 +11,7 @@ import torch
 
 from mnemo.kernels.backend import use_backend
 from mnemo.kernels.chunk_loop import tf32_products
-from mnemo.kernels.newton_schulz import _NewtonSchulz, newton_schulz
+from mnemo.kernels.atlas import _NewtonSchulz, newton_schulz
 
 pytestmark = pytest.mark.gpu
 

@@ -17,7 +17,8 @@ from mnemo.kernels.atlas import (
     step_atlas,
 )
 from mnemo.kernels.feature_maps import apply_feature_map, initial_coefficients
-from mnemo.kernels.titans import TitansMemorySpec, TitansState, chunk_titans
+from mnemo.kernels.mlp_memory import MLPMemorySpec
+from mnemo.kernels.titans import TitansState, chunk_titans
 
 B, T, H, DV = 3, 19, 2, 4
 TAKES = [torch.tensor([3, 2, 6]), torch.tensor([1, 1, 0]), torch.tensor([9, 4, 1]), torch.tensor([6, 0, 5])]
@@ -54,7 +55,7 @@ def inputs(spec, seed=0, dtype=torch.float64):
 @pytest.mark.parametrize("memory, optimizer, window, chunk", list(itertools.product(
     sorted(MEMORIES), ["gd", "momentum", "muon"], [1, 3, 7], [1, 4])))
 def test_reference_chunk_step_agree(memory, optimizer, window, chunk):
-    spec = TitansMemorySpec(d_v=DV, expansion=2, **MEMORIES[memory])
+    spec = MLPMemorySpec(d_v=DV, expansion=2, **MEMORIES[memory])
     init, xs = inputs(spec)
     if optimizer == "gd":
         xs = xs[:5] + (None,) + xs[6:]
@@ -147,7 +148,7 @@ def test_newton_schulz_together_equals_one_call_per_matrix():
 
 
 def test_window_one_gd_l2_is_titans_without_momentum():
-    spec = TitansMemorySpec(depth=2, d_k=DV, d_v=DV, expansion=2)
+    spec = MLPMemorySpec(depth=2, d_k=DV, d_v=DV, expansion=2)
     init, (q, k, v, alpha, lr, _, _) = inputs(spec, seed=1)
     ones = torch.ones_like(alpha)
     atlas, _ = chunk_atlas(spec, q, k, v, alpha, lr, None, ones, AtlasState.initial(spec, init, B, H, 1, "gd"),
@@ -158,7 +159,7 @@ def test_window_one_gd_l2_is_titans_without_momentum():
 
 
 def test_dot_linear_window_one_without_decay_is_linear_attention():
-    spec = TitansMemorySpec(depth=1, d_k=5, d_v=DV, objective="dot")
+    spec = MLPMemorySpec(depth=1, d_k=5, d_v=DV, objective="dot")
     init, (q, k, v, *_rest) = inputs(spec, seed=2)
     zero_init = {n: torch.zeros_like(w) for n, w in init.items()}
     ones = torch.ones(B, T, H, dtype=torch.float64)

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from mnemo.kernels.atlas import AtlasState
-from mnemo.kernels.atlas_caching import GATED_AGGREGATIONS, CachedMemories, chunk_mc_atlas, reference_mc_atlas
-from mnemo.kernels.memory_caching import MCOptions, reference_mc_titans
+from mnemo.kernels.mc_atlas import GATED_AGGREGATIONS, CachedMemories, chunk_mc_atlas, reference_mc_atlas
+from mnemo.kernels.memory_caching import MCOptions
+from mnemo.kernels.mc_titans import reference_mc_titans
 from mnemo.kernels.norms import l2_normalize
-from mnemo.kernels.titans import TitansMemorySpec
+from mnemo.kernels.mlp_memory import MLPMemorySpec
 
 from test_kernels_atlas import B, DV, H, MEMORIES, T, TAKES, inputs, next_tokens
 
@@ -42,7 +43,7 @@ def run_chunked(spec, xs, u, init, opts, mc, takes):
     ("mlp-linear-skip", "momentum", 2, 2, 4),
 ])
 def test_chunk_equals_reference_for_any_split(aggregation, memory, optimizer, window, chunk, segment):
-    spec = TitansMemorySpec(d_v=DV, expansion=2, **MEMORIES[memory])
+    spec = MLPMemorySpec(d_v=DV, expansion=2, **MEMORIES[memory])
     init, xs = inputs(spec)
     if optimizer == "gd":
         xs = xs[:5] + (None,) + xs[6:]
@@ -82,7 +83,7 @@ def test_gated_aggregations_are_mc_titans_at_atlas_titans_limit(aggregation, mem
     """Window 1, gradient descent and unit window gates make the Atlas memory Titans without momentum
     (test_kernels_atlas): with normalised keys and queries, the cached reads are MC-Titans' reference,
     whose aggregations are written out token by token."""
-    spec = TitansMemorySpec(d_v=DV, expansion=2, **MEMORIES[memory])
+    spec = MLPMemorySpec(d_v=DV, expansion=2, **MEMORIES[memory])
     init, (q, k, v, alpha, lr, _, _) = inputs(spec, seed=3)
     u = gate_inputs(spec, seed=4)
     ones = torch.ones_like(alpha)
@@ -100,7 +101,7 @@ def test_gated_aggregations_are_mc_titans_at_atlas_titans_limit(aggregation, mem
 def test_zero_gate_inputs_read_as_the_mean(memory):
     """All scores equal: grm, and ssc because ties are kept, average every memory like mean; soup averages
     the weights, the same read only for a linear memory."""
-    spec = TitansMemorySpec(d_v=DV, expansion=2, **MEMORIES[memory])
+    spec = MLPMemorySpec(d_v=DV, expansion=2, **MEMORIES[memory])
     init, xs = inputs(spec, seed=6)
     opts = dict(optimizer="muon", omega_window=3, chunk_size=4, ns_steps=3)
     out = {}
@@ -118,7 +119,7 @@ def test_zero_gate_inputs_read_as_the_mean(memory):
 
 
 def test_unknown_or_ungated_aggregations_are_refused():
-    spec = TitansMemorySpec(d_v=DV, expansion=2, **MEMORIES["mlp"])
+    spec = MLPMemorySpec(d_v=DV, expansion=2, **MEMORIES["mlp"])
     init, xs = inputs(spec)
     state = AtlasState.initial(spec, init, 1, H, 3, "muon")
     with pytest.raises(ValueError, match="must be one of"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mnemo.kernels.cached_linear import (
+from mnemo.kernels.mc_gated_delta import (
     GATED_AGGREGATIONS,
     CachedStates,
     chunk_mc_gated_delta,

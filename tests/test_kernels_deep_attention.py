@@ -201,7 +201,7 @@ def _general_path(q, k, v, eta, gamma, w1, **opts):
 def test_hebbian_full_rows_equal_the_chunk_loop(opts, monkeypatch):
     """Full rows from an empty state take the key pass and attention reads; outputs, the state
     and every gradient equal the general chunk loop's, and steps continue from that state."""
-    import mnemo.kernels.deep_attention_hebbian as hebbian
+    import mnemo.kernels.deep_attention as hebbian
 
     calls, update = [], hebbian.chunk_update
     monkeypatch.setattr(hebbian, "chunk_update", lambda *a: calls.append(1) or update(*a))
@@ -235,7 +235,7 @@ def test_triton_chunk_update_equals_the_torch_one(clip, rows):
     """The key pass's per-chunk kernels (Triton's interpreter on the CPU) against
     :func:`chunk_update` and its autograd backward, on slices of larger buffers as the pass uses them."""
     pytest.importorskip("triton")
-    from mnemo.kernels.deep_attention_hebbian import chunk_update
+    from mnemo.kernels.deep_attention import chunk_update
     from mnemo.kernels.deep_attention_triton import chunk_update_backward_triton, chunk_update_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -305,7 +305,7 @@ KEY_PASS_CASES = [(53, None, torch.float32, 1, 16), (53, 0.5, torch.float32, 1, 
 
 @pytest.mark.parametrize("T_,clip,reads,group,C", KEY_PASS_CASES)
 def test_triton_key_pass_equals_the_torch_one(T_, clip, reads, group, C, monkeypatch):
-    """The wavefront key pass (:mod:`mnemo.kernels.deep_attention_key_pass_triton`; the interpreter on the
+    """The wavefront key pass (:mod:`mnemo.kernels.deep_attention_triton_key_pass`; the interpreter on the
     CPU) against the PyTorch pass, float32: ``u, sig, er, W_1`` at every chunk start and the gradients of
     ``k, v, e, W_1``, with a partial last chunk, one chunk only, with and without the clip acting. With bf16
     reads both round the reads and their gradients to bf16 at different points: relative 2e-2. ``group``:
@@ -314,10 +314,10 @@ def test_triton_key_pass_equals_the_torch_one(T_, clip, reads, group, C, monkeyp
     take a chunk's write and its backward in two blocks of 16 rows (``_ROWS``), the second one partial at
     T = 150 and T = 75."""
     pytest.importorskip("triton")
-    from mnemo.kernels import deep_attention_key_pass_triton
-    from mnemo.kernels.deep_attention_hebbian import _KeyPass, _KeyPassTriton
+    from mnemo.kernels import deep_attention_triton_key_pass
+    from mnemo.kernels.deep_attention import _KeyPass, _KeyPassTriton
 
-    monkeypatch.setattr(deep_attention_key_pass_triton, "_GROUP", group)
+    monkeypatch.setattr(deep_attention_triton_key_pass, "_GROUP", group)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(T_)
@@ -350,7 +350,7 @@ def test_key_pass_group_size_follows_the_rows(monkeypatch):
     """Groups of chunks by the step grid's size: 16 chunks for 64 (batch, head) rows or fewer, 8 for 128,
     4 for 256 or more; ``_GROUP`` overrides."""
     pytest.importorskip("triton")
-    from mnemo.kernels import deep_attention_key_pass_triton as kp
+    from mnemo.kernels import deep_attention_triton_key_pass as kp
 
     assert [kp._group_size(r) for r in (1, 32, 64, 65, 128, 129, 256, 4096)] == [16, 16, 16, 8, 8, 4, 4, 4]
     monkeypatch.setattr(kp, "_GROUP", 3)
@@ -362,7 +362,7 @@ def test_hebbian_full_rows_with_the_triton_key_pass(grad_clip, monkeypatch):
     """``use_backend("triton")`` with chunks of 16 takes the wavefront key pass: the layer's outputs, state and
     gradients against the general chunk loop in float32 (T = 40: three chunks, the last partial)."""
     pytest.importorskip("triton")
-    import mnemo.kernels.deep_attention_hebbian as hebbian
+    import mnemo.kernels.deep_attention as hebbian
     from mnemo.kernels.backend import use_backend
 
     calls, original = [], hebbian._KeyPassTriton.apply
@@ -386,7 +386,7 @@ def test_triton_key_pass_is_taken_only_when_asked_and_supported():
     float32 recursions, chunks a power of two from 16 to 128 and widths up to 128 whose tiles fit an SM's
     shared memory (chunk x width <= 8,192)."""
     from mnemo.kernels.backend import use_backend
-    from mnemo.kernels.deep_attention_hebbian import triton_key_pass_wanted
+    from mnemo.kernels.deep_attention import triton_key_pass_wanted
 
     k, w1 = torch.zeros(1, 1, 4, 64), torch.zeros(1, 1, 64, 64)
     assert not triton_key_pass_wanted(k, 64, torch.bfloat16, w1)  # CPU tensors: only when asked

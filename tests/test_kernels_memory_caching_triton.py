@@ -1,4 +1,4 @@
-"""The fused reads of cached memories (:mod:`mnemo.kernels.memory_caching_triton`) against the reads written
+"""The fused reads of cached memories (:mod:`mnemo.kernels.mc_titans_triton`) against the reads written
 memory by memory: Triton's interpreter on the CPU, the compiled kernels on CUDA (real shapes: the GPU file)."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import mnemo.kernels.memory_caching as mc
-import mnemo.kernels.memory_caching_triton as fused
+import mnemo.kernels.mc_titans_triton as fused
 from mnemo.kernels.backend import use_backend
-from mnemo.kernels.titans import TitansMemorySpec, memory_apply, static_apply
+from mnemo.kernels.mlp_memory import MLPMemorySpec, memory_apply, static_apply
 
 pytest.importorskip("triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SPEC = TitansMemorySpec(depth=2, d_k=16, d_v=16, expansion=4)  # hidden 64: four hidden blocks of 16
+SPEC = MLPMemorySpec(depth=2, d_k=16, d_v=16, expansion=4)  # hidden 64: four hidden blocks of 16
 # Two of the state's memories (start 0), then memories of later starts: 20 inside a block of 16 queries, 44
 # past the last query (no query reads it), 16 twice (two memories of one start). 40 queries: a partial block.
 TQ, STARTS = 40, (0, 0, 8, 16, 16, 20, 44)
@@ -107,8 +107,8 @@ def test_the_fused_reads_run_only_where_they_compute_the_memory():
         assert mc._fused_reads(SPEC, q, g, weights, True) == fused.operands(True)
         assert mc._fused_reads(SPEC, q, g[:, :, :1], weights, False) is None  # one gate for all heads
         assert mc._fused_reads(SPEC, q.double(), g.double(), tuple(w.double() for w in weights), False) is None
-        for other in (TitansMemorySpec(depth=2, gated=True, d_k=16, d_v=16), TitansMemorySpec(depth=1, d_k=16, d_v=16),
-                      TitansMemorySpec(depth=2, d_k=16, d_v=32), TitansMemorySpec(depth=2, d_k=8, d_v=8)):
+        for other in (MLPMemorySpec(depth=2, gated=True, d_k=16, d_v=16), MLPMemorySpec(depth=1, d_k=16, d_v=16),
+                      MLPMemorySpec(depth=2, d_k=16, d_v=32), MLPMemorySpec(depth=2, d_k=8, d_v=8)):
             assert mc._fused_reads(other, q, g, weights, False) is None, other
     with use_backend("torch"):
         assert mc._fused_reads(SPEC, q, g, weights, True) is None
@@ -152,12 +152,13 @@ def test_mc_titans_with_fused_reads_equals_the_reference(aggregation, monkeypatc
     """The MC-Titans training path on Triton (whole segments in one loop, the cache read by the fused kernels;
     mean and residual weigh every head alike) equals the token-by-token reference, outputs and gradients,
     float32 (relative error < 1e-5)."""
-    from mnemo.kernels.memory_caching import MCOptions, MCState, chunk_mc_titans, reference_mc_titans
+    from mnemo.kernels.memory_caching import MCOptions
+    from mnemo.kernels.mc_titans import MCState, chunk_mc_titans, reference_mc_titans
 
     calls = []
     monkeypatch.setattr(fused, "cached_reads_forward", _spy(fused.cached_reads_forward, calls))
     Bn, Tn, Hn = 2, 48, 2
-    spec = TitansMemorySpec(depth=2, d_k=16, d_v=16, expansion=2)
+    spec = MLPMemorySpec(depth=2, d_k=16, d_v=16, expansion=2)
     opts = MCOptions(segment_size=16, aggregation=aggregation, ssc_topk=1, chunk_size=8)
     gen = torch.Generator().manual_seed(5)
     init = {n: torch.randn(Hn, *s, generator=gen) * 0.3 for n, s in spec.shapes.items()}

@@ -1,4 +1,4 @@
-"""Muon's Newton-Schulz: the Triton kernels (:mod:`mnemo.kernels.newton_schulz_triton`) against the
+"""Muon's Newton-Schulz: the Triton kernels (:mod:`mnemo.kernels.atlas_triton`) against the
 PyTorch path in float64, forward and backward. Without a GPU they run under Triton's interpreter,
 which checks the algebra; ``tests/test_gpu_newton_schulz.py`` checks the compiled kernels."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mnemo.kernels import newton_schulz as ns_module
-from mnemo.kernels.newton_schulz import _NewtonSchulz, newton_schulz, newton_schulz_together
+from mnemo.kernels import atlas as ns_module
+from mnemo.kernels.atlas import NS_COEFFICIENTS, _NewtonSchulz, newton_schulz, newton_schulz_together
 
 pytest.importorskip("triton")
 
@@ -25,11 +25,11 @@ def _reference(S: torch.Tensor, dN: torch.Tensor, steps: int) -> tuple[torch.Ten
 
 
 def _kernels(S: torch.Tensor, dN: torch.Tensor, steps: int, precision: str | None = None):
-    from mnemo.kernels.newton_schulz_triton import newton_schulz_backward_triton, newton_schulz_forward_triton
+    from mnemo.kernels.atlas_triton import newton_schulz_backward_triton, newton_schulz_forward_triton
 
-    N, norms, kept = newton_schulz_forward_triton(S, steps, 1e-7, precision)
-    assert torch.equal(newton_schulz_forward_triton(S, steps, 1e-7, precision, keep=False)[0], N)
-    return N, newton_schulz_backward_triton(S, norms, kept, dN, steps, 1e-7, precision)
+    N, norms, kept = newton_schulz_forward_triton(S, steps, 1e-7, precision, coefficients=NS_COEFFICIENTS)
+    assert torch.equal(newton_schulz_forward_triton(S, steps, 1e-7, precision, keep=False, coefficients=NS_COEFFICIENTS)[0], N)
+    return N, newton_schulz_backward_triton(S, norms, kept, dN, steps, 1e-7, precision, coefficients=NS_COEFFICIENTS)
 
 
 @pytest.mark.parametrize("n,r,L,steps", CASES)
@@ -107,7 +107,7 @@ def test_triton_newton_schulz_in_half_precision_is_as_close_as_the_torch_path(dt
 
 
 def _count_launches(monkeypatch) -> list[str]:
-    from mnemo.kernels import newton_schulz_triton
+    from mnemo.kernels import atlas_triton as newton_schulz_triton
 
     calls = []
     for name in ("newton_schulz_forward_triton", "newton_schulz_backward_triton"):
@@ -150,7 +150,7 @@ def test_newton_schulz_takes_the_triton_kernels_when_asked(monkeypatch):
 def test_triton_forward_keeps_iterates_only_for_a_gradient(monkeypatch):
     """The forward keeps ``G`` and the iterates (``(n, steps + 1, r, r)`` in the input's dtype) when the input
     wants a gradient, and nothing without one (a decode step's Newton-Schulz)."""
-    from mnemo.kernels import newton_schulz_triton
+    from mnemo.kernels import atlas_triton as newton_schulz_triton
     from mnemo.kernels.backend import use_backend
 
     kept = []
@@ -186,12 +186,14 @@ def test_atlas_muon_with_triton_newton_schulz(monkeypatch):
     Triton kernels, float32: outputs and gradients against float64, within 3x the PyTorch path's float32
     error (its momenta are near-singular, where Newton-Schulz amplifies rounding; measured 0.6-1.05x)."""
     from mnemo.kernels.atlas import AtlasState, chunk_atlas, reference_atlas, step_atlas
-    from mnemo.kernels.newton_schulz_triton import supported
-    from mnemo.kernels.titans import TitansMemorySpec
+    from mnemo.kernels.atlas_triton import supported
+    from mnemo.kernels.mlp_memory import MLPMemorySpec
     from test_kernels_atlas import B, DV, H, T, inputs
 
     calls = _count_launches(monkeypatch)
-    spec = TitansMemorySpec(depth=2, d_k=DV, d_v=DV, expansion=4)
+    # The decode steps go through Newton-Schulz here; the fused Muon step has a test of its own below.
+    monkeypatch.setattr(ns_module, "_fused_muon_step", lambda *a: False)
+    spec = MLPMemorySpec(depth=2, d_k=DV, d_v=DV, expansion=4)
     init, xs = inputs(spec)
     opts = dict(optimizer="muon", omega_window=3, chunk_size=4, ns_steps=5)
     ref = reference_atlas(spec, *xs, init, **opts)
@@ -234,13 +236,13 @@ def test_fused_muon_decode_step_equals_the_torch_step(monkeypatch, live, positio
     float32 rounding to ~1e-4 here in both)."""
     from mnemo.kernels.atlas import AtlasState, step_atlas
     from mnemo.kernels.backend import use_backend
-    from mnemo.kernels.newton_schulz_triton import muon_step_triton
-    from mnemo.kernels.titans import TitansMemorySpec
+    from mnemo.kernels.atlas_triton import muon_step_triton
+    from mnemo.kernels.mlp_memory import MLPMemorySpec
 
     calls = []
-    monkeypatch.setattr("mnemo.kernels.newton_schulz_triton.muon_step_triton",
+    monkeypatch.setattr("mnemo.kernels.atlas_triton.muon_step_triton",
                         lambda weights, *a, **k: calls.extend(weights) or muon_step_triton(weights, *a, **k))
-    spec = TitansMemorySpec(depth=2, d_k=6, d_v=6, expansion=3)
+    spec = MLPMemorySpec(depth=2, d_k=6, d_v=6, expansion=3)
     B, H, window = 2, 3, 4
     gen = torch.Generator().manual_seed(5)
     r = lambda *shape: torch.randn(*shape, generator=gen).to(DEVICE)  # noqa: E731

@@ -7,30 +7,16 @@ import itertools
 import pytest
 import torch
 
-from mnemo.kernels.memory_caching import (
-    MCOptions,
-    MCState,
-    chunk_mc_titans,
-    log_segments,
-    reference_mc_titans,
-    step_mc_titans,
-)
-from mnemo.kernels.titans import (
-    TitansMemorySpec,
-    TitansState,
-    chunk_titans,
-    grad_factors,
-    memory_apply,
-    reference_titans,
-    static_apply,
-    step_titans,
-)
+from mnemo.kernels.memory_caching import MCOptions, log_segments
+from mnemo.kernels.mc_titans import MCState, chunk_mc_titans, reference_mc_titans, step_mc_titans
+from mnemo.kernels.mlp_memory import MLPMemorySpec, grad_factors, memory_apply, static_apply
+from mnemo.kernels.titans import TitansState, chunk_titans, reference_titans, step_titans
 
 B, T, H, D = 3, 21, 2, 4
 SPECS = {
-    "linear": TitansMemorySpec(depth=1, d_k=D, d_v=D),
-    "mlp": TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=2),
-    "gated": TitansMemorySpec(depth=2, gated=True, d_k=D, d_v=D, expansion=2),
+    "linear": MLPMemorySpec(depth=1, d_k=D, d_v=D),
+    "mlp": MLPMemorySpec(depth=2, d_k=D, d_v=D, expansion=2),
+    "gated": MLPMemorySpec(depth=2, gated=True, d_k=D, d_v=D, expansion=2),
 }
 
 
@@ -136,7 +122,7 @@ def test_mc_whole_segments_in_one_loop_equal_the_reference(depth, agg, seg, batc
     Outputs and gradients equal the reference's, from an empty state and from one holding cached memories,
     with rows ending at different segments; the state it leaves equals the one-token steps' (same slots).
     ssc over ten segments: most memories read only the queries that chose them."""
-    import mnemo.kernels.memory_caching as mc
+    import mnemo.kernels.mc_titans as mc
 
     spec = SPECS["linear" if depth == 1 else "mlp"]
     per_query = B * H * spec.d_v * (spec.expansion if depth == 2 else 1)
@@ -186,13 +172,13 @@ def test_mc_whole_segments_in_one_loop_equal_the_reference(depth, agg, seg, batc
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("budget", [1, 24, 1 << 40])
 def test_cached_reads_in_batches_equal_the_reads_memory_by_memory(depth, budget, monkeypatch):
-    """The cache's reads in batches of memories (:class:`~mnemo.kernels.memory_caching._CachedReads`) equal
+    """The cache's reads in batches of memories (:class:`~mnemo.kernels.mc_titans._CachedReads`) equal
     ``sum_j g_j M_j(q)`` written memory by memory, with gradients, for memories that read every query from
     their start and memories that read only the few queries whose gate of them is nonzero; batched one by
     one, by a budget of 24 queries' hidden layers, or all that the widths allow (several selective memories
     per batch, which add into the same queries). The gates' gradients are compared where a gate is nonzero:
     elsewhere the aggregation's softmax gives them weight zero."""
-    import mnemo.kernels.memory_caching as mc
+    import mnemo.kernels.mc_titans as mc
 
     spec = SPECS["linear" if depth == 1 else "mlp"]
     monkeypatch.setattr(mc, "READ_BATCH_ELEMENTS", budget * 2 * spec.d_v * (spec.expansion if depth == 2 else 1))
@@ -228,7 +214,7 @@ def test_the_keys_entering_each_segment_follow_the_rows_closes():
     """``_entering`` (one cumulative sum) equals the segment-by-segment running sum that resets where a row
     closes a segment, from a state with keys of its own, for rows that close all, some or none of the
     segments."""
-    import mnemo.kernels.memory_caching as mc
+    import mnemo.kernels.mc_titans as mc
 
     gen = torch.Generator().manual_seed(4)
     n = 5
@@ -293,16 +279,16 @@ def test_options_are_validated():
         MCOptions(segment_size=0)
 
 
-# --- The in-context gradient clip (``TitansMemorySpec.grad_clip``) --------------------------------------------------
+# --- The in-context gradient clip (``MLPMemorySpec.grad_clip``) --------------------------------------------------
 
-CLIPPED = TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=2, grad_clip=0.5)
+CLIPPED = MLPMemorySpec(depth=2, d_k=D, d_v=D, expansion=2, grad_clip=0.5)
 
 
 def test_grad_clip_bounds_each_token_and_leaves_small_gradients_alone():
-    spec = TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=2, grad_clip=10.0)
+    spec = MLPMemorySpec(depth=2, d_k=D, d_v=D, expansion=2, grad_clip=10.0)
     init, _, k, v, *_ = inputs(spec)
     k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (H, T, D)
-    raw = grad_factors(TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=2), init, k, v)
+    raw = grad_factors(MLPMemorySpec(depth=2, d_k=D, d_v=D, expansion=2), init, k, v)
     clipped = grad_factors(spec, init, k, v)
     norm = lambda fs: sum(a.pow(2).sum(-1) * b.pow(2).sum(-1) for a, b in fs.values()).sqrt()  # noqa: E731
     before, after = norm(raw), norm(clipped)
@@ -314,7 +300,7 @@ def test_grad_clip_bounds_each_token_and_leaves_small_gradients_alone():
 def test_clipped_titans_reference_chunk_step_agree(chunk):
     init, q, k, v, _, alpha, eta, theta = inputs(CLIPPED)
     ref = reference_titans(CLIPPED, q, k, v, alpha, eta, theta, init, chunk_size=chunk)
-    unclipped = reference_titans(TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=2), q, k, v, alpha, eta, theta,
+    unclipped = reference_titans(MLPMemorySpec(depth=2, d_k=D, d_v=D, expansion=2), q, k, v, alpha, eta, theta,
                                  init, chunk_size=chunk)
     assert (ref - unclipped).abs().max() > 1e-6  # the clip is active on these inputs
     out, _ = chunk_titans(CLIPPED, q, k, v, alpha, eta, theta, TitansState.initial(init, B), chunk_size=chunk)
@@ -329,7 +315,7 @@ def test_clipped_titans_reference_chunk_step_agree(chunk):
 
 def test_grad_clip_prevents_the_runaway_of_the_in_context_descent():
     """Large values and a large step make unclipped descent on an MLP memory overflow; the clip keeps it finite."""
-    spec = TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=2)
+    spec = MLPMemorySpec(depth=2, d_k=D, d_v=D, expansion=2)
     init, q, k, v, _, alpha, eta, theta = inputs(spec, dtype=torch.float32)
     long = lambda x: x.repeat(1, 40, *([1] * (x.dim() - 2)))  # noqa: E731  840 tokens
     q, k, v, alpha, eta, theta = (long(x) for x in (q, k, v, alpha, eta, theta))
@@ -337,6 +323,6 @@ def test_grad_clip_prevents_the_runaway_of_the_in_context_descent():
     args = (q, k, v, alpha, eta, theta)
     wild, _ = chunk_titans(spec, *args, TitansState.initial(init, B), chunk_size=16)
     assert not torch.isfinite(wild).all()
-    guarded = TitansMemorySpec(depth=2, d_k=D, d_v=D, expansion=2, grad_clip=10.0)
+    guarded = MLPMemorySpec(depth=2, d_k=D, d_v=D, expansion=2, grad_clip=10.0)
     safe, _ = chunk_titans(guarded, *args, TitansState.initial(init, B), chunk_size=16)
     assert torch.isfinite(safe).all()

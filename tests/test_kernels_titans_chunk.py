@@ -5,21 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mnemo.kernels.titans import ChunkOperator, TitansMemorySpec, grad_factors, memory_apply
+from mnemo.kernels.titans import ChunkOperator
+from mnemo.kernels.mlp_memory import MLPMemorySpec, grad_factors, memory_apply
 from mnemo.kernels.titans_chunk import chunk_memory, supported
 
 B, H, C, K = 2, 3, 5, 7
 
 SPECS = {
-    "linear_l2": TitansMemorySpec(depth=1, d_k=4, d_v=4),
-    "linear_dot": TitansMemorySpec(depth=1, d_k=4, d_v=3, objective="dot"),
-    "mlp_l2": TitansMemorySpec(depth=2, d_k=4, d_v=4, expansion=2),
-    "mlp_dot": TitansMemorySpec(depth=2, d_k=4, d_v=4, expansion=2, objective="dot"),
-    "mlp_skip_l2": TitansMemorySpec(depth=2, d_k=5, d_v=3, expansion=2),
+    "linear_l2": MLPMemorySpec(depth=1, d_k=4, d_v=4),
+    "linear_dot": MLPMemorySpec(depth=1, d_k=4, d_v=3, objective="dot"),
+    "mlp_l2": MLPMemorySpec(depth=2, d_k=4, d_v=4, expansion=2),
+    "mlp_dot": MLPMemorySpec(depth=2, d_k=4, d_v=4, expansion=2, objective="dot"),
+    "mlp_skip_l2": MLPMemorySpec(depth=2, d_k=5, d_v=3, expansion=2),
     # clips that bind on some tokens and not on others (norms of the problem's gradients: 0.5 to 40)
-    "linear_clip": TitansMemorySpec(depth=1, d_k=4, d_v=4, grad_clip=3.0),
-    "mlp_clip": TitansMemorySpec(depth=2, d_k=4, d_v=4, expansion=2, grad_clip=3.0),
-    "mlp_skip_clip": TitansMemorySpec(depth=2, d_k=5, d_v=3, expansion=2, grad_clip=3.0),
+    "linear_clip": MLPMemorySpec(depth=1, d_k=4, d_v=4, grad_clip=3.0),
+    "mlp_clip": MLPMemorySpec(depth=2, d_k=4, d_v=4, expansion=2, grad_clip=3.0),
+    "mlp_skip_clip": MLPMemorySpec(depth=2, d_k=5, d_v=3, expansion=2, grad_clip=3.0),
 }
 
 
@@ -90,13 +91,13 @@ def test_the_clips_bind_on_some_tokens_only():
     for name in ("linear_clip", "mlp_clip", "mlp_skip_clip"):
         spec = SPECS[name]
         W, S, q, k, v, *_ = problem(spec, True)
-        raw = grad_factors(TitansMemorySpec(**{**spec.__dict__, "grad_clip": None}), W, k, v)
+        raw = grad_factors(MLPMemorySpec(**{**spec.__dict__, "grad_clip": None}), W, k, v)
         norms = sum(A.pow(2).sum(-1) * B.pow(2).sum(-1) for A, B in raw.values()).sqrt()
         assert (norms > spec.grad_clip).any() and (norms < spec.grad_clip).any(), name
 
 
 def test_uncovered_memories_are_refused_by_name():
-    gated = TitansMemorySpec(depth=2, gated=True, d_k=4, d_v=4)
+    gated = MLPMemorySpec(depth=2, gated=True, d_k=4, d_v=4)
     assert not supported(gated)
     W, S, q, k, v, a, b, c, sa, sc = problem(SPECS["mlp_l2"], True)
     with pytest.raises(ValueError, match="ChunkOperator"):
@@ -120,7 +121,7 @@ def _update_problem(momentum, M=70, N=33, K=19, seed=5):
 def test_triton_final_update_equals_the_torch_one(momentum):
     pytest.importorskip("triton")
     from mnemo.kernels.titans_chunk import _final_update_torch
-    from mnemo.kernels.titans_chunk_triton import final_update
+    from mnemo.kernels.titans_triton_update import final_update
 
     W, S, (a, b, sa), r = _update_problem(momentum)
     U_w, U_s, Bf = r(2, 3, 19, 70), (r(2, 3, 19, 70) if momentum else None), r(2, 3, 19, 33)
@@ -143,7 +144,7 @@ def test_triton_final_update_equals_the_torch_one(momentum):
 def test_triton_final_update_backward_equals_the_torch_one(momentum, n_uses):
     pytest.importorskip("triton")
     from mnemo.kernels.titans_chunk import _final_update_backward_torch
-    from mnemo.kernels.titans_chunk_triton import final_update_backward
+    from mnemo.kernels.titans_triton_update import final_update_backward
 
     W, S, (a, b, sa), r = _update_problem(momentum)
     dW, dS = r(2, 3, 70, 33), (r(2, 3, 70, 33) if momentum else None)
@@ -167,7 +168,7 @@ def test_the_final_update_backward_reads_strided_last_gates_in_place():
     """The last token's gates as columns of ``(G, C)`` gates (strided views, as the chunk passes them) give
     the same bits as contiguous copies; gates of two strides are refused by name."""
     pytest.importorskip("triton")
-    from mnemo.kernels.titans_chunk_triton import final_update_backward_stacked
+    from mnemo.kernels.titans_triton_update import final_update_backward_stacked
 
     gen = torch.Generator().manual_seed(7)
     r = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
@@ -216,7 +217,7 @@ def test_triton_step_update_equals_the_torch_one(first):
     a live row, a row that is not (kept as it was) and, ``first``, rows that start an inner chunk."""
     pytest.importorskip("triton")
     from mnemo.kernels.titans import step_update
-    from mnemo.kernels.titans_step_triton import step_update as triton_step_update
+    from mnemo.kernels.titans_triton_update import step_update as triton_step_update
 
     gen = torch.Generator().manual_seed(11)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float32).to(DEVICE)  # noqa: E731
@@ -233,11 +234,11 @@ def test_triton_step_update_equals_the_torch_one(first):
 
 
 SLICED = {
-    "l2": TitansMemorySpec(depth=2, d_k=24, d_v=24, expansion=2),
-    "dot": TitansMemorySpec(depth=2, d_k=24, d_v=24, expansion=2, objective="dot"),
+    "l2": MLPMemorySpec(depth=2, d_k=24, d_v=24, expansion=2),
+    "dot": MLPMemorySpec(depth=2, d_k=24, d_v=24, expansion=2, objective="dot"),
     # clips near the median of the problem's per-token gradient norms (l2: 370 to 1830, dot: 40 to 100)
-    "l2_clip": TitansMemorySpec(depth=2, d_k=24, d_v=24, expansion=2, grad_clip=1000.0),
-    "dot_clip": TitansMemorySpec(depth=2, d_k=24, d_v=24, expansion=2, objective="dot", grad_clip=70.0),
+    "l2_clip": MLPMemorySpec(depth=2, d_k=24, d_v=24, expansion=2, grad_clip=1000.0),
+    "dot_clip": MLPMemorySpec(depth=2, d_k=24, d_v=24, expansion=2, objective="dot", grad_clip=70.0),
 }
 
 
@@ -251,7 +252,7 @@ def test_the_sliced_triton_chunk_equals_the_torch_chunk(name, momentum, slice_, 
     written tokens in blocks of 16, three with a partial one; 12 queries over 36 written tokens) against the
     cuBLAS path and its written-out backward, values and every gradient, each held to float64."""
     pytest.importorskip("triton")
-    from mnemo.kernels import titans_chunk_forward_triton as sliced
+    from mnemo.kernels import titans_triton_forward as sliced
     from mnemo.kernels import use_backend
 
     monkeypatch.setitem(sliced.BLOCKS, "slice", slice_)
@@ -304,10 +305,10 @@ def test_the_sliced_triton_chunk_equals_the_torch_chunk(name, momentum, slice_, 
             bound = max(4 * error(y, z), 1e-6)
             assert error(x, z) < bound, f"{what} {i}: relative error {error(x, z):.1e} (cuBLAS path {error(y, z):.1e})"
     if spec.grad_clip is not None:  # the clip binds on some tokens and not on others
-        from mnemo.kernels.titans import _raw_grad_factors
+        from mnemo.kernels.mlp_memory import raw_grad_factors
         from mnemo.kernels.norms import clip_scale
 
-        raw = _raw_grad_factors(spec, W, k, v)
+        raw = raw_grad_factors(spec, W, k, v)
         scale = clip_scale(sum(x.pow(2).sum(-1) * y.pow(2).sum(-1) for x, y in raw.values()), spec.grad_clip)
         assert 0 < int((scale < 1).sum()) < scale.numel()
 
@@ -319,7 +320,7 @@ def test_the_sliced_forward_is_taken_where_it_covers_the_memory(monkeypatch):
     from mnemo.kernels import titans_chunk, use_backend
 
     calls = []
-    import mnemo.kernels.titans_chunk_forward_triton as sliced
+    import mnemo.kernels.titans_triton_forward as sliced
 
     real = sliced.chunk_forward
     monkeypatch.setattr(sliced, "chunk_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -345,8 +346,8 @@ def test_the_sliced_forward_is_taken_where_it_covers_the_memory(monkeypatch):
 def sliced_backward_calls(monkeypatch):
     """Slices and width blocks of 16, and a list that records each call of the sliced backward."""
     pytest.importorskip("triton")
-    from mnemo.kernels import titans_chunk_backward_triton as sliced_backward
-    from mnemo.kernels import titans_chunk_forward_triton as sliced
+    from mnemo.kernels import titans_triton_backward as sliced_backward
+    from mnemo.kernels import titans_triton_forward as sliced
 
     monkeypatch.setitem(sliced.BLOCKS, "slice", 16)
     monkeypatch.setitem(sliced.BLOCKS, "width", 16)
@@ -389,12 +390,12 @@ def test_the_sliced_backward_is_left_where_its_launches_do_not_fit(momentum, sta
     programs would need 288 KB of shared memory on the GPU, so the PyTorch backward takes the sliced
     forward's intermediates; with one stage or without momentum the sliced backward runs. Gradients
     against autograd over the operator either way."""
-    from mnemo.kernels import titans_chunk_forward_triton as sliced
+    from mnemo.kernels import titans_triton_forward as sliced
     from mnemo.kernels import use_backend
 
     monkeypatch.setitem(sliced.BLOCKS, "backward_stages", stages)
 
-    spec = TitansMemorySpec(depth=2, d_k=16, d_v=16, expansion=2)
+    spec = MLPMemorySpec(depth=2, d_k=16, d_v=16, expansion=2)
     gen = torch.Generator().manual_seed(4)
     r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen, dtype=torch.float64) * scale).requires_grad_()  # noqa: E731
     C, K = 8, 72
@@ -451,7 +452,8 @@ def _atlas_loop(spec, init, q, k, v, alpha, eta, theta, optimizer):
 
 
 def _mc_loop(spec, init, q, k, v, alpha, eta, theta):
-    from mnemo.kernels.memory_caching import MCOptions, MCState, chunk_mc_titans
+    from mnemo.kernels.memory_caching import MCOptions
+    from mnemo.kernels.mc_titans import MCState, chunk_mc_titans
 
     B = q.shape[0]
     opts = MCOptions(segment_size=16, aggregation="grm", chunk_size=8)
@@ -468,7 +470,7 @@ def test_the_chunk_loops_through_the_sliced_kernels_equal_the_torch_path(loop, s
     from mnemo.kernels import use_backend
 
     calls = sliced_backward_calls
-    spec = TitansMemorySpec(depth=2, d_k=16, d_v=16, expansion=2, grad_clip=30.0)
+    spec = MLPMemorySpec(depth=2, d_k=16, d_v=16, expansion=2, grad_clip=30.0)
     run = {"titans": _titans_loop, "mc_grm": _mc_loop,
            "atlas_gd": lambda *a: _atlas_loop(*a, optimizer="gd"),
            "atlas_momentum": lambda *a: _atlas_loop(*a, optimizer="momentum")}[loop]
@@ -499,7 +501,7 @@ def test_a_covered_chunk_runs_without_triton(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
-    for name in ("mnemo.kernels.titans_chunk_forward_triton", "mnemo.kernels.titans_chunk_backward_triton"):
+    for name in ("mnemo.kernels.titans_triton_forward", "mnemo.kernels.titans_triton_backward"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     spec = SLICED["l2_clip"]
     gen = torch.Generator().manual_seed(4)
@@ -508,4 +510,4 @@ def test_a_covered_chunk_runs_without_triton(monkeypatch):
     a, c = torch.rand(1, 2, 8, generator=gen), torch.rand(1, 2, 8, 8, generator=gen)
     y, W_new, _ = chunk_memory(spec, W, None, q, k, v, a, None, c, None, None)
     torch.autograd.grad([y.sum(), *(w.sum() for w in W_new.values())], [*W.values(), q, k, v])
-    assert "mnemo.kernels.titans_chunk_forward_triton" not in sys.modules
+    assert "mnemo.kernels.titans_triton_forward" not in sys.modules

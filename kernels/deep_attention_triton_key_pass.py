@@ -1,4 +1,4 @@
-"""The Hebbian DeepTransformer's key pass (:class:`~.deep_attention_hebbian._KeyPass`) as a wavefront of
+"""The Hebbian DeepTransformer's key pass (:class:`~.deep_attention._KeyPass`) as a wavefront of
 Triton launches, forward and backward.
 
 The pass is sequential in chunks: chunk ``n``'s keys read the deep values ``U`` of every earlier chunk,

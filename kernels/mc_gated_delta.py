@@ -59,8 +59,8 @@ import torch
 
 from .gated_delta import _prepare_qk, chunk_gated_delta, reference_gated_delta, step_gated_delta
 from .memory_caching import mc_read, ssc_select
-from .segment_keys import close_segments, key_mean, with_extra_slots
-from .titans import TitansMemorySpec
+from .memory_caching import close_segments, key_mean, with_extra_slots
+from .mlp_memory import MLPMemorySpec
 
 __all__ = [
     "AGGREGATIONS",
@@ -166,7 +166,7 @@ def read_scored(
     sequences' :class:`CachedStates` ``(I, N, ...)`` with ``cached_valid`` ``(I, N)``. MC-Titans' aggregation
     on the linear memory ``M(z) = S^T z``; ``soup`` is computed as ``grm`` (equal for a linear memory).
     """
-    spec = TitansMemorySpec(depth=1, d_k=q.shape[-1], d_v=online.shape[-1])
+    spec = MLPMemorySpec(depth=1, d_k=q.shape[-1], d_v=online.shape[-1])
     heads_first = lambda x: x.transpose(1, 2)  # noqa: E731  (mc_read's (I, H, L, ·) layout)
     y = mc_read(spec, "grm" if aggregation == "soup" else aggregation, ssc_topk, heads_first(q), heads_first(u),
                 lambda name, x: heads_first(online),  # the online read is already the recurrence's output

@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .titans_chunk_triton import _precision
+from .titans_triton_update import _precision
 
 __all__ = ["ForwardParts", "covers", "chunk_forward"]
 

@@ -1,4 +1,4 @@
-"""Triton kernels for Muon's Newton-Schulz iteration (:func:`~.newton_schulz.newton_schulz`), one
+"""Triton kernels for Muon's Newton-Schulz iteration (:func:`~.atlas.newton_schulz`), one
 program per matrix, forward and backward.
 
 The PyTorch path runs the iteration on the Gram matrix as batched matmuls: each product is
@@ -42,7 +42,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .newton_schulz import NS_COEFFICIENTS
 
 __all__ = [
     "faster",
@@ -320,7 +319,8 @@ def _muon_step_kernel(W, S, C, GRAD, GATES, FLAGS, W_OUT, S_OUT, C_OUT, s_r, s_l
 def muon_step_triton(weights: dict[str, torch.Tensor], momenta: dict[str, torch.Tensor],
                      chunk_start: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], alpha: torch.Tensor,
                      lr: torch.Tensor, momentum: torch.Tensor, live: torch.Tensor, at_start: torch.Tensor,
-                     steps: int, eps: float = 1e-7) -> tuple[dict, dict, dict]:
+                     steps: int, coefficients: tuple[float, float, float], eps: float = 1e-7
+                     ) -> tuple[dict, dict, dict]:
     """A Muon decode step of every weight of a memory (see :func:`~.atlas.step_atlas`), one launch per
     weight: new weights, momenta and chunk-start weights from the old ones and the window gradients
     (dicts of ``(B, H, rows, cols)`` float32), gates ``(B, H)`` and row flags ``(B,)``. A momentum's
@@ -337,7 +337,7 @@ def muon_step_triton(weights: dict[str, torch.Tensor], momenta: dict[str, torch.
         s_r, s_l = (1, cols) if tall else (cols, 1)
         W_out, S_out, C_out = torch.empty_like(W), torch.empty_like(W), torch.empty_like(W)
         _muon_step_kernel[(B * H,)](W, S, C, grad, gates, flags, W_out, S_out, C_out, s_r, s_l, r, L, eps,
-                                    *NS_COEFFICIENTS, STEPS=steps, R=_rows(r), BL=_BL, DT=tl.float32,
+                                    *coefficients, STEPS=steps, R=_rows(r), BL=_BL, DT=tl.float32,
                                     PRECISION=products(torch.float32), num_warps=_FORWARD_WARPS)
         for new, tensor in zip(out, (W_out, S_out, C_out)):
             new[name] = tensor
@@ -349,32 +349,34 @@ def _rows(r: int) -> int:
 
 
 def newton_schulz_forward_triton(S: torch.Tensor, steps: int, eps: float, precision: str | None = None,
-                                 keep: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                                 keep: bool = True, *, coefficients: tuple[float, float, float]
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(N, norms, kept)`` for ``(n, r, L)`` matrices ``S`` (:func:`supported`), ``steps >= 1``: ``N``
     contiguous in ``S``'s dtype, ``norms`` ``(n,)`` float32 and, with ``keep``, the Gram matrices and
     iterates ``(n, steps + 1, r, r)`` in ``S``'s dtype (``1 + 1 / steps`` times the size of ``S`` for
     ``L = 4r``, five steps: 1.5x); the last two are the backward's inputs. ``precision``: the products'
-    ``input_precision`` (default :func:`products`)."""
+    ``input_precision`` (default :func:`products`); ``coefficients``: the iteration's ``(a, b, c)``."""
     n, r, L = S.shape
     N = torch.empty(n, r, L, device=S.device, dtype=S.dtype)
     norms = torch.empty(n, device=S.device, dtype=torch.float32)
     kept = torch.empty(n, steps + 1, r, r, device=S.device, dtype=S.dtype) if keep else None
     if n:
-        _forward_kernel[(n,)](S, N, norms, N if kept is None else kept, *S.stride(), r, L, eps, *NS_COEFFICIENTS,
+        _forward_kernel[(n,)](S, N, norms, N if kept is None else kept, *S.stride(), r, L, eps, *coefficients,
                               STEPS=steps, R=_rows(r), BL=_BL, DT=_OPERANDS[S.dtype],
                               PRECISION=precision or products(S.dtype), KEEP=keep, num_warps=_FORWARD_WARPS)
     return N, norms, kept
 
 
 def newton_schulz_backward_triton(S: torch.Tensor, norms: torch.Tensor, kept: torch.Tensor, dN: torch.Tensor,
-                                  steps: int, eps: float, precision: str | None = None) -> torch.Tensor:
+                                  steps: int, eps: float, precision: str | None = None, *,
+                                  coefficients: tuple[float, float, float]) -> torch.Tensor:
     """``dS`` (contiguous, ``S``'s dtype) for the forward's ``S``, its ``norms`` and ``kept`` iterates, and
     ``dN`` (``(n, r, L)``)."""
     n, r, L = S.shape
     dS = torch.empty(n, r, L, device=S.device, dtype=S.dtype)
     if n:
         _backward_kernel[(n,)](S, norms, kept, dN, dS, *S.stride(), *dN.stride(), r, L, eps,
-                               torch.finfo(torch.float32).tiny, *NS_COEFFICIENTS, STEPS=steps, R=_rows(r),
+                               torch.finfo(torch.float32).tiny, *coefficients, STEPS=steps, R=_rows(r),
                                BL=_BL, DT=_OPERANDS[S.dtype], PRECISION=precision or products(S.dtype),
                                num_warps=_BACKWARD_WARPS)
     return dS

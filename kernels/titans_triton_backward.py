@@ -1,13 +1,13 @@
 """Triton backward of one chunk of an MLP memory, split along the hidden layer.
 
-The backward of :mod:`.titans_chunk_forward_triton`'s chunk, written out as in
+The backward of :mod:`.titans_triton_forward`'s chunk, written out as in
 :mod:`.titans_chunk` (which stays its readable form and its test) and split the same
 way: whatever is local to a slice ``j`` of the hidden layer runs in programs over
 ``(slices, batch * heads)`` (and over blocks of the written tokens where their rows are
 independent), whatever sums over slices runs in programs over blocks of the key width,
 and the shares are summed by a fixed loop (no atomics: the same bits from run to run).
 The weights' gradients are the final update's backward
-(:func:`~.titans_chunk_triton.final_update_backward_parts`) over every use of each
+(:func:`~.titans_triton_update.final_update_backward_parts`) over every use of each
 weight, whose factors the launches below write straight into the stacked buffers.
 
 With ``M = dy err^T``, ``N = dhp e^T`` (``dhp``: the gradient of the queries' hidden
@@ -33,13 +33,13 @@ layer before its activation), ``s`` the clip's scale and ``cs, ss`` the last row
    ``dv`` and ``dk``'s identity term.
 6. ``l2`` only: :func:`_prediction_kernel` (slices) adds ``d pred W1`` to ``d pre``
    and takes its shares of ``d pre W2``; :func:`_sum_kernel` (rows, width) adds them to ``dk``.
-7. The weights' gradients (:func:`~.titans_chunk_triton.final_update_backward_parts`, one launch per
+7. The weights' gradients (:func:`~.titans_triton_update.final_update_backward_parts`, one launch per
    weight) and :func:`_last_gates_kernel`, which sums both weights' gate products into the last
    token's ``da``, ``db`` and ``d sa_last``.
 
 No product takes a transposed product's result: operands needed transposed are
 loaded transposed from memory (see TRITON_NOTES.md on Triton 3.4-3.7.0 on Hopper).
-Scope and shapes as in :mod:`.titans_chunk_forward_triton`, where the launches fit (:func:`covers`).
+Scope and shapes as in :mod:`.titans_triton_forward`, where the launches fit (:func:`covers`).
 """
 
 from __future__ import annotations
@@ -48,9 +48,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .titans_chunk_forward_triton import (BLOCKS, ForwardParts, _contiguous, _gelu, _gelu_slope, _pow2,
-                                           _last_coefficients, _share_exists, _token_block)
-from .titans_chunk_triton import _precision, final_update_backward_parts
+from .titans_triton_forward import (
+    BLOCKS,
+    ForwardParts,
+    _contiguous,
+    _gelu,
+    _gelu_slope,
+    _pow2,
+    _last_coefficients,
+    _share_exists,
+    _token_block,
+)
+from .titans_triton_update import _precision, final_update_backward_parts
 
 __all__ = ["chunk_backward", "covers"]
 
@@ -509,7 +518,7 @@ def chunk_backward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] 
                    k: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor,
                    sa_last: torch.Tensor | None, sc_last: torch.Tensor | None, parts: ForwardParts,
                    d_y: torch.Tensor, dW_new: dict[str, torch.Tensor], dS_new: dict[str, torch.Tensor] | None):
-    """Every gradient of :func:`~.titans_chunk_forward_triton.chunk_forward`'s chunk, arguments
+    """Every gradient of :func:`~.titans_triton_forward.chunk_forward`'s chunk, arguments
     flattened to ``G = batch * heads``: ``(dW, dS, dq, dk, dv, da, db, dc, d sa_last, d sc_last)``
     (weights as dicts; ``dS, db, d sa_last, d sc_last`` are ``None`` without momentum).
 

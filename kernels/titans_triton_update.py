@@ -24,7 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["final_update", "final_update_backward", "final_update_backward_parts", "final_update_backward_stacked"]
+
+
+__all__ = [
+    "final_update",
+    "final_update_backward",
+    "final_update_backward_parts",
+    "final_update_backward_stacked",
+    "step_update",
+]
+
 
 # Swept on an H100 (RESULTS.md): 32 x 128 tiles, two stages, four warps: 80 / 105 us for the update / its
 # backward at 32 x (256 x 1024) against 150 / 213 us for 64 x 64 tiles with the default three stages.
@@ -190,3 +199,41 @@ def final_update_backward_parts(W: torch.Tensor, S: torch.Tensor | None, dW_new:
         part, M, N, KW, KS, stride, HAS_S=has_s, BM=_BM, BN=_BN, BK=_BK, PRECISION=_precision(),
         num_warps=_WARPS, num_stages=_STAGES)
     return dW, (dS if has_s else None), part
+
+
+# --------------------------------------------------------------------------- A one-token step's weight-sized update
+
+
+_BM, _BN, _WARPS = 32, 128, 4
+
+
+@triton.jit
+def _step_update_kernel(W, S, C, A, BF, GA, GE, GT, LIVE, START, W_OUT, S_OUT, C_OUT, M, N,
+                        BM: tl.constexpr, BN: tl.constexpr):
+    g, rm, rn, mm, mn, mask, offs = _tile(M, N, BM, BN)
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    s = tl.load(S + offs, mask=mask, other=0.0)
+    c = tl.load(C + offs, mask=mask, other=0.0)
+    grad = tl.load(A + g * M + rm, mask=mm, other=0.0)[:, None] * tl.load(BF + g * N + rn, mask=mn, other=0.0)[None, :]
+    new_s = tl.load(GE + g) * s - tl.load(GT + g) * grad
+    live = tl.load(LIVE + g) != 0
+    starts = tl.load(START + g) != 0
+    tl.store(S_OUT + offs, tl.where(live, new_s, s), mask=mask)
+    tl.store(W_OUT + offs, tl.where(live, tl.load(GA + g) * w + new_s, w), mask=mask)
+    tl.store(C_OUT + offs, tl.where(live & starts, w, c), mask=mask)
+
+
+def step_update(W: torch.Tensor, S: torch.Tensor, C: torch.Tensor, A: torch.Tensor, Bf: torch.Tensor,
+                a: torch.Tensor, e: torch.Tensor, th: torch.Tensor, live: torch.Tensor, at_start: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(W', S', C')`` for weights ``(B, H, M, N)``, factors ``A (B, H, M)``, ``Bf (B, H, N)``, gates
+    ``(B, H)`` and row flags ``live, at_start (B,)``; see :func:`~.titans.step_update`."""
+    B, H, M, N = W.shape
+    flat = lambda x: x.reshape(B * H, *x.shape[2:]).contiguous()  # noqa: E731
+    flag = lambda x: x[:, None].expand(B, H).reshape(-1).to(torch.int8)  # noqa: E731
+    W_out, S_out, C_out = torch.empty_like(W), torch.empty_like(W), torch.empty_like(W)
+    grid = (triton.cdiv(M, _BM) * triton.cdiv(N, _BN), B * H)
+    _step_update_kernel[grid](flat(W), flat(S), flat(C), flat(A), flat(Bf), flat(a), flat(e), flat(th),
+                              flag(live), flag(at_start), W_out, S_out, C_out, M, N, BM=_BM, BN=_BN,
+                              num_warps=_WARPS)
+    return W_out, S_out, C_out

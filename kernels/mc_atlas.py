@@ -43,8 +43,8 @@ import torch
 from .atlas import AtlasState, chunk_atlas, step_atlas
 from .memory_caching import mc_read
 from .norms import l2_normalize
-from .segment_keys import close_segments, key_mean, with_extra_slots
-from .titans import TitansMemorySpec, memory_apply, static_apply
+from .memory_caching import close_segments, key_mean, with_extra_slots
+from .mlp_memory import MLPMemorySpec, memory_apply, static_apply
 
 __all__ = ["AGGREGATIONS", "GATED_AGGREGATIONS", "CachedMemories", "chunk_mc_atlas", "reference_mc_atlas"]
 
@@ -126,7 +126,7 @@ class CachedMemories:
                 key_sum, key_count, self.online_key_sum, self.online_key_count, slot, rows)
         return out
 
-    def read(self, spec: TitansMemorySpec, q: torch.Tensor) -> torch.Tensor:
+    def read(self, spec: MLPMemorySpec, q: torch.Tensor) -> torch.Tensor:
         """``sum_i M^(i)(q)`` over each row's valid memories for ``q`` ``(B, H, T, d_k)``."""
         N = next(iter(self.weights.values())).shape[1]
         if N == 0:
@@ -148,7 +148,7 @@ def _stack(items: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return torch.stack(items, 1) if items else like.new_zeros(like.shape[0], 0, *like.shape[1:])
 
 
-def _gated_read(spec: TitansMemorySpec, aggregation: str, ssc_topk: int,
+def _gated_read(spec: MLPMemorySpec, aggregation: str, ssc_topk: int,
                 cached: CachedMemories) -> Callable[..., torch.Tensor]:
     """The read of one segment's tokens: the online memory and the memories ``cached`` before the segment."""
     names = list(cached.weights)
@@ -167,7 +167,7 @@ def _read_consts(cached: CachedMemories) -> tuple[torch.Tensor, ...]:
 
 
 def reference_mc_atlas(
-    spec: TitansMemorySpec,
+    spec: MLPMemorySpec,
     q, k, v, alpha, lr, momentum, gamma,
     state: AtlasState,
     *,
@@ -221,7 +221,7 @@ def _front(x: torch.Tensor | None, start: torch.Tensor, width: int) -> torch.Ten
 
 
 def chunk_mc_atlas(
-    spec: TitansMemorySpec,
+    spec: MLPMemorySpec,
     q, k, v, alpha, lr, momentum, gamma,
     state: AtlasState,
     cached: CachedMemories,

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .titans_chunk_forward_triton import _gelu, _gelu_slope
+from .titans_triton_forward import _gelu, _gelu_slope
 
 __all__ = ["ONE_MEMORY", "DenseReads", "cached_reads_backward", "cached_reads_forward", "operands", "supported"]
 
