@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -112,13 +113,13 @@ class AtlasState:
         )
 
 
-def _update(optimizer: str, ns_steps: int, W, S, g, alpha, lr, momentum):
+def _update(optimizer: str, ns_steps: int, W, S, g, retention, lr, momentum):
     """One optimiser step on dicts of ``(..., out, in)`` matrices; gates broadcast ``(..., 1, 1)``."""
     if optimizer == "gd":
-        return {n: alpha * W[n] - lr * g[n] for n in W}, S
+        return {n: retention * W[n] - lr * g[n] for n in W}, S
     S = {n: momentum * S[n] + g[n] for n in W}
     step = dict(zip(W, newton_schulz_together([S[n] for n in W], ns_steps))) if optimizer == "muon" else S
-    return {n: alpha * W[n] - lr * step[n] for n in W}, S
+    return {n: retention * W[n] - lr * step[n] for n in W}, S
 
 
 # --------------------------------------------------------------------------- reference
@@ -129,7 +130,7 @@ def reference_atlas(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    alpha: torch.Tensor,
+    retention: torch.Tensor,
     lr: torch.Tensor,
     momentum: torch.Tensor | None,
     gamma: torch.Tensor,
@@ -158,7 +159,7 @@ def reference_atlas(
                 for n, (A, Bf) in factors.items():
                     g[n] = g[n] + gamma[b, i].to(dtype)[:, None, None] * (A[:, 0, :, None] * Bf[:, 0, None, :])
             mom = None if momentum is None else momentum[b, t].to(dtype)[:, None, None]
-            W, S = _update(optimizer, ns_steps, W, S, g, alpha[b, t].to(dtype)[:, None, None],
+            W, S = _update(optimizer, ns_steps, W, S, g, retention[b, t].to(dtype)[:, None, None],
                            lr[b, t].to(dtype)[:, None, None], mom)
             o[b, t] = memory_apply(spec, static_apply(W), q[b, t].to(dtype)[:, None])[:, 0]
     return o.to(v.dtype)
@@ -169,7 +170,7 @@ def reference_atlas(
 
 def step_atlas(
     spec: MLPMemorySpec,
-    q, k, v, alpha, lr, momentum, gamma,
+    q, k, v, retention, lr, momentum, gamma,
     state: AtlasState,
     *,
     optimizer: str = "muon",
@@ -180,11 +181,11 @@ def step_atlas(
 ) -> tuple[torch.Tensor, AtlasState]:
     """One token per row (``q, k, v`` ``(B, H, D)``, gates ``(B, H)``); rows not ``live`` are untouched."""
     with tf32_products(tf32_wanted(v)):
-        return _step_atlas(spec, q, k, v, alpha, lr, momentum, gamma, state, optimizer=optimizer,
+        return _step_atlas(spec, q, k, v, retention, lr, momentum, gamma, state, optimizer=optimizer,
                            omega_window=omega_window, chunk_size=chunk_size, ns_steps=ns_steps, live=live)
 
 
-def _step_atlas(spec, q, k, v, alpha, lr, momentum, gamma, state, *, optimizer, omega_window, chunk_size, ns_steps,
+def _step_atlas(spec, q, k, v, retention, lr, momentum, gamma, state, *, optimizer, omega_window, chunk_size, ns_steps,
                 live):
     B = q.shape[0]
     dtype = torch.promote_types(v.dtype, torch.float32)
@@ -198,14 +199,14 @@ def _step_atlas(spec, q, k, v, alpha, lr, momentum, gamma, state, *, optimizer, 
     wg = torch.cat([state.window_gamma, gamma.to(dtype)[:, None]], 1) * valid[..., None]
     factors = grad_factors(spec, start, wk.transpose(1, 2), wv.transpose(1, 2))  # (B, H, c, .)
     g = {n: torch.einsum("bhc,bhco,bhci->bhoi", wg.transpose(1, 2), A, Bf) for n, (A, Bf) in factors.items()}
-    if optimizer == "muon" and _fused_muon_step(state, (q, k, v, alpha, lr, momentum, gamma)):
+    if optimizer == "muon" and _fused_muon_step(state, (q, k, v, retention, lr, momentum, gamma)):
         from .atlas_triton import muon_step_triton  # noqa: PLC0415
 
-        W, S, C = muon_step_triton(state.weights, state.momentum, state.chunk_start, g, alpha, lr, momentum, live,
+        W, S, C = muon_step_triton(state.weights, state.momentum, state.chunk_start, g, retention, lr, momentum, live,
                                    state.position == 0, ns_steps, NS_COEFFICIENTS)
     else:
         mom = None if momentum is None else momentum.to(dtype)[..., None, None]
-        W, S = _update(optimizer, ns_steps, state.weights, state.momentum, g, alpha.to(dtype)[..., None, None],
+        W, S = _update(optimizer, ns_steps, state.weights, state.momentum, g, retention.to(dtype)[..., None, None],
                        lr.to(dtype)[..., None, None], mom)
         on = live[:, None, None, None]
         W = {n: torch.where(on, W[n], state.weights[n]) for n in W}
@@ -264,22 +265,39 @@ class MuonChunk:
         return ({n: w[:, :, -1] for n, w in self.weights.items()}, {n: s[:, :, -1] for n, s in self.momenta.items()})
 
 
-def atlas_coefficients(optimizer: str, inside: torch.Tensor, gamma, alpha, lr, mom, live) -> tuple[torch.Tensor, ...]:
+def atlas_coefficients(optimizer: str, inside: torch.Tensor, gamma, retention, lr, mom, live) -> tuple[torch.Tensor, ...]:
     """:func:`~.titans_chunk.chunk_memory`'s coefficients for every chunk at once (chunk first: window
     ``gamma (n, B, H, C + c - 1)``, gates ``(n, B, H, C)``, ``live (n, B, C)``, the window band
     ``inside (C, C + c - 1)``): ``a, b, c, sa_last, sc_last`` (the momentum's unused for ``gd``).
     One batch of small ops before the chunk loop instead of a few dozen per chunk."""
-    n, B = alpha.shape[:2]
+    n, B = retention.shape[:2]
     flat = lambda x: x.reshape(n * B, *x.shape[2:])  # noqa: E731
-    gamma, alpha, lr, mom, lv = (flat(x) for x in (gamma, alpha, lr, mom, live))
+    gamma, retention, lr, mom, lv = (flat(x) for x in (gamma, retention, lr, mom, live))
     band = inside[None, None] * gamma[:, :, None, :] * lv[:, None, :, None]
-    one, zero = torch.ones_like(alpha), torch.zeros_like(alpha)
+    one, zero = torch.ones_like(retention), torch.zeros_like(retention)
     lvh = lv[:, None, :]
-    gates = dict(band=band, dM=torch.where(lvh, alpha, one), gm=torch.where(lvh, -lr, zero))
+    gates = dict(band=band, dM=torch.where(lvh, retention, one), gm=torch.where(lvh, -lr, zero))
     if optimizer != "gd":
         gates.update(dS=torch.where(lvh, mom, one), gs=torch.where(lvh, one, zero))
     a, b, c, sa, sc = chunk_coefficients(**gates)
     return tuple(x.reshape(n, B, *x.shape[1:]) for x in (a, b, c, sa[..., -1], sc[..., -1, :]))
+
+
+class AtlasChunk(NamedTuple):
+    """The per-chunk inputs of :func:`_atlas_chunk_step`, chunk-first: the chunk's queries
+    ``(n, B, H, C, d_k)``, its window of keys, values and ``gamma`` (``C + c - 1`` tokens), its gates
+    ``(n, B, H, C)``, ``live (n, B, C)`` and ``stops (n, B)``. The read's inputs and (fused) the
+    chunks' :func:`atlas_coefficients` follow these fields."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    gamma: torch.Tensor
+    retention: torch.Tensor
+    lr: torch.Tensor
+    momentum: torch.Tensor
+    live: torch.Tensor
+    stops: torch.Tensor
 
 
 def _atlas_chunk_step(spec: MLPMemorySpec, optimizer: str, ns_steps: int, track_start: bool, n_extra: int,
@@ -288,7 +306,7 @@ def _atlas_chunk_step(spec: MLPMemorySpec, optimizer: str, ns_steps: int, track_
 
     ``carry``: weights, (not ``gd``) momenta and (``track_start``) chunk-start weights, in
     ``spec.shapes`` order. ``x``: the chunk's ``q`` ``(B, H, C, d_k)``, its window ``k, v, gamma``
-    (``C + c - 1`` tokens), ``alpha, lr, momentum`` ``(B, H, C)``, ``live (B, C)``, ``stops (B,)``
+    (``C + c - 1`` tokens), ``retention, lr, momentum`` ``(B, H, C)``, ``live (B, C)``, ``stops (B,)``
     ``n_extra`` read inputs and, ``fused``, the chunk's :func:`atlas_coefficients`. ``consts``: the window band ``(C, C + c - 1)``, the read's
     constants, then (``with_stored``) ``use_stored (B,)`` and the stored chunk-start weights.
     ``fused`` (``gd`` and ``momentum`` without a read of their own): chunks whose gradients are
@@ -298,14 +316,15 @@ def _atlas_chunk_step(spec: MLPMemorySpec, optimizer: str, ns_steps: int, track_
     m = len(names)
     W = dict(zip(names, carry[:m]))
     S = None if optimizer == "gd" else dict(zip(names, carry[m:2 * m]))
-    q, k, v, gamma, alpha, lr, mom, lv, stops = x[:9]
-    extra = x[9:9 + n_extra]
+    fields = len(AtlasChunk._fields)
+    q, k, v, gamma, retention, lr, mom, lv, stops = AtlasChunk(*x[:fields])
+    extra = x[fields:fields + n_extra]
     inside = consts[0]
     n_stored = m + 1 if with_stored else 0
     read_consts = consts[1:len(consts) - n_stored]
     grad_w = resumed_grad_weights(W, consts[len(consts) - n_stored], consts[len(consts) - m:]) if with_stored else W
     if fused and not with_stored:
-        y, W, S = chunk_memory(spec, W, S, q, k, v, *x[9 + n_extra:])
+        y, W, S = chunk_memory(spec, W, S, q, k, v, *x[fields + n_extra:])
         new_carry = tuple(W[n] for n in names) + (() if optimizer == "gd" else tuple(S[n] for n in names))
         if track_start:
             new_carry += next_chunk_start(stops, grad_w, carry[len(carry) - m:])
@@ -313,9 +332,9 @@ def _atlas_chunk_step(spec: MLPMemorySpec, optimizer: str, ns_steps: int, track_
     # The operator's band and gates, which the fused chunks take precomputed for all chunks at once
     # (atlas_coefficients): built here they were seven launches a chunk, in every pass, for nothing.
     band = inside[None, None] * gamma[:, :, None, :] * lv[:, None, :, None]
-    one, zero = torch.ones_like(alpha), torch.zeros_like(alpha)
+    one, zero = torch.ones_like(retention), torch.zeros_like(retention)
     lvh = lv[:, None, :]
-    dM = torch.where(lvh, alpha, one)
+    dM = torch.where(lvh, retention, one)
     gm = torch.where(lvh, -lr, zero)
     factors = grad_factors(spec, grad_w, k, v)
     if optimizer == "gd":
@@ -338,7 +357,7 @@ def _atlas_chunk_step(spec: MLPMemorySpec, optimizer: str, ns_steps: int, track_
 
 def chunk_atlas(
     spec: MLPMemorySpec,
-    q, k, v, alpha, lr, momentum, gamma,
+    q, k, v, retention, lr, momentum, gamma,
     state: AtlasState,
     *,
     optimizer: str = "muon",
@@ -378,10 +397,10 @@ def chunk_atlas(
     span = max(span, C)
     pre = c - 1
     total = pre + span
-    momentum = torch.zeros_like(alpha) if momentum is None else momentum
+    momentum = torch.zeros_like(retention) if momentum is None else momentum
     # new tokens at [pre + shift, pre + shift + len), the state's window right before them
     bufs, live = {}, None
-    for name, x in (("q", q), ("k", k), ("v", v), ("alpha", alpha), ("lr", lr), ("mom", momentum),
+    for name, x in (("q", q), ("k", k), ("v", v), ("retention", retention), ("lr", lr), ("mom", momentum),
                     ("gamma", gamma)):
         buf, live, slot = align_rows(x.to(dtype), shift + pre, lengths, total)
         bufs[name] = buf
@@ -420,14 +439,16 @@ def chunk_atlas(
         w = x.unfold(2, C + pre, C)  # (B, H, n, ..., C + pre)
         return w.movedim(-1, 3).movedim(2, 0)
 
-    xs = [own(bufs["q"]), windowed(bufs["k"]), windowed(bufs["v"]), windowed(bufs["gamma"]), own(bufs["alpha"]),
-          own(bufs["lr"]), own(bufs["mom"]), live[:, pre:].reshape(B, n_chunks, C).movedim(1, 0), stops]
-    xs += [own(x) for x in extra]
+    chunks = AtlasChunk(q=own(bufs["q"]), k=windowed(bufs["k"]), v=windowed(bufs["v"]), gamma=windowed(bufs["gamma"]),
+                        retention=own(bufs["retention"]), lr=own(bufs["lr"]), momentum=own(bufs["mom"]),
+                        live=live[:, pre:].reshape(B, n_chunks, C).movedim(1, 0), stops=stops)
+    xs = [*chunks, *(own(x) for x in extra)]
     pos = torch.arange(C + pre, device=device)
     t_pos, i_pos = pos[pre:], pos
     inside = (i_pos[None, :] <= t_pos[:, None]) & (t_pos[:, None] <= i_pos[None, :] + c - 1)  # (C, C + c - 1)
     if fused:
-        xs += atlas_coefficients(optimizer, inside, *xs[3:8])
+        xs += atlas_coefficients(optimizer, inside, chunks.gamma, chunks.retention, chunks.lr, chunks.momentum,
+                                 chunks.live)
     read_consts = tuple(read_consts)
     # A read of cached memories brings a new closure and a cache one memory larger on every segment:
     # each call would be a new graph capture, so such chunks run uncaptured.
@@ -480,7 +501,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     ``r x r`` matrices from one Gram product, and the long side is touched twice (the Gram
     matrix and ``M X_0``), not three times an iteration: Muon runs this per token and
     weight matrix, where those passes were most of its time. The backward is written out
-    (:class:`_NewtonSchulz`): autograd over the same products took four times the forward.
+    (:class:`_NewtonSchulz`): autograd over the same products was far slower (benchmarks/RESULTS.md).
     On CUDA, matrices whose short side is at most 64 run one Triton program each, forward
     and backward (:mod:`.atlas_triton`), unless the products are exact float32.
     """

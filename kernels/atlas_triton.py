@@ -15,8 +15,8 @@ the long side only in passes over column blocks:
   (``A_k``, ``P_k`` recomputed from ``M_k``), one pass for ``dS``. The scalar ``<dX_0, X_0>`` comes from
   ``r x r`` quantities (``<dN X_0^T, M> + <dG + dG^T, G>``), so ``dS`` is written in that one pass.
   Re-running the iteration here instead, in a per-program cache, made the backward 83 dependent
-  ``r x r x r`` products per matrix against 58 now, and it took 2.0 ms against 1.07 ms (H100, bf16,
-  8,192 momenta of 64 x 256; RESULTS.md): the programs are latency-bound, so products saved are time saved.
+  ``r x r x r`` products per matrix against 58 now, and it was slower (benchmarks/RESULTS.md): the
+  programs are latency-bound, so products saved are time saved.
 
 The iterates are polynomials in ``G`` (symmetric in exact arithmetic), but the kernels transpose
 them where the PyTorch path does: ``A = M G M^T`` is the Gram matrix of the iterate actually held,
@@ -39,8 +39,8 @@ some thirty kernels per weight: a decode step is a string of small launches.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from .backend import tl, triton
 
 
 __all__ = [
@@ -54,9 +54,8 @@ __all__ = [
 
 MAX_ROWS = 64
 _BL = 64  # columns per block of the passes over the long side
-# Swept on an H100 (RESULTS.md), bf16, 8,192 momenta of 64 x 256: four warps both ways, forward 0.50 ms with the
-# iterates kept (eight: 0.98) and forward+backward 1.57 ms (backward on eight: 3.05); blocks of 128 columns:
-# 1.61 ms.
+# Four warps both ways and blocks of 64 columns: faster than eight warps (forward or backward) or blocks of
+# 128 columns (benchmarks/RESULTS.md).
 _FORWARD_WARPS, _BACKWARD_WARPS = 4, 4
 
 
@@ -69,8 +68,7 @@ def supported(S: torch.Tensor) -> bool:
 
 def faster(dtype: torch.dtype) -> bool:
     """Whether the kernels beat the PyTorch path for ``dtype`` now: not with exact float32 products, where
-    Triton's float32 dots are slower than cuBLAS (H100: 15.1 / 390 ms forward / both for 8,192 momenta of
-    64 x 256, against 5.8 / 20.0 ms)."""
+    Triton's float32 dots are slower than cuBLAS, by far in the backward (benchmarks/RESULTS.md)."""
     return products(dtype) != "ieee" or dtype != torch.float32
 
 
@@ -281,13 +279,13 @@ def _muon_step_kernel(W, S, C, GRAD, GATES, FLAGS, W_OUT, S_OUT, C_OUT, s_r, s_l
                       STEPS: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, DT: tl.constexpr,
                       PRECISION: tl.constexpr):
     """One decode step of Muon on one ``(row, head)`` matrix (contiguous ``(G, rows, cols)`` tensors read
-    through the wide view's strides ``s_r, s_l``): ``S' = m S + g``, ``W' = alpha W - lr NS(S')`` on live
-    rows, ``C' = W`` on live rows that start an inner chunk. ``GATES (G, 3)``: ``alpha, lr, m``;
+    through the wide view's strides ``s_r, s_l``): ``S' = m S + g``, ``W' = retention W - lr NS(S')`` on live
+    rows, ``C' = W`` on live rows that start an inner chunk. ``GATES (G, 3)``: ``retention, lr, m``;
     ``FLAGS (G, 2)``: live, at start."""
     i = tl.program_id(0).to(tl.int64)
     base = i * r * L
     rr = tl.arange(0, R)
-    alpha, lr, mom = tl.load(GATES + 3 * i), tl.load(GATES + 3 * i + 1), tl.load(GATES + 3 * i + 2)
+    retention, lr, mom = tl.load(GATES + 3 * i), tl.load(GATES + 3 * i + 1), tl.load(GATES + 3 * i + 2)
     live = tl.load(FLAGS + 2 * i) != 0
     starts = live & (tl.load(FLAGS + 2 * i + 1) != 0)
     gram = tl.zeros((R, R), tl.float32)
@@ -311,13 +309,13 @@ def _muon_step_kernel(W, S, C, GRAD, GATES, FLAGS, W_OUT, S_OUT, C_OUT, s_r, s_l
         x = mom * s_old + tl.load(GRAD + base + offs, mask=mask, other=0.0)
         w = tl.load(W + base + offs, mask=mask, other=0.0)
         tl.store(S_OUT + base + offs, tl.where(live, x, s_old), mask=mask)
-        tl.store(W_OUT + base + offs, tl.where(live, alpha * w - lr * _mm(M, x, DT, PRECISION), w), mask=mask)
+        tl.store(W_OUT + base + offs, tl.where(live, retention * w - lr * _mm(M, x, DT, PRECISION), w), mask=mask)
         tl.store(C_OUT + base + offs, tl.where(starts, w, tl.load(C + base + offs, mask=mask, other=0.0)),
                  mask=mask)
 
 
 def muon_step_triton(weights: dict[str, torch.Tensor], momenta: dict[str, torch.Tensor],
-                     chunk_start: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], alpha: torch.Tensor,
+                     chunk_start: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], retention: torch.Tensor,
                      lr: torch.Tensor, momentum: torch.Tensor, live: torch.Tensor, at_start: torch.Tensor,
                      steps: int, coefficients: tuple[float, float, float], eps: float = 1e-7
                      ) -> tuple[dict, dict, dict]:
@@ -325,8 +323,8 @@ def muon_step_triton(weights: dict[str, torch.Tensor], momenta: dict[str, torch.
     weight: new weights, momenta and chunk-start weights from the old ones and the window gradients
     (dicts of ``(B, H, rows, cols)`` float32), gates ``(B, H)`` and row flags ``(B,)``. A momentum's
     Newton-Schulz runs on its wide view (tall matrices through their transposed strides)."""
-    B, H = alpha.shape
-    gates = torch.stack([alpha, lr, momentum], -1).to(torch.float32).reshape(B * H, 3)
+    B, H = retention.shape
+    gates = torch.stack([retention, lr, momentum], -1).to(torch.float32).reshape(B * H, 3)
     flags = torch.stack([live, at_start], -1)[:, None].expand(B, H, 2).reshape(B * H, 2).to(torch.int8)
     out: tuple[dict, dict, dict] = ({}, {}, {})
     for name in weights:

@@ -2,7 +2,8 @@
 
 The default is Triton on CUDA tensors when Triton imports, the PyTorch path
 otherwise. ``MNEMO_BACKEND=torch|triton`` or the :func:`use_backend` context
-manager override it. This module imports only the standard library and torch
+manager override it. :func:`comparison_paths` is for tests and benchmarks only: it runs the deep
+memories' chunks through the slower paths kept to check the shipped kernels against. This module imports only the standard library, torch and, where installed, Triton
 (``kernels/`` must stay a leaf package, see ARCHITECTURE.md).
 """
 
@@ -11,10 +12,37 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import torch
 
+
+class _TritonAbsent:
+    """Stands in for ``triton`` and ``triton.language`` where Triton is not installed: a module of
+    Triton kernels still imports (``@triton.jit`` leaves its function as it is, any other name is this
+    object again), and nothing launches them, since :func:`resolve_backend` picks the PyTorch path."""
+
+    def __getattr__(self, name: str) -> "_TritonAbsent":
+        return self
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return self
+
+
+# The one place that imports Triton: every module of kernels takes ``triton`` and ``tl`` from here, so a
+# machine without it (and transformers' import check of an exported folder) never meets a bare import.
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = _TritonAbsent()
+_TRITON_INSTALLED = not isinstance(triton, _TritonAbsent)
+
 BACKENDS = ("torch", "triton")
+CHUNK_FORWARDS = ("triton", "torch")
+CHUNK_BACKWARDS = ("fused", "torch", "autograd")
 
 _override: list[str] = []
 
@@ -36,11 +64,8 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether Triton is installed (its kernels run only where :func:`resolve_backend` also says so)."""
+    return _TRITON_INSTALLED
 
 
 def requested_backend() -> str | None:
@@ -70,3 +95,40 @@ def resolve_backend(tensor: torch.Tensor, has_triton_impl: bool) -> str:
     if has_triton_impl and tensor.is_cuda and triton_available():
         return "triton"
     return "torch"
+
+
+@dataclass(frozen=True)
+class ComparisonPaths:
+    """Which path a deep memory's chunk takes where the shipped one has a slower twin kept to compare:
+    ``chunk_forward`` ``"triton"`` (the hidden-layer slices) or ``"torch"`` (cuBLAS products);
+    ``chunk_backward`` ``"fused"`` (the hand-written backward, in Triton where the forward ran there),
+    ``"torch"`` (the same backward written in PyTorch) or ``"autograd"`` (autograd over the chunk)."""
+
+    chunk_forward: str = "triton"
+    chunk_backward: str = "fused"
+
+    def __post_init__(self) -> None:
+        if self.chunk_forward not in CHUNK_FORWARDS:
+            raise ValueError(f"chunk_forward must be one of {CHUNK_FORWARDS}, got {self.chunk_forward!r}")
+        if self.chunk_backward not in CHUNK_BACKWARDS:
+            raise ValueError(f"chunk_backward must be one of {CHUNK_BACKWARDS}, got {self.chunk_backward!r}")
+
+
+_paths: list[ComparisonPaths] = [ComparisonPaths()]
+
+
+def current_paths() -> ComparisonPaths:
+    """The chunk paths in force (the shipped ones unless :func:`comparison_paths` says otherwise)."""
+    return _paths[-1]
+
+
+@contextlib.contextmanager
+def comparison_paths(*, chunk_forward: str | None = None, chunk_backward: str | None = None) -> Iterator[None]:
+    """For tests and benchmarks: run the enclosed deep-memory chunks through the paths named (see
+    :class:`ComparisonPaths`); the values agree with the shipped paths up to the order of sums."""
+    asked = {k: v for k, v in dict(chunk_forward=chunk_forward, chunk_backward=chunk_backward).items() if v is not None}
+    _paths.append(replace(_paths[-1], **asked))
+    try:
+        yield
+    finally:
+        _paths.pop()

@@ -34,39 +34,40 @@ per set of input shapes (:class:`GraphedStep`): with gradients a whole backward
 unit is one captured step, its forward and its re-run with the backward, so a unit
 costs one replay each way and the weight-sized carry is copied in and out once per
 unit; without gradients (prefill) a unit of 8 chunks (or of the snapshot spacing) is one
-replay, and the chunks after the last whole unit one replay each. ``MNEMO_CHUNK_GRAPHS=0``
-turns this off.
+replay, and the chunks after the last whole unit one replay each.
+``loop_options(graphs=False)`` turns this off.
 
 Where the steps are not captured (CPU, or graphs off), recomputing costs the host
-two more passes over every small op, which made the CPU demo's deep memories 1.4-1.6x
-slower; there the loop runs under plain autograd by default, as it stood.
-``MNEMO_CHUNK_RECOMPUTE=1`` (or ``recompute=True``) asks for the recompute anyway,
-for its memory; ``=0`` for plain autograd everywhere.
+two more passes over every small op, where the host launching them is the bottleneck;
+there the loop runs under plain autograd by default.
+``loop_options(recompute=True)`` (or ``recompute=True``) asks for the recompute anyway,
+for its memory; ``recompute=False`` for plain autograd everywhere.
 
-``MNEMO_CHUNK_CHECKPOINT_EVERY=r`` sets the spacing where the caller leaves it to the
+``loop_options(checkpoint_every=r)`` sets the spacing where the caller leaves it to the
 default: longer stretches hold more of a stretch's intermediates at once and fewer
-carries, and copy the carry in and out of fewer captured units. On an H100 (RESULTS.md,
-2026-11-26) twice the default spacing made training layers up to 7% faster (Atlas with
-momentum at T=8192; Titans 4 x 256 3%) for 2-21% more peak memory.
+carries, and copy the carry in and out of fewer captured units, so they trade memory for
+speed (``benchmarks/RESULTS.md`` has the measured trade).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
 
-from .backend import requested_backend
+from .backend import current_paths, requested_backend
 
 __all__ = [
     "GraphedStep",
     "graphed_step",
     "recompute_in_backward",
+    "LoopOptions",
+    "loop_options",
     "release_graphs",
     "run_chunks",
     "tf32_products",
@@ -90,14 +91,42 @@ def _stretch(n: int, checkpoint_every: int | None) -> int:
     return next((d for d in range(r, max(2, r // 2) - 1, -1) if n % d == 0), r)
 
 
+@dataclass(frozen=True)
+class LoopOptions:
+    """The chunk loops' settings where their callers leave them open: ``graphs=False`` runs the steps
+    uncaptured, ``recompute`` forces the backward's recompute on or off, ``checkpoint_every`` is the
+    carry's spacing in chunks (``None``: about the square root of their number)."""
+
+    graphs: bool = True
+    recompute: bool | None = None
+    checkpoint_every: int | None = None
+
+    def __post_init__(self) -> None:
+        every = self.checkpoint_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"checkpoint_every must be a whole number of chunks >= 1, got {every!r}")
+
+
+_options: list[LoopOptions] = [LoopOptions()]
+
+
+@contextlib.contextmanager
+def loop_options(*, graphs: bool | None = None, recompute: bool | None = None,
+                 checkpoint_every: int | None = None) -> Iterator[None]:
+    """Set the enclosed chunk loops' :class:`LoopOptions` (the arguments left ``None`` keep theirs),
+    e.g. ``with loop_options(checkpoint_every=8): trainer.train()``. An argument a caller of
+    :func:`run_chunks` passes itself wins over these."""
+    asked = dict(graphs=graphs, recompute=recompute, checkpoint_every=checkpoint_every)
+    _options.append(replace(_options[-1], **{k: v for k, v in asked.items() if v is not None}))
+    try:
+        yield
+    finally:
+        _options.pop()
+
+
 def _asked_spacing() -> int | None:
-    """``MNEMO_CHUNK_CHECKPOINT_EVERY``: the spacing of loops whose caller leaves it to the default."""
-    asked = os.environ.get("MNEMO_CHUNK_CHECKPOINT_EVERY", "").strip()
-    if not asked:
-        return None
-    if not asked.isdigit() or int(asked) < 1:
-        raise ValueError(f"MNEMO_CHUNK_CHECKPOINT_EVERY must be a whole number of chunks >= 1, got {asked!r}")
-    return int(asked)
+    """The spacing of loops whose caller leaves it to the default (:func:`loop_options`)."""
+    return _options[-1].checkpoint_every
 
 
 def _stack(per_chunk: list[Tensors]) -> Tensors:
@@ -291,16 +320,12 @@ def _step_key(step: Step):
     return parts
 
 
-# The switches a step's kernels are chosen by when it is captured (see kernels/titans_chunk.py).
-_KERNEL_SWITCHES = ("MNEMO_CHUNK_FORWARD", "MNEMO_CHUNK_BACKWARD")
-
-
 def _selection() -> tuple:
     """What, besides its shapes, decides which kernels a captured step replays: autocast, the float32
-    matmul precision, the backend asked for and the chunk kernels' switches. Part of a graph's key, so that
-    changing any of them within a process captures anew instead of replaying the other choice's kernels."""
-    return (_autocast_state(), torch.get_float32_matmul_precision(), requested_backend(),
-            tuple(os.environ.get(name) for name in _KERNEL_SWITCHES))
+    matmul precision, the backend asked for and the chunk paths (:func:`~.backend.comparison_paths`). Part of
+    a graph's key, so that changing any of them within a process captures anew instead of replaying the other
+    choice's kernels."""
+    return (_autocast_state(), torch.get_float32_matmul_precision(), requested_backend(), current_paths())
 
 
 def _signature(tensors: Sequence[torch.Tensor]):
@@ -312,7 +337,7 @@ def _graphs_wanted(tensors: Sequence[torch.Tensor], n: int, graphs: bool | None 
         return graphs and n > 0 and all(t.is_cuda for t in tensors)
     return (
         n > 2
-        and os.environ.get("MNEMO_CHUNK_GRAPHS", "1") != "0"
+        and _options[-1].graphs
         and all(t.is_cuda for t in tensors)
         and not torch.cuda.is_current_stream_capturing()
     )
@@ -606,14 +631,14 @@ def run_chunks(
     """Run ``step`` over the chunks of ``xs`` (chunk index first); returns ``(ys, carry)``.
 
     ``ys`` stacks each chunk's outputs along a new first dimension. With gradients,
-    the carry is kept every ``checkpoint_every`` chunks (default: ``MNEMO_CHUNK_CHECKPOINT_EVERY``
-    where set, else about the square root of their number) and the rest is recomputed in the backward. ``graphs``
+    the carry is kept every ``checkpoint_every`` chunks (default: :func:`loop_options`' where set, else
+    about the square root of their number) and the rest is recomputed in the backward. ``graphs``
     forces CUDA graphs on or off (default: on for CUDA tensors and more than two
-    chunks, unless ``MNEMO_CHUNK_GRAPHS=0``); a caller whose inputs change shape
+    chunks, unless ``loop_options(graphs=False)``); a caller whose inputs change shape
     from call to call turns them off, as each new shape is a new capture.
     ``recompute`` chooses between that recompute and plain autograd over the loop
     (every chunk's graph kept); by default (``None``) it recomputes exactly where the
-    steps are captured in graphs, unless ``MNEMO_CHUNK_RECOMPUTE`` says otherwise.
+    steps are captured in graphs, unless :func:`loop_options` says otherwise.
     ``tf32`` lets the steps' float32 matmuls on CUDA use TF32 tensor cores (the
     caller's choice for bf16/fp16 problems, whose inputs carry fewer bits than TF32).
     ``backward_unit`` is how many chunks the recompute's backward holds under autograd at once:
@@ -636,8 +661,8 @@ def run_chunks(
     tensors = carry + xs + consts
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         if recompute is None:
-            asked = os.environ.get("MNEMO_CHUNK_RECOMPUTE")
-            recompute = asked == "1" if asked in ("0", "1") else _graphs_wanted(tensors, n, graphs)
+            asked = _options[-1].recompute
+            recompute = asked if asked is not None else _graphs_wanted(tensors, n, graphs)
         if recompute:
             out = _ChunkLoop.apply(step, len(carry), len(xs), checkpoint_every, graphs, tf32, backward_unit,
                                    snapshots, *tensors)

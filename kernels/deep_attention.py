@@ -695,8 +695,8 @@ def triton_key_pass_wanted(k: torch.Tensor, chunk: int, reads: torch.dtype, w1: 
     ``use_backend("torch")``; for float32 recursions with reads in float32, bf16 or fp16, chunks a power
     of two from 16 to 128 and widths up to 128, chunk times width at most 8,192. Compiled for an H100
     (Triton 3.6), the backward's shared memory is 196 KB at 64 x 128 or 128 x 64 (float32 reads) and
-    384 KB at 128 x 128, over the 227 KB an SM has. On an H100 the pass took the Hebbian depth-2 layer
-    from 83.6 to 24.5 ms (forward + backward, 16 heads of 64, 16K tokens at T = 8192)."""
+    384 KB at 128 x 128, over the 227 KB an SM has. Where it runs, the pass makes the Hebbian depth-2
+    layer's forward and backward several times faster than the PyTorch key pass (benchmarks/RESULTS.md)."""
     asked = requested_backend()
     if not (asked == "triton" or (asked is None and k.is_cuda and triton_available())):
         return False

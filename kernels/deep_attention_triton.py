@@ -17,8 +17,8 @@ gradients of ``g d``, ``v`` and ``s``.
 Tensors are ``(B, H, rows, width)`` views with unit stride in ``width`` (slices of the pass's
 buffers: the kernels read and write them in place), ``e`` ``(B, H, rows)``. Their strides travel in
 a small device table (:func:`stride_table`), built once per pass: the chunks' views move, their
-strides do not, and with every stride passed as an integer Triton's launcher took 40 us of host
-time per launch (H100 host), more than the kernel.
+strides do not, and with every stride passed as an integer Triton's launcher took longer on the
+host per launch than the kernel took to run.
 
 Sums are float32 and products 3xTF32 (float32's accuracy). Plain TF32, the memories' policy for
 bf16 problems elsewhere, is not enough here: where the clip acts, its gradient removes the
@@ -29,13 +29,13 @@ component of ``du`` along ``g d``, and TF32's error in ``g`` left 7% of the bf16
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from .backend import tl, triton
 
 __all__ = ["chunk_update_backward_triton", "chunk_update_triton", "stride_table"]
 
 _WARPS = 4
-_PRODUCTS = tl.constexpr("tf32x3")  # 36 / 58 us for the update / its backward where exact float32 dots took 287 / 771 us
+_PRODUCTS = tl.constexpr("tf32x3")  # float32's accuracy, far faster than exact float32 dots (benchmarks/RESULTS.md)
 
 
 @triton.jit

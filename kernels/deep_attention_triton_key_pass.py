@@ -42,19 +42,16 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import triton
-import triton.language as tl
-from triton import knobs
 
+from .backend import tl, triton
 from .deep_attention_triton import update_backward_tiles, update_tiles
 
 __all__ = ["key_pass_backward_triton", "key_pass_forward_triton"]
 
 # Warps of the step launches (a chunk's update and a few blocks) and of the bulk ones (many programs of
-# several blocks each). On an H100 (bf16 reads, C = 64, width 64, 16 heads, 16K tokens) 8 warps made the bulk
-# launches 10-18% slower. The steps, with whole chunks in registers, were 16-21% slower with 8 warps too; in
-# blocks of _ROWS rows they spill nothing (forward) or 16 registers (backward) with 8 warps, 12 / 100 with 4,
-# and the depth-2 layer took 11.35 / 23.2 ms with 8 warps, 11.55 / 24.0 ms with 4 (T = 2048 / 8192).
+# several blocks each). 8 warps made the bulk launches slower. The steps, with whole chunks in registers, were
+# slower with 8 warps too; in blocks of _ROWS rows, 8 warps spread a block's tiles over more threads, so they
+# spill less than with 4, and the layer ran faster (benchmarks/RESULTS.md).
 _WARPS = 8
 _BULK_WARPS = 4
 # No software pipelining in the steps: their loops run at most two blocks, and with Triton's default three
@@ -62,18 +59,16 @@ _BULK_WARPS = 4
 # 64 (an H100 has 227 KB; compiled for sm_90 with Triton 3.6), 98 KB with one stage.
 _STAGES = 1
 # Rows at a time in a chunk's write and its backward (the critical path of either pass; a power of two, 16 or
-# more for tl.dot). On the H100 above, with 4 warps, whole 64-row chunks took 255 registers and spilled 208
-# (the write) and 696 (its backward) more; blocks of 32 rows spilled 64 / 436, of 16 rows 12 / 100.
+# more for tl.dot). Whole 64-row chunks, and blocks of 32 rows, spill far more registers in the write and its
+# backward than blocks of 16 (counts in benchmarks/RESULTS.md).
 _ROWS = 16
 # Chunks per group (None: by _group_size). Larger groups mean fewer bulk launches and state round trips,
 # smaller ones less work in the steps, whose grids are the group's chunks times the (batch, head) rows.
 _GROUP = None
-# Step programs a group may give a launch: _group_size aims at this many, from 4 to 16 chunks a group. The
-# depth-2 layer at 16 heads, 16K tokens, 8 warps a step (one program per SM at 255 registers): on an H100,
-# groups of 4 / 8 / 16 took 10.99 / 11.35 / 12.16 ms at T = 2048 (B * H = 128 rows) and 25.04 / 23.2 /
-# 22.49 ms at T = 8192 (32 rows); on an H200, groups of 4 against 8 at T = 2048 took 10.95, 10.32, 11.25
-# against 10.91, 10.56, 10.52 ms (no gain), 16 against 8 at T = 8192 21.78-22.03 against 22.25-22.50 ms.
-# 1024 programs keeps 8 for 128 rows and takes 16 for 64 rows or fewer.
+# Step programs a group may give a launch: _group_size aims at this many, from 4 to 16 chunks a group. A step
+# program of 8 warps fills an SM's registers, so one runs per SM, and few (batch, head) rows leave SMs idle
+# unless groups grow: with 128 rows, groups of 4 gained nothing over 8 and 16 were slower; with 32 rows, 16
+# were the fastest (benchmarks/RESULTS.md). 1024 programs keeps 8 for 128 rows and takes 16 for 64 rows or fewer.
 _STEP_PROGRAMS = 1024
 
 
@@ -385,7 +380,7 @@ class _SideStream:
 
 class _Launcher:
     """Launches for one pass. Triton's launcher binds, specialises and checks every argument on every call,
-    about as long as a step's kernel takes on an H100 (the pass alone ran host-bound); within a pass only
+    about as long as a step's kernel takes, so the pass alone ran host-bound; within a pass only
     the chunk indices change, and those kernels do not specialise on them (``do_not_specialize``). So the
     first launch of a kernel and set of constants goes through Triton, which compiles it, and the pass's
     later ones go straight to that compiled kernel. Not in Triton's interpreter, whose launches are its
@@ -404,8 +399,8 @@ class _Launcher:
         values = (*args, *(constants[name] for name in fn.arg_names[len(args):]))
         stream = torch.cuda.current_stream().cuda_stream
         kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata,
-                   kernel.launch_metadata(grid, stream, *values), knobs.runtime.launch_enter_hook,
-                   knobs.runtime.launch_exit_hook, *values)
+                   kernel.launch_metadata(grid, stream, *values), triton.knobs.runtime.launch_enter_hook,
+                   triton.knobs.runtime.launch_exit_hook, *values)
 
 
 def _precision(reads: torch.dtype) -> str:

@@ -16,13 +16,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from .backend import resolve_backend
+from .backend import resolve_backend, tl, triton, triton_available
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # machines without Triton use the PyTorch path
-    triton = None
 
 __all__ = ["gated_rms_norm"]
 
@@ -35,44 +30,42 @@ def _torch_path(x, gate, weight, eps: float) -> torch.Tensor:
     return (normed * F.silu(gate.float())).to(x.dtype)
 
 
-if triton is not None:
+@triton.jit
+def _tile(X, G, W, rows, cols, N, D):
+    mask = (rows[:, None] < N) & (cols[None, :] < D)
+    offsets = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + offsets, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
+    return offsets, mask, x, g, w
 
-    @triton.jit
-    def _tile(X, G, W, rows, cols, N, D):
-        mask = (rows[:, None] < N) & (cols[None, :] < D)
-        offsets = rows.to(tl.int64)[:, None] * D + cols[None, :]
-        x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(G + offsets, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
-        return offsets, mask, x, g, w
+@triton.jit
+def _forward_kernel(X, G, W, Y, N, D, eps, BR: tl.constexpr, BD: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BD)
+    offsets, mask, x, g, w = _tile(X, G, W, rows, cols, N, D)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    y = x * r[:, None] * w[None, :] * (g * tl.sigmoid(g))
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def _forward_kernel(X, G, W, Y, N, D, eps, BR: tl.constexpr, BD: tl.constexpr):
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        cols = tl.arange(0, BD)
-        offsets, mask, x, g, w = _tile(X, G, W, rows, cols, N, D)
-        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
-        y = x * r[:, None] * w[None, :] * (g * tl.sigmoid(g))
-        tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _backward_kernel(X, G, W, DY, DX, DG, DW_PART, N, D, eps, BR: tl.constexpr, BD: tl.constexpr):
-        """With ``n = x r`` and ``s = silu(g)``: ``dg = dy n w s'``, ``dn = dy w s``,
-        ``dx = r (dn - n mean(dn n))`` and this block's ``sum(dy n s)`` over rows for ``dweight``."""
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        cols = tl.arange(0, BD)
-        offsets, mask, x, g, w = _tile(X, G, W, rows, cols, N, D)
-        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
-        n = x * r[:, None]
-        sig = tl.sigmoid(g)
-        s = g * sig
-        tl.store(DG + offsets, (dy * n * w[None, :] * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty),
-                 mask=mask)
-        dn = dy * w[None, :] * s
-        dx = r[:, None] * (dn - n * (tl.sum(dn * n, axis=1) / D)[:, None])
-        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
-        tl.store(DW_PART + tl.program_id(0).to(tl.int64) * D + cols, tl.sum(dy * n * s, axis=0), mask=cols < D)
+@triton.jit
+def _backward_kernel(X, G, W, DY, DX, DG, DW_PART, N, D, eps, BR: tl.constexpr, BD: tl.constexpr):
+    """With ``n = x r`` and ``s = silu(g)``: ``dg = dy n w s'``, ``dn = dy w s``,
+    ``dx = r (dn - n mean(dn n))`` and this block's ``sum(dy n s)`` over rows for ``dweight``."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BD)
+    offsets, mask, x, g, w = _tile(X, G, W, rows, cols, N, D)
+    dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    n = x * r[:, None]
+    sig = tl.sigmoid(g)
+    s = g * sig
+    tl.store(DG + offsets, (dy * n * w[None, :] * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty),
+             mask=mask)
+    dn = dy * w[None, :] * s
+    dx = r[:, None] * (dn - n * (tl.sum(dn * n, axis=1) / D)[:, None])
+    tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PART + tl.program_id(0).to(tl.int64) * D + cols, tl.sum(dy * n * s, axis=0), mask=cols < D)
 
 
 def _launch(N: int, D: int) -> tuple[tuple[int], int]:
@@ -109,7 +102,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if gate.shape != x.shape or weight.shape != x.shape[-1:]:
         raise ValueError(f"gated_rms_norm: x {tuple(x.shape)}, gate {tuple(gate.shape)} and weight "
                          f"{tuple(weight.shape)} do not match (gate like x, weight like x's last dimension)")
-    covered = triton is not None and x.dtype != torch.float64 and x.shape[-1] <= 4096
+    covered = triton_available() and x.dtype != torch.float64 and x.shape[-1] <= 4096
     if resolve_backend(x, has_triton_impl=covered) == "triton" and x.numel() > 0:
         return _GatedRMSNorm.apply(x, gate, weight, eps)
     return _torch_path(x, gate, weight, eps)

@@ -168,7 +168,7 @@ def _read_consts(cached: CachedMemories) -> tuple[torch.Tensor, ...]:
 
 def reference_mc_atlas(
     spec: MLPMemorySpec,
-    q, k, v, alpha, lr, momentum, gamma,
+    q, k, v, retention, lr, momentum, gamma,
     state: AtlasState,
     *,
     segment_size: int,
@@ -192,7 +192,7 @@ def reference_mc_atlas(
             memories.append(state.weights)
             summaries.append(torch.stack(segment_keys).mean(0))
             segment_keys = []
-        o, state = step_atlas(spec, q[:, t], k[:, t], v[:, t], alpha[:, t], lr[:, t],
+        o, state = step_atlas(spec, q[:, t], k[:, t], v[:, t], retention[:, t], lr[:, t],
                               None if momentum is None else momentum[:, t], gamma[:, t], state, **options)
         segment_keys.append(l2_normalize(k[:, t].to(o.dtype)))
         qt = q[:, t][:, :, None].to(o.dtype)  # (1, H, 1, d_k)
@@ -222,7 +222,7 @@ def _front(x: torch.Tensor | None, start: torch.Tensor, width: int) -> torch.Ten
 
 def chunk_mc_atlas(
     spec: MLPMemorySpec,
-    q, k, v, alpha, lr, momentum, gamma,
+    q, k, v, retention, lr, momentum, gamma,
     state: AtlasState,
     cached: CachedMemories,
     *,
@@ -258,7 +258,7 @@ def chunk_mc_atlas(
         count = stop - start
         width = int(count.max())
         if width:
-            piece = [_front(x, start, width) for x in (q, k, v, alpha, lr, momentum, gamma)]
+            piece = [_front(x, start, width) for x in (q, k, v, retention, lr, momentum, gamma)]
             live = torch.arange(width, device=q.device)[None] < count[:, None]
             if gated:
                 # Running summary of the online segment: its keys so far, each token's own included.

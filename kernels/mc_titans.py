@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -57,6 +58,7 @@ from .mlp_memory import MLPMemorySpec, grad_factors, memory_apply, static_apply
 from .normalized_features import normalized_features
 from .norms import l2_normalize
 from .titans import (
+    TitansChunk,
     TitansState,
     _titans_step,
     align_rows,
@@ -66,10 +68,31 @@ from .titans import (
     step_titans,
     titans_chunk_operator,
     titans_coefficients,
+    titans_update,
 )
 from .titans_chunk import wanted as fused_chunks
 
 __all__ = ["MCState", "chunk_mc_titans", "reference_mc_titans", "step_mc_titans"]
+
+
+_PER_TOKEN = ("q", "k", "v", "u", "retention", "momentum", "lr")
+
+
+class MCChunk(NamedTuple):
+    """The per-chunk inputs of :func:`_mc_chunk_step`, chunk-first ``(n, B, H, C, ...)``: the online
+    memory's (as :class:`~.titans.TitansChunk`), the gate projection ``u``, and ``use_stored (n, B)``,
+    the resumed rows whose first token is inside the chunk."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    u: torch.Tensor
+    retention: torch.Tensor
+    momentum: torch.Tensor
+    lr: torch.Tensor
+    live: torch.Tensor
+    stops: torch.Tensor
+    use_stored: torch.Tensor
 
 
 # --------------------------------------------------------------------------- reference
@@ -78,7 +101,7 @@ __all__ = ["MCState", "chunk_mc_titans", "reference_mc_titans", "step_mc_titans"
 def reference_mc_titans(
     spec: MLPMemorySpec,
     options: MCOptions,
-    q, k, v, u, alpha, eta, theta,
+    q, k, v, u, retention, momentum, lr,
     init: dict[str, torch.Tensor],
     *,
     lengths: torch.Tensor | None = None,
@@ -118,8 +141,7 @@ def reference_mc_titans(
                 online_start = seg_start
             factors = grad_factors(spec, W0, kt[:, None], v[b, t].to(dtype)[:, None])
             for n, (A, Bf) in factors.items():
-                M[n] = eta[b, t, :, None, None] * M[n] - theta[b, t, :, None, None] * (A[:, 0, :, None] * Bf[:, 0, None, :])
-                W[n] = alpha[b, t, :, None, None] * W[n] + M[n]
+                W[n], M[n] = titans_update(W[n], M[n], A[:, 0], Bf[:, 0], retention[b, t], momentum[b, t], lr[b, t])
             # read: the online memory and every cached one
             memories = [s[1] for s in snapshots] + [W]
             summaries = [torch.stack(keys[s:e]).mean(0) for s, e in cached_segments]
@@ -175,9 +197,9 @@ class MCState:
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> "MCState":
         return cls(
-            memory=TitansState.from_tensors({k[7:]: v for k, v in t.items() if k.startswith("memory.")}),
+            memory=TitansState.from_tensors(t, prefix="memory."),
             seen=t["seen"], key_sum=t["key_sum"], key_count=t["key_count"],
-            cached={k[7:]: v for k, v in t.items() if k.startswith("cached.")},
+            cached={name.removeprefix("cached."): x for name, x in t.items() if name.startswith("cached.")},
             cached_key_sum=t["cached_key_sum"], cached_key_count=t["cached_key_count"], num_cached=t["num_cached"],
         )
 
@@ -296,7 +318,7 @@ def _reset_memory(state: TitansState, init: dict[str, torch.Tensor], rows: torch
 def step_mc_titans(
     spec: MLPMemorySpec,
     options: MCOptions,
-    q, k, v, u, alpha, eta, theta,
+    q, k, v, u, retention, momentum, lr,
     init: dict[str, torch.Tensor],
     state: MCState,
     *,
@@ -322,7 +344,7 @@ def step_mc_titans(
                           torch.where(seg_start, torch.zeros_like(mem.position), mem.position))
     # Normalised once here, for the memory's step and the segment's key sum and cache read alike.
     qn, kn = normalized_features(q, dtype=dtype), normalized_features(k, dtype=dtype)
-    y_online, mem = step_titans(spec, qn, kn, v, alpha, eta, theta, mem, chunk_size=options.chunk_size, live=live,
+    y_online, mem = step_titans(spec, qn, kn, v, retention, momentum, lr, mem, chunk_size=options.chunk_size, live=live,
                                 use_qk_l2norm=False)
     state.memory = mem
     state.key_sum = state.key_sum + kn * live[:, None, None]
@@ -380,13 +402,13 @@ def _mc_chunk_step(spec: MLPMemorySpec, options: MCOptions, track_start: bool, w
     m = len(names)
     W, M = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
     key_sum, key_count = carry[-2], carry[-1]
-    q, k, v, u, alpha, eta, theta, lv, stops, use_stored = x[:10]
+    q, k, v, u, retention, momentum, lr, lv, stops, use_stored = MCChunk(*x)
     run_sum = key_sum[:, :, None] + (k * lv[:, None, :, None]).cumsum(2)
     run_count = key_count[:, None] + lv.to(k.dtype).cumsum(1)
     cached_valid, cached_summary = consts[0], consts[1]
     cached = dict(zip(names, consts[2:2 + m]))
     grad_w = resumed_grad_weights(W, use_stored, consts[2 + m:]) if with_stored else W
-    online = titans_chunk_operator(spec, W, M, grad_w, k, v, alpha, eta, theta, lv)
+    online = titans_chunk_operator(spec, W, M, grad_w, k, v, retention, momentum, lr, lv)
     W_new, M_new = online.final()
     summary = run_sum / run_count.clamp(min=1)[:, None, :, None]
     y = mc_read(spec, options.aggregation, options.ssc_topk, q, u, online, summary, cached, cached_summary,
@@ -593,7 +615,7 @@ class _CachedReads(torch.autograd.Function):
         from .mc_titans_triton import ONE_MEMORY, cached_reads_backward  # noqa: PLC0415
 
         operands, precision = fused
-        # Cast again rather than kept from the forward: 0.25 ms at T=8192 against a bf16 copy of every cached
+        # Cast again rather than kept from the forward: the cast is cheap beside a bf16 copy of every cached
         # memory held from the forward to the backward.
         w_op = [w.to(operands) for w in weights]
         dense = _dense_reads(batches)
@@ -719,10 +741,10 @@ def _segments_in_one_loop(spec: MLPMemorySpec, options: MCOptions, bufs: dict, l
     batches = _read_batches(spec, g_memories.detach(), starts, options.aggregation == "ssc", H)
     slots = state.slots_after(closes)
 
-    xs = [_segment_chunks(bufs[name], C) for name in ("q", "k", "v", "alpha", "eta", "theta")]
-    live_chunks = live.reshape(B, n, C).movedim(1, 0)
-    xs += [live_chunks, torch.zeros(n, B, dtype=torch.bool, device=live.device)]
-    xs += titans_coefficients(*xs[3:6], live_chunks)
+    chunks = TitansChunk(**{name: _segment_chunks(bufs[name], C) for name in _PER_TOKEN if name != "u"},
+                         live=live.reshape(B, n, C).movedim(1, 0),
+                         stops=torch.zeros(n, B, dtype=torch.bool, device=live.device))
+    xs = [*chunks, *titans_coefficients(chunks.retention, chunks.momentum, chunks.lr, chunks.live)]
     step = partial(_titans_step, spec, False, True)
     ys, carry, ends = run_chunks(step, (*(W[n_] for n_ in names), *(M[n_] for n_ in names)), xs, (),
                                  checkpoint_every=seg // C, tf32=tf32, snapshots=True)
@@ -744,7 +766,7 @@ def _segments_in_one_loop(spec: MLPMemorySpec, options: MCOptions, bufs: dict, l
 def chunk_mc_titans(
     spec: MLPMemorySpec,
     options: MCOptions,
-    q, k, v, u, alpha, eta, theta,
+    q, k, v, u, retention, momentum, lr,
     init: dict[str, torch.Tensor],
     state: MCState,
     *,
@@ -757,8 +779,8 @@ def chunk_mc_titans(
     if options.logarithmic or T == 1:
         outs = []
         for t in range(T):
-            o, state = step_mc_titans(spec, options, q[:, t], k[:, t], v[:, t], u[:, t], alpha[:, t], eta[:, t],
-                                      theta[:, t], init, state, live=t < lengths)
+            o, state = step_mc_titans(spec, options, q[:, t], k[:, t], v[:, t], u[:, t], retention[:, t], momentum[:, t],
+                                      lr[:, t], init, state, live=t < lengths)
             outs.append(o)
         return torch.stack(outs, 1) * (torch.arange(T, device=q.device)[None] < lengths[:, None])[..., None, None], state
 
@@ -771,7 +793,7 @@ def chunk_mc_titans(
     seg = S_seg or max(C, -(-span // C) * C)
     total = max(seg, -(-span // seg) * seg)
     bufs = {}
-    for name, x in (("q", q), ("k", k), ("v", v), ("u", u), ("alpha", alpha), ("eta", eta), ("theta", theta)):
+    for name, x in (("q", q), ("k", k), ("v", v), ("u", u), ("retention", retention), ("momentum", momentum), ("lr", lr)):
         buf, live, slot = align_rows(x.to(dtype), shift, lengths, total)
         bufs[name] = buf.transpose(1, 2)
     mem = state.memory
@@ -815,21 +837,22 @@ def chunk_mc_titans(
                 continue
             width = min(C, c1 - c0)
             lo = torch.arange(c0, c1, width, device=q.device)[:, None]  # (n, 1)
-            xs = [_segment_chunks(bufs[name][:, :, c0:c1], width)
-                  for name in ("q", "k", "v", "u", "alpha", "eta", "theta")]
-            xs.append(live[:, c0:c1].reshape(B, -1, width).movedim(1, 0))
-            xs.append((end[None] > lo) & (end[None] < lo + width))  # stops
             # Shifts stay inside the first segment: only its chunks can hold a resumed row's first token.
-            use_stored = resumed[None] & (shift[None] >= lo) & (shift[None] < lo + width)
+            chunks = MCChunk(**{name: _segment_chunks(bufs[name][:, :, c0:c1], width) for name in _PER_TOKEN},
+                             live=live[:, c0:c1].reshape(B, -1, width).movedim(1, 0),
+                             stops=(end[None] > lo) & (end[None] < lo + width),
+                             use_stored=resumed[None] & (shift[None] >= lo) & (shift[None] < lo + width))
             with_stored = any_resumed and s0 == 0
-            xs.append(use_stored)
+            xs = list(chunks)
             outside = fused and not with_stored  # the cache is read after the loop
             start_carry = tuple(chunk_start) if track_start else ()
             if outside:
                 # The online memory alone; the running key sums feed only the cache's gates, read after
                 # the loop, so the stretch's keys are added once below instead of a cumulative sum (and
                 # its backward) per chunk inside the loop.
-                xs = xs[:3] + xs[4:9] + list(titans_coefficients(*xs[4:8]))
+                online_only = TitansChunk(chunks.q, chunks.k, chunks.v, chunks.retention, chunks.momentum, chunks.lr,
+                                          chunks.live, chunks.stops)
+                xs = [*online_only, *titans_coefficients(chunks.retention, chunks.momentum, chunks.lr, chunks.live)]
                 carry = (*(W[n] for n in names), *(M[n] for n in names), *start_carry)
                 ys, carry = run_chunks(partial(_titans_step, spec, track_start, True), carry, xs, (),
                                        tf32=tf32_wanted(v))

@@ -38,16 +38,15 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
+from .backend import tl, triton
 from .titans_triton_forward import _gelu, _gelu_slope
 
 __all__ = ["ONE_MEMORY", "DenseReads", "cached_reads_backward", "cached_reads_forward", "operands", "supported"]
 
-# (queries, hidden, warps, stages) per kernel for 16-bit operands, swept on an H200 (RESULTS.md, 4 heads x 256,
-# MLP x4, T = 8192): the forward took 6.1 ms with (64, 64, 8, 2), 4.1 with these; the query side 8.9 and 6.6,
-# the weight side 10.3 and 9.3. Twice the hidden block or half the queries were slower in each.
+# (queries, hidden, warps, stages) per kernel for 16-bit operands: the fastest of those tried for each kernel,
+# ahead of (64, 64, 8, 2) in all three; twice the hidden block or half the queries were slower in each
+# (benchmarks/RESULTS.md).
 FORWARD_BLOCKS = (64, 32, 4, 2)
 QUERY_BLOCKS = (128, 32, 8, 3)
 WEIGHT_BLOCKS = (64, 32, 4, 2)
@@ -57,7 +56,7 @@ FLOAT32_BLOCKS = (32, 32, 4, 1)
 
 
 # Operands of bf16/fp16 problems: "bf16" (rounded, as attention's flash kernels read a bf16 model) or "tf32"
-# (float32 tiles, the chunk kernels' policy), kept for comparison: 4-7x slower per kernel on an H200 (RESULTS.md).
+# (float32 tiles, the chunk kernels' policy), kept for comparison: much slower per kernel (benchmarks/RESULTS.md).
 LOW_PRECISION = "bf16"
 
 

@@ -9,9 +9,9 @@ The PyTorch path is :func:`~.norms.l2_normalize` then :func:`~.feature_maps.appl
 which stay the readable form and the test's reference. On CUDA one Triton kernel computes ``y``
 and one its backward (``dx`` and per-block partial sums of ``da``, added in PyTorch: no
 atomics), where the PyTorch path runs about ten element-wise kernels forward and twenty backward
-over the layer's queries and keys in float32 (1.7 ms of an H100 for one of them at 16K tokens,
-16 heads of 64). ``poly_tensor``, which widens the features, float64, widths over 4096 and a
-polynomial without coefficients stay on the PyTorch path, also under ``use_backend("triton")``.
+over the layer's queries and keys in float32, each a round trip through memory. ``poly_tensor``,
+which widens the features, float64, widths over 4096 and a polynomial without coefficients stay on
+the PyTorch path, also under ``use_backend("triton")``.
 The backward is not itself differentiable (no second derivatives).
 """
 
@@ -20,15 +20,10 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .backend import resolve_backend
+from .backend import resolve_backend, tl, triton, triton_available
 from .feature_maps import apply_feature_map
 from .norms import L2_EPS, l2_normalize
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # machines without Triton use the PyTorch path
-    triton = None
 
 __all__ = ["normalized_features"]
 
@@ -41,53 +36,51 @@ def _torch_path(x: torch.Tensor, feature_map: str, coefficients: torch.Tensor | 
     return apply_feature_map(feature_map, l2_normalize(x.to(dtype)), a)
 
 
-if triton is not None:
+@triton.jit
+def _tile(X, rows, cols, N, D, eps):
+    """The rows' tile of ``x`` in float32, its offsets and mask, ``1 / sqrt(|x|^2 + eps)`` and ``u``."""
+    mask = (rows[:, None] < N) & (cols[None, :] < D)
+    offsets = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + eps)
+    return offsets, mask, r, x * r[:, None]
 
-    @triton.jit
-    def _tile(X, rows, cols, N, D, eps):
-        """The rows' tile of ``x`` in float32, its offsets and mask, ``1 / sqrt(|x|^2 + eps)`` and ``u``."""
-        mask = (rows[:, None] < N) & (cols[None, :] < D)
-        offsets = rows.to(tl.int64)[:, None] * D + cols[None, :]
-        x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + eps)
-        return offsets, mask, r, x * r[:, None]
+@triton.jit
+def _forward_kernel(X, A, Y, N, D, eps, DEG: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """``y = sum_i a_i u^i`` (``u`` for ``DEG = 0``), the powers summed in the reference's order."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    offsets, mask, r, u = _tile(X, rows, tl.arange(0, BD), N, D, eps)
+    if DEG == 0:
+        y = u
+    else:
+        power = u
+        y = tl.load(A) * u
+        for i in tl.static_range(1, DEG):
+            power = power * u
+            y += tl.load(A + i) * power
+    tl.store(Y + offsets, y, mask=mask)
 
-    @triton.jit
-    def _forward_kernel(X, A, Y, N, D, eps, DEG: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-        """``y = sum_i a_i u^i`` (``u`` for ``DEG = 0``), the powers summed in the reference's order."""
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        offsets, mask, r, u = _tile(X, rows, tl.arange(0, BD), N, D, eps)
-        if DEG == 0:
-            y = u
-        else:
-            power = u
-            y = tl.load(A) * u
-            for i in tl.static_range(1, DEG):
-                power = power * u
-                y += tl.load(A + i) * power
-        tl.store(Y + offsets, y, mask=mask)
-
-    @triton.jit
-    def _backward_kernel(X, A, DY, DX, DA_PART, N, D, eps, DEG: tl.constexpr, BR: tl.constexpr,
-                         BD: tl.constexpr):
-        """``du = dy phi'(u)``, ``dx = r (du - u <du, u>)`` and this block's ``sum(dy u^i)`` for ``da_i``."""
-        pid = tl.program_id(0)
-        rows = pid * BR + tl.arange(0, BR)
-        offsets, mask, r, u = _tile(X, rows, tl.arange(0, BD), N, D, eps)
-        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
-        if DEG == 0:
-            du = dy
-        else:
-            slope = tl.zeros_like(u) + tl.load(A)  # phi'(u) = sum_i i a_i u^(i-1)
-            power = u
-            tl.store(DA_PART + pid.to(tl.int64) * DEG, tl.sum(tl.sum(dy * power, axis=1), axis=0))
-            for i in tl.static_range(1, DEG):
-                slope += (i + 1) * tl.load(A + i) * power
-                power = power * u
-                tl.store(DA_PART + pid.to(tl.int64) * DEG + i, tl.sum(tl.sum(dy * power, axis=1), axis=0))
-            du = dy * slope
-        dx = r[:, None] * (du - u * tl.sum(du * u, axis=1)[:, None])
-        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+@triton.jit
+def _backward_kernel(X, A, DY, DX, DA_PART, N, D, eps, DEG: tl.constexpr, BR: tl.constexpr,
+                     BD: tl.constexpr):
+    """``du = dy phi'(u)``, ``dx = r (du - u <du, u>)`` and this block's ``sum(dy u^i)`` for ``da_i``."""
+    pid = tl.program_id(0)
+    rows = pid * BR + tl.arange(0, BR)
+    offsets, mask, r, u = _tile(X, rows, tl.arange(0, BD), N, D, eps)
+    dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+    if DEG == 0:
+        du = dy
+    else:
+        slope = tl.zeros_like(u) + tl.load(A)  # phi'(u) = sum_i i a_i u^(i-1)
+        power = u
+        tl.store(DA_PART + pid.to(tl.int64) * DEG, tl.sum(tl.sum(dy * power, axis=1), axis=0))
+        for i in tl.static_range(1, DEG):
+            slope += (i + 1) * tl.load(A + i) * power
+            power = power * u
+            tl.store(DA_PART + pid.to(tl.int64) * DEG + i, tl.sum(tl.sum(dy * power, axis=1), axis=0))
+        du = dy * slope
+    dx = r[:, None] * (du - u * tl.sum(du * u, axis=1)[:, None])
+    tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 def _launch(N: int, D: int) -> tuple[tuple[int], int]:
@@ -138,7 +131,7 @@ def normalized_features(x: torch.Tensor, feature_map: str = "identity", coeffici
     if feature_map == "poly_elementwise" and (coefficients is None or coefficients.dim() != 1):
         raise ValueError("normalized_features: poly_elementwise takes its coefficients a_1..a_p as a 1-d tensor, "
                          f"got {None if coefficients is None else tuple(coefficients.shape)}")
-    covered = (triton is not None and feature_map in _FUSED_MAPS and dtype == torch.float32
+    covered = (triton_available() and feature_map in _FUSED_MAPS and dtype == torch.float32
                and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.shape[-1] <= 4096
                and (feature_map == "identity" or coefficients.numel() > 0))
     # Uncovered cases take the PyTorch path even when Triton is asked for: the memory kernels around this

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 from functools import partial
 
 import torch
@@ -103,9 +104,9 @@ def step_titans(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    alpha: torch.Tensor,
-    eta: torch.Tensor,
-    theta: torch.Tensor,
+    retention: torch.Tensor,
+    momentum: torch.Tensor,
+    lr: torch.Tensor,
     state: TitansState,
     *,
     chunk_size: int = 64,
@@ -114,10 +115,10 @@ def step_titans(
 ) -> tuple[torch.Tensor, TitansState]:
     """One token per row: ``q, k, v`` ``(B, H, D)``, gates ``(B, H)``, ``live`` ``(B,)`` bool (default all)."""
     with tf32_products(tf32_wanted(v)):
-        return _step_titans(spec, q, k, v, alpha, eta, theta, state, chunk_size, live, use_qk_l2norm)
+        return _step_titans(spec, q, k, v, retention, momentum, lr, state, chunk_size, live, use_qk_l2norm)
 
 
-def _step_titans(spec, q, k, v, alpha, eta, theta, state, chunk_size, live, use_qk_l2norm):
+def _step_titans(spec, q, k, v, retention, momentum, lr, state, chunk_size, live, use_qk_l2norm):
     dtype = torch.promote_types(v.dtype, torch.float32)
     q, k = _prepare(q, k, use_qk_l2norm, dtype)
     v = v.to(dtype)
@@ -126,7 +127,7 @@ def _step_titans(spec, q, k, v, alpha, eta, theta, state, chunk_size, live, use_
     first = state.position == 0
     start = {n: torch.where(first[:, None, None, None], state.weights[n], state.chunk_start[n]) for n in state.weights}
     factors = grad_factors(spec, start, k[:, :, None], v[:, :, None])
-    a, e, th = (x.to(dtype) for x in (alpha, eta, theta))
+    a, e, th = (x.to(dtype) for x in (retention, momentum, lr))
     memory = [*state.weights.values(), *state.momentum.values(), *state.chunk_start.values()]
     # The one-pass kernel has no backward: steps under autograd (logarithmic segments in training) keep torch.
     kernel = all(t.dtype == torch.float32 for t in memory) and not (
@@ -135,13 +136,13 @@ def _step_titans(spec, q, k, v, alpha, eta, theta, state, chunk_size, live, use_
         from .titans_triton_update import step_update as update
     else:
         update = step_update
-    weights, momentum, chunk_start = {}, {}, {}
+    weights, momenta, chunk_start = {}, {}, {}
     for n, (A, Bf) in factors.items():
-        weights[n], momentum[n], chunk_start[n] = update(
+        weights[n], momenta[n], chunk_start[n] = update(
             state.weights[n], state.momentum[n], state.chunk_start[n], A[:, :, 0], Bf[:, :, 0], a, e, th, live, first)
     y = memory_apply(spec, static_apply(weights), q[:, :, None])[:, :, 0]
     position = torch.where(live, (state.position + 1) % chunk_size, state.position)
-    return y.to(v.dtype), TitansState(weights, momentum, chunk_start, position)
+    return y.to(v.dtype), TitansState(weights, momenta, chunk_start, position)
 
 
 def step_update(W: torch.Tensor, S: torch.Tensor, C: torch.Tensor, A: torch.Tensor, Bf: torch.Tensor,
@@ -152,9 +153,18 @@ def step_update(W: torch.Tensor, S: torch.Tensor, C: torch.Tensor, A: torch.Tens
     rows ``S' = e S - th A B^T`` and ``W' = a W + S'``; rows ``at_start`` of an inner chunk store ``W``
     as its start. (:mod:`.titans_triton_update` does the same in one pass.)"""
     on = live[:, None, None, None]
-    new_s = e[..., None, None] * S - th[..., None, None] * (A[..., :, None] * Bf[..., None, :])
-    return (torch.where(on, a[..., None, None] * W + new_s, W), torch.where(on, new_s, S),
-            torch.where(on & at_start[:, None, None, None], W, C))
+    new_w, new_s = titans_update(W, S, A, Bf, a, e, th)
+    return torch.where(on, new_w, W), torch.where(on, new_s, S), torch.where(on & at_start[:, None, None, None], W, C)
+
+
+def titans_update(W: torch.Tensor, S: torch.Tensor, A: torch.Tensor, Bf: torch.Tensor, retention: torch.Tensor,
+                  momentum: torch.Tensor, lr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's write of one weight matrix, Titans' rule: ``S' = momentum S - lr A B^T`` and
+    ``W' = retention W + S'`` for weights and momenta ``(..., M, N)``, the token's rank-1 gradient
+    ``A (..., M)``, ``Bf (..., N)`` and gates ``(...)``. The one definition the reference, the step
+    and Memory Caching's reference use."""
+    new_s = momentum[..., None, None] * S - lr[..., None, None] * (A[..., :, None] * Bf[..., None, :])
+    return retention[..., None, None] * W + new_s, new_s
 
 
 def reference_titans(
@@ -162,9 +172,9 @@ def reference_titans(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    alpha: torch.Tensor,
-    eta: torch.Tensor,
-    theta: torch.Tensor,
+    retention: torch.Tensor,
+    momentum: torch.Tensor,
+    lr: torch.Tensor,
     init: dict[str, torch.Tensor],
     *,
     chunk_size: int = 64,
@@ -187,8 +197,8 @@ def reference_titans(
                 qt, kt = l2_normalize(qt), l2_normalize(kt)
             factors = grad_factors(spec, W0, kt[:, None], v[b, t].to(dtype)[:, None])
             for name, (A, Bf) in factors.items():
-                S[name] = eta[b, t, :, None, None] * S[name] - theta[b, t, :, None, None] * (A[:, 0, :, None] * Bf[:, 0, None, :])
-                W[name] = alpha[b, t, :, None, None] * W[name] + S[name]
+                W[name], S[name] = titans_update(W[name], S[name], A[:, 0], Bf[:, 0], retention[b, t], momentum[b, t],
+                                                 lr[b, t])
             o[b, t] = memory_apply(spec, static_apply(W), qt[:, None])[:, 0]
     return o.to(v.dtype)
 
@@ -257,7 +267,7 @@ class ChunkOperator:
         for n, (A, Bf) in self.factors.items():
             # The rank-C sums ride in the matmul's epilogue (baddbmm), so the weight-sized tensors are
             # read and written as few times as the gated sums allow (no measurable change at the
-            # benchmark shape, where the gates' element-wise work elsewhere dominates: RESULTS).
+            # benchmark shape, where the gates' element-wise work elsewhere dominates: benchmarks/RESULTS.md).
             base = self.a[..., -1, None, None] * self.W0[n]
             if self.S0 is not None:
                 base = torch.addcmul(base, self.b[..., -1, None, None], self.S0[n])
@@ -285,31 +295,31 @@ def _add_rank_update(base: torch.Tensor | None, A: torch.Tensor, Bf: torch.Tenso
     return out.view(*lead, *out.shape[-2:])
 
 
-def titans_gates(alpha, eta, theta, live) -> dict[str, torch.Tensor]:
+def titans_gates(retention, momentum, lr, live) -> dict[str, torch.Tensor]:
     """Titans' chunk gates in :func:`chunk_coefficients`' terms (gates ``(B, H, C)``, ``live (B, C)``):
     a slot that is not live neither decays nor writes."""
     lv = live[:, None, :]
-    one, zero = torch.ones_like(alpha), torch.zeros_like(alpha)
-    return dict(band=torch.diag_embed(torch.where(lv, one, zero)), dM=torch.where(lv, alpha, one),
-                gm=torch.where(lv, one, zero), dS=torch.where(lv, eta, one), gs=torch.where(lv, -theta, zero))
+    one, zero = torch.ones_like(retention), torch.zeros_like(retention)
+    return dict(band=torch.diag_embed(torch.where(lv, one, zero)), dM=torch.where(lv, retention, one),
+                gm=torch.where(lv, one, zero), dS=torch.where(lv, momentum, one), gs=torch.where(lv, -lr, zero))
 
 
-def titans_coefficients(alpha, eta, theta, live) -> tuple[torch.Tensor, ...]:
+def titans_coefficients(retention, momentum, lr, live) -> tuple[torch.Tensor, ...]:
     """The coefficients :func:`~.titans_chunk.chunk_memory` takes, for many chunks at once: gates
     ``(n, B, H, C)`` and ``live (n, B, C)`` (chunk first) give ``a, b (n, B, H, C)``,
     ``c (n, B, H, C, C)``, ``sa_last (n, B, H)`` and ``sc_last (n, B, H, C)``.
 
     Computed before the chunk loop, as one batch of small ops rather than a few dozen per chunk,
     and fed to the loop as per-chunk inputs (their gradients flow back through these ops)."""
-    n, B = alpha.shape[:2]
+    n, B = retention.shape[:2]
     flat = lambda x: x.reshape(n * B, *x.shape[2:])  # noqa: E731
-    a, b, c, sa, sc = chunk_coefficients(**titans_gates(flat(alpha), flat(eta), flat(theta), flat(live)))
+    a, b, c, sa, sc = chunk_coefficients(**titans_gates(flat(retention), flat(momentum), flat(lr), flat(live)))
     return tuple(x.reshape(n, B, *x.shape[1:]) for x in (a, b, c, sa[..., -1], sc[..., -1, :]))
 
 
-def titans_chunk_operator(spec, W0, S0, grad_weights, k, v, alpha, eta, theta, live) -> ChunkOperator:
+def titans_chunk_operator(spec, W0, S0, grad_weights, k, v, retention, momentum, lr, live) -> ChunkOperator:
     """One inner chunk (``(B, H, C, .)`` inputs, gates ``(B, H, C)``, ``live (B, C)``): its operator."""
-    return ChunkOperator(W0, S0, grad_factors(spec, grad_weights, k, v), **titans_gates(alpha, eta, theta, live))
+    return ChunkOperator(W0, S0, grad_factors(spec, grad_weights, k, v), **titans_gates(retention, momentum, lr, live))
 
 
 def align_rows(x: torch.Tensor, shift: torch.Tensor, lengths: torch.Tensor, total: int):
@@ -342,11 +352,26 @@ def next_chunk_start(stops: torch.Tensor, grad_w: dict[str, torch.Tensor],
     return tuple(torch.where(here, grad_w[n], c) for n, c in zip(grad_w, chunk_start))
 
 
+class TitansChunk(NamedTuple):
+    """The per-chunk inputs of :func:`_titans_step`, each chunk-first ``(n, B, H, C, ...)``
+    (``live (n, B, C)``, ``stops (n, B)``); :func:`~.chunk_loop.run_chunks` slices them chunk by
+    chunk. The fused path appends the chunks' :func:`titans_coefficients` after these fields."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    retention: torch.Tensor
+    momentum: torch.Tensor
+    lr: torch.Tensor
+    live: torch.Tensor
+    stops: torch.Tensor
+
+
 def _titans_step(spec: MLPMemorySpec, track_start: bool, fused: bool, carry, x, consts):
     """One inner chunk as a :func:`~.chunk_loop.run_chunks` step.
 
     ``carry`` is the weights, momenta and (``track_start``) chunk-start weights in
-    ``spec.shapes`` order; ``x`` the chunk's ``q, k, v, alpha, eta, theta`` ``(B, H, C, .)``,
+    ``spec.shapes`` order; ``x`` the chunk's ``q, k, v, retention, momentum, lr`` ``(B, H, C, .)``,
     ``live (B, C)``, ``stops (B,)`` (rows whose last token falls inside the chunk) and, ``fused``,
     the chunk's :func:`titans_coefficients`; ``consts`` is empty or ``(use_stored (B,), *stored_chunk_start)`` for the chunk where
     resumed rows take their gradients at the stored chunk-start weights. ``fused``: the chunks
@@ -357,13 +382,13 @@ def _titans_step(spec: MLPMemorySpec, track_start: bool, fused: bool, carry, x, 
     names = list(spec.shapes)
     m = len(names)
     W, S = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))
-    q, k, v, alpha, eta, theta, live, stops = x[:8]
+    q, k, v, retention, momentum, lr, live, stops = TitansChunk(*x[:len(TitansChunk._fields)])
     if fused and not consts:
-        y, W_new, S_new = chunk_memory(spec, W, S, q, k, v, *x[8:])
+        y, W_new, S_new = chunk_memory(spec, W, S, q, k, v, *x[len(TitansChunk._fields):])
         grad_w = W
     else:
         grad_w = resumed_grad_weights(W, consts[0], consts[1:]) if consts else W
-        op = titans_chunk_operator(spec, W, S, grad_w, k, v, alpha, eta, theta, live)
+        op = titans_chunk_operator(spec, W, S, grad_w, k, v, retention, momentum, lr, live)
         y = memory_apply(spec, op, q)
         W_new, S_new = op.final()
     new_carry = tuple(W_new[n] for n in names) + tuple(S_new[n] for n in names)
@@ -410,9 +435,9 @@ def chunk_titans(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    alpha: torch.Tensor,
-    eta: torch.Tensor,
-    theta: torch.Tensor,
+    retention: torch.Tensor,
+    momentum: torch.Tensor,
+    lr: torch.Tensor,
     state: TitansState,
     *,
     chunk_size: int = 64,
@@ -439,18 +464,19 @@ def chunk_titans(
     total = -(-int(end.max()) // C) * C if B else 0
     total = max(total, C)
     n = total // C
-    xs = []
-    for x in (q, k, v.to(dtype), alpha, eta, theta):
+    per_token = {}
+    for name, x in (("q", q), ("k", k), ("v", v), ("retention", retention), ("momentum", momentum), ("lr", lr)):
         buf, live, slot = align_rows(x.to(dtype), shift, lengths, total)
         # (n, B, H, C, ...), contiguous here so that the aligned buffer is freed (run_chunks would copy it)
-        xs.append(chunks_first(buf.transpose(1, 2), C).contiguous())
+        per_token[name] = chunks_first(buf.transpose(1, 2), C).contiguous()
     live_chunks = live.reshape(B, n, C).movedim(1, 0)
     starts = torch.arange(n, device=q.device)[:, None] * C
     stops = (end[None] > starts) & (end[None] < starts + C)  # (n, B): rows whose last token is inside
-    xs += [live_chunks, stops]
+    chunks = TitansChunk(**per_token, live=live_chunks, stops=stops)
+    xs = list(chunks)
     fused = fused_chunks(spec)
     if fused:
-        xs += titans_coefficients(*xs[3:6], live_chunks)
+        xs += titans_coefficients(chunks.retention, chunks.momentum, chunks.lr, chunks.live)
     names = list(spec.shapes)
     # Only rows that stop inside a chunk change their chunk-start weights; with none (whole chunks,
     # the training case) the carry leaves them out.

@@ -32,14 +32,13 @@ Omega window for Atlas); coefficients ``a, b (B, H, C)``, ``c (B, H, C, K)``,
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 from torch.nn import functional as F
 
 from .activations import gelu_derivative
-from .backend import resolve_backend
+from .backend import ComparisonPaths, current_paths, resolve_backend
 from .norms import clip_rank_one
 
 if TYPE_CHECKING:
@@ -55,9 +54,9 @@ def supported(spec: MLPMemorySpec) -> bool:
 
 def wanted(spec: MLPMemorySpec) -> bool:
     """Whether the chunk loops run this memory through :func:`chunk_memory`: wherever it is
-    :func:`supported`, unless ``MNEMO_CHUNK_BACKWARD=autograd`` asks for autograd over
+    :func:`supported`, unless :func:`~.backend.comparison_paths` asks for autograd over
     :class:`~.titans.ChunkOperator` (the same values; kept to compare the two)."""
-    return supported(spec) and os.environ.get("MNEMO_CHUNK_BACKWARD", "fused") != "autograd"
+    return supported(spec) and current_paths().chunk_backward != "autograd"
 
 
 def chunk_memory(spec: MLPMemorySpec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] | None,
@@ -228,9 +227,9 @@ def _inputs_of_reads(spec, q, hidden):
 
 def _sliced_forward_wanted(spec, q, k) -> bool:
     """Whether the chunk's forward runs as the hidden-layer slices of :mod:`.titans_triton_forward`:
-    on the Triton backend, for the memories and chunk sizes it covers (``MNEMO_CHUNK_FORWARD=torch``
-    keeps the cuBLAS forward, to compare the two)."""
-    if os.environ.get("MNEMO_CHUNK_FORWARD", "triton") == "torch" or q.dtype != torch.float32:
+    on the Triton backend, for the memories and chunk sizes it covers (``comparison_paths(chunk_forward=
+    "torch")`` keeps the cuBLAS forward, to compare the two)."""
+    if current_paths().chunk_forward == "torch" or q.dtype != torch.float32:
         return False
     # The backend first: the kernels' module imports Triton, which a plain install does not bring.
     if resolve_backend(q, has_triton_impl=True) != "triton":
@@ -254,12 +253,12 @@ def _split_heads(x: torch.Tensor | None, lead: torch.Size) -> torch.Tensor | Non
     return None if x is None else x.view(*lead, *x.shape[1:])
 
 
-def _sliced_backward_wanted(k: torch.Tensor, momentum: bool) -> bool:
+def _sliced_backward_wanted(k: torch.Tensor, momentum: bool, paths: ComparisonPaths) -> bool:
     """Whether a chunk whose forward ran sliced also runs its backward sliced: where its launches fit
-    (:func:`~.titans_triton_backward.covers`), unless ``MNEMO_CHUNK_BACKWARD=torch`` takes the
-    written-out PyTorch backward instead (to compare the two). Elsewhere the PyTorch backward takes the
-    sliced forward's intermediates."""
-    if os.environ.get("MNEMO_CHUNK_BACKWARD", "fused") == "torch":
+    (:func:`~.titans_triton_backward.covers`), unless ``comparison_paths(chunk_backward="torch")`` takes
+    the written-out PyTorch backward instead (to compare the two). Elsewhere the PyTorch backward takes
+    the sliced forward's intermediates."""
+    if paths.chunk_backward == "torch":
         return False
     from .titans_triton_backward import covers
 
@@ -288,7 +287,8 @@ class _ChunkMemory(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, momentum, m, *tensors):
         names, W, S, q, k, v, a, b, c, sa_last, sc_last = _unpack(spec, momentum, m, tensors)
-        ctx.spec, ctx.momentum, ctx.m = spec, momentum, m
+        # The backward takes the path chosen with the forward, wherever it runs.
+        ctx.spec, ctx.momentum, ctx.m, ctx.paths = spec, momentum, m, current_paths()
         ctx.save_for_backward(*tensors)
         if _sliced_forward_wanted(spec, q, k):
             from .titans_triton_forward import chunk_forward
@@ -345,7 +345,7 @@ class _ChunkMemory(torch.autograd.Function):
     def _backward(ctx, d_y, *d_new):
         spec, momentum, m = ctx.spec, ctx.momentum, ctx.m
         names, W, S, q, k, v, a, b, c, sa_last, sc_last = _unpack(spec, momentum, m, ctx.saved_tensors)
-        if ctx.parts is not None and _sliced_backward_wanted(k, momentum):
+        if ctx.parts is not None and _sliced_backward_wanted(k, momentum, ctx.paths):
             return _ChunkMemory._sliced_backward(ctx, names, W, S, q, k, a, b, c, sa_last, sc_last, d_y, d_new)
         if ctx.parts is not None:
             factors, inner, saved = _from_parts(spec, ctx.parts, ctx.lead, k)

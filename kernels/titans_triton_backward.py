@@ -45,9 +45,8 @@ Scope and shapes as in :mod:`.titans_triton_forward`, where the launches fit (:f
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from .backend import tl, triton
 from .titans_triton_forward import (
     BLOCKS,
     ForwardParts,
@@ -108,8 +107,8 @@ def _sum_shares(PART, g, NS, n, ri, ci, si, mi, mj, BI: tl.constexpr, BJ: tl.con
 @triton.jit
 def _sum_shares_unrolled(PART, g, NS: tl.constexpr, n, ri, ci, si, mi, mj, BI: tl.constexpr, BJ: tl.constexpr):
     """:func:`_sum_shares` with the loop unrolled, so that the loads overlap (a rolled loop waits on each
-    in turn). On an H100 at T=8192 the gates kernel went from 35.7 to 12.0 us per chunk with it, but the
-    width kernel, which sums three tensors beside its products, from 17.7 to 24.2 us (RESULTS.md)."""
+    in turn). It made the gates kernel faster but the width kernel, which sums three tensors beside its
+    products, slower (benchmarks/RESULTS.md)."""
     acc = tl.zeros((BI, BJ), tl.float32)
     for j in tl.static_range(NS):
         acc += _ld(PART + (g * NS + j) * n, ri, ci, si, 1, mi, mj)

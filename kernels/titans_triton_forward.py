@@ -35,13 +35,10 @@ layer and the read's products) are outputs, in :class:`ForwardParts`.
 No product takes a transposed product's result: operands needed transposed are
 loaded transposed from memory (see TRITON_NOTES.md on Triton 3.4-3.7.0 on Hopper).
 
-On an H200 at the benchmark shape (4 heads x 256, MLP x4, chunk 64, 16K tokens, TF32) the
-chunked forward without gradients (a prompt's prefill) takes 17.2 / 19.9 ms at T=2048 / 8192
-against 22.2-24.0 / 40.3-57.2 ms through cuBLAS (RESULTS.md; the chunk loop's per-chunk replays
-before units of chunks). The read and the update were one
-launch of ``(slices, batch * heads)`` programs until then: at T=8192 (batch 2, 8 rows of ``G``) that
-is 128 programs of four warps streaming every weight, one per SM, at 76 us per chunk; apart, over
-width blocks too, they take 24 + 33 us.
+The chunked forward without gradients (a prompt's prefill) is faster through these kernels than
+through cuBLAS (benchmarks/RESULTS.md). The read and the update are separate launches, each over
+width blocks too: as one launch of ``(slices, batch * heads)`` programs, a small ``G`` gives few
+programs, each streaming every weight, and that was slower (benchmarks/RESULTS.md).
 
 Scope (:func:`covers`): depth 2 without gate or linear skip, objectives ``l2`` and
 ``dot``, any clip, with or without momentum, float32. Shapes as in
@@ -54,9 +51,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
+from .backend import tl, triton
 from .titans_triton_update import _precision
 
 __all__ = ["ForwardParts", "covers", "chunk_forward"]
@@ -66,23 +62,19 @@ __all__ = ["ForwardParts", "covers", "chunk_forward"]
 # pipeline stages; the backward's (titans_chunk_backward_triton) rows or token columns per program of its
 # gates and width kernels, its slice programs' warps, and the written tokens per program of its chain and
 # prediction kernels. Module-level so that tests can shrink them.
-# Swept on an H100 and an H200 (RESULTS.md): slices of 32 were 1.2-1.5x slower in the forward; the update
-# over width blocks of 64 (32 and 128 slower), the read over blocks of 128 (64 and the whole width of
-# 256 slower at T=8192); 8 warps for the read or the update 4-5% slower. The backward's slice programs:
-# four warps and one pipeline stage, 64 KB of shared memory where two stages took 208 KB, so that two
-# programs share an SM (its registers allow two of four warps): 8% / 5% faster at T=2048 / 8192 than
-# eight warps and two stages, which were 2% faster than four warps and two stages. The chain and
-# prediction kernels over blocks of 16 written tokens: Atlas' window (79 tokens) had been padded to one
-# block of 128, whose tiles spilled; Atlas layers 4-9% faster than with one block, Titans 1-4% (H200).
-# Slice programs over more than 64 written tokens (blocks of 128) without momentum, OmegaNet's window,
-# take 8 warps: OmegaNet 10% / 4% faster at T=2048 / 8192 than with 4 (H200); with momentum 8 warps
-# were 2% slower at T=2048 and 4% faster at 8192, so those stay at 4 (both measured before the blocks of
-# written tokens below). Written tokens: one block up to 64 of them, past that blocks of 16 in the kernels
-# that had taken them in one block but the output (the error, gates and chain kernels have row blocks of
-# their own). Atlas at 16 heads x 64, window 16 (K = 79), on an H100,
-# at T=2048 / 8192: with momentum 60.4-67.5 / 71.2-73.9 -> 46.8-48.2 / 57.5-59.2 ms, OmegaNet 45.7-47.3 /
-# 52.5-55.8 -> 42.5-42.9 / 50.8-51.1 ms; blocks of 32: 59.5 / 60.6 ms, of 64: 54.6 / 64.9 ms with momentum.
-# Titans (K = 64) keeps its one block: blocks of 16 or 32 were 2-15% slower at 4 heads x 256.
+# Each choice below was the fastest of those tried (benchmarks/RESULTS.md): slices of 64 rather than 32 in
+# the forward; the update over width blocks of 64 (rather than 32 or 128), the read over blocks of 128
+# (rather than 64 or the whole width); four warps for the read and the update. The backward's slice
+# programs: four warps and one pipeline stage, 64 KB of shared memory where two stages take 208 KB, so that
+# two programs share an SM (its registers allow two of four warps); faster than eight warps or four with two
+# stages. The chain and prediction kernels over blocks of 16 written tokens: in one block Atlas' window (79
+# tokens) is padded to 128, whose tiles do not stay in registers. Slice programs over more than 64 written
+# tokens (blocks of 128) without momentum, OmegaNet's window, take 8 warps, which were faster there; with
+# momentum 8 warps were no clear gain, so those stay at 4 (both chosen before the blocks of written tokens
+# below). Written tokens: one block up to 64 of them, past that blocks of 16 in the kernels that had taken
+# them in one block but the output (the error, gates and chain kernels have row blocks of their own): for
+# Atlas' window (K = 79) blocks of 16 beat one block and blocks of 32 or 64, with momentum or without.
+# Titans (K = 64) keeps its one block, which beat blocks of 16 or 32.
 BLOCKS = {"slice": 64, "width": 64, "read_width": 128, "update_width": 64, "output_width": 64, "rows": 16,
           "error_rows": 4, "warps": 4, "read_warps": 4, "update_warps": 4, "stages": 2,
           "share_unroll": 4, "backward_rows": 16, "backward_warps": 4, "backward_stages": 1, "chain_rows": 16,
@@ -388,8 +380,8 @@ def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, 
                    HAS_S: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, U: tl.constexpr,
                    PRECISION: tl.constexpr):
     """Program ``(r, w, g)``: rows block ``r`` of the chunk's queries, block ``w`` of the value width, all
-    the written tokens in one block (in blocks of 16 the shares of ``p`` cost Atlas' window 10.4 against
-    6.9 us per chunk, H100)."""
+    the written tokens in one block (blocks of 16 made the shares of ``p`` slower for Atlas' window,
+    benchmarks/RESULTS.md)."""
     g = tl.program_id(2).to(tl.int64)
     w = tl.program_id(1)
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -400,8 +392,8 @@ def _output_kernel(Q, ERR, GA, GB, GC, SCALE, PART_HW, PART_HS, PART_P, HW, HS, 
     hw = tl.zeros((BR, BD), tl.float32)
     hs = tl.zeros((BR, BD), tl.float32)
     p = tl.zeros((BR, BK), tl.float32)
-    # U shares per step: all NS unrolled took this kernel from 26.5 to 213.5 us per chunk on an H100
-    # (registers), a rolled loop waits on each share's loads in turn (RESULTS.md).
+    # U shares per step: all NS unrolled hold too many registers and made this kernel far slower, a rolled
+    # loop waits on each share's loads in turn (benchmarks/RESULTS.md).
     for j0 in range(0, NS, U):
         for u in tl.static_range(U):
             j = j0 + u

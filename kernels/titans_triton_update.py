@@ -21,9 +21,8 @@ matmul precision allows it (the memories' policy for bf16/fp16 problems, see
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from .backend import tl, triton
 
 
 __all__ = [
@@ -35,8 +34,8 @@ __all__ = [
 ]
 
 
-# Swept on an H100 (RESULTS.md): 32 x 128 tiles, two stages, four warps: 80 / 105 us for the update / its
-# backward at 32 x (256 x 1024) against 150 / 213 us for 64 x 64 tiles with the default three stages.
+# 32 x 128 tiles, two stages, four warps: the fastest tiling of those tried for the update and its backward,
+# ahead of 64 x 64 tiles with the default three stages (benchmarks/RESULTS.md).
 _BM, _BN, _BK, _WARPS, _STAGES = 32, 128, 64, 4, 2
 
 

@@ -20,13 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .backend import resolve_backend
+from .backend import resolve_backend, tl, triton, triton_available
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # machines without Triton use the PyTorch path
-    triton = None
 
 __all__ = ["slot_sum"]
 
@@ -52,43 +47,41 @@ def _entry_grads_torch(y, weight, token_index, grad):
     return picked * weight.to(picked.dtype)[:, None], dweight
 
 
-if triton is not None:
+@triton.jit
+def _slot_sum_kernel(Y, ENTRIES, WEIGHT, OUT, N, P, D, S: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                     BN: tl.constexpr, BD: tl.constexpr):
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    live = rows < N
+    total = tl.zeros([BN, BD], dtype=tl.float32)
+    for s in tl.static_range(S):  # in slot order, as the PyTorch path sums
+        entry = tl.load(ENTRIES + rows.to(tl.int64) * S + s, mask=live, other=P)
+        present = entry < P
+        y = tl.load(Y + entry[:, None] * D + cols[None, :], mask=present[:, None] & (cols[None, :] < D),
+                    other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            y = y * tl.load(WEIGHT + entry, mask=present, other=0.0).to(tl.float32)[:, None]
+        total += y
+    tl.store(OUT + rows.to(tl.int64)[:, None] * D + cols[None, :], total.to(OUT.dtype.element_ty),
+             mask=live[:, None] & (cols[None, :] < D))
 
-    @triton.jit
-    def _slot_sum_kernel(Y, ENTRIES, WEIGHT, OUT, N, P, D, S: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                         BN: tl.constexpr, BD: tl.constexpr):
-        rows = tl.program_id(0) * BN + tl.arange(0, BN)
-        cols = tl.program_id(1) * BD + tl.arange(0, BD)
-        live = rows < N
-        total = tl.zeros([BN, BD], dtype=tl.float32)
-        for s in tl.static_range(S):  # in slot order, as the PyTorch path sums
-            entry = tl.load(ENTRIES + rows.to(tl.int64) * S + s, mask=live, other=P)
-            present = entry < P
-            y = tl.load(Y + entry[:, None] * D + cols[None, :], mask=present[:, None] & (cols[None, :] < D),
-                        other=0.0).to(tl.float32)
-            if HAS_WEIGHT:
-                y = y * tl.load(WEIGHT + entry, mask=present, other=0.0).to(tl.float32)[:, None]
-            total += y
-        tl.store(OUT + rows.to(tl.int64)[:, None] * D + cols[None, :], total.to(OUT.dtype.element_ty),
-                 mask=live[:, None] & (cols[None, :] < D))
-
-    @triton.jit
-    def _entry_grads_kernel(Y, WEIGHT, TOKEN, GRAD, DY, DWEIGHT, P, D, BP: tl.constexpr, BD: tl.constexpr):
-        """``dy[e] = weight[e] * grad[token[e]]`` and ``dweight[e] = y[e] . grad[token[e]]`` for a block of entries."""
-        entries = tl.program_id(0) * BP + tl.arange(0, BP)
-        live = entries < P
-        token = tl.load(TOKEN + entries, mask=live, other=0).to(tl.int64)
-        w = tl.load(WEIGHT + entries, mask=live, other=0.0).to(tl.float32)
-        dot = tl.zeros([BP], dtype=tl.float32)
-        for d0 in range(0, D, BD):
-            cols = d0 + tl.arange(0, BD)
-            m = live[:, None] & (cols[None, :] < D)
-            g = tl.load(GRAD + token[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            y = tl.load(Y + entries.to(tl.int64)[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            tl.store(DY + entries.to(tl.int64)[:, None] * D + cols[None, :], (g * w[:, None]).to(DY.dtype.element_ty),
-                     mask=m)
-            dot += tl.sum(g * y, axis=1)
-        tl.store(DWEIGHT + entries, dot, mask=live)
+@triton.jit
+def _entry_grads_kernel(Y, WEIGHT, TOKEN, GRAD, DY, DWEIGHT, P, D, BP: tl.constexpr, BD: tl.constexpr):
+    """``dy[e] = weight[e] * grad[token[e]]`` and ``dweight[e] = y[e] . grad[token[e]]`` for a block of entries."""
+    entries = tl.program_id(0) * BP + tl.arange(0, BP)
+    live = entries < P
+    token = tl.load(TOKEN + entries, mask=live, other=0).to(tl.int64)
+    w = tl.load(WEIGHT + entries, mask=live, other=0.0).to(tl.float32)
+    dot = tl.zeros([BP], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        cols = d0 + tl.arange(0, BD)
+        m = live[:, None] & (cols[None, :] < D)
+        g = tl.load(GRAD + token[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        y = tl.load(Y + entries.to(tl.int64)[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(DY + entries.to(tl.int64)[:, None] * D + cols[None, :], (g * w[:, None]).to(DY.dtype.element_ty),
+                 mask=m)
+        dot += tl.sum(g * y, axis=1)
+    tl.store(DWEIGHT + entries, dot, mask=live)
 
 
 def _sum_triton(y, slot_entries, weight, out_dtype):
@@ -114,7 +107,7 @@ def _entry_grads_triton(y, weight, token_index, grad, dy_dtype):
 
 
 def _use_triton(y: torch.Tensor) -> bool:
-    return resolve_backend(y, has_triton_impl=triton is not None and y.dtype != torch.float64) == "triton"
+    return resolve_backend(y, has_triton_impl=triton_available() and y.dtype != torch.float64) == "triton"
 
 
 class _SlotSum(torch.autograd.Function):

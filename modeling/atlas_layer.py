@@ -31,11 +31,12 @@ from ..kernels.mlp_memory import MLPMemorySpec
 from .cache import LayerCache
 from .gates import GateProjection
 from .normalization import GatedRMSNorm
+from .outputs import LayerOutput
 from .padding import RowCompaction
 from .short_conv import ShortConvolution, convolve_qkv
 
 
-class AtlasMemory(nn.Module):
+class AtlasLayer(nn.Module):
     def __init__(self, config: AtlasConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -79,12 +80,12 @@ class AtlasMemory(nn.Module):
     def memory_init(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, f"memory_{name}") for name in self.spec.shapes}
 
-    def _cached_memory(self, q, k, v, u, alpha, lr, momentum, gamma, state, mask, cache):
+    def _cached_memory(self, q, k, v, u, retention, lr, momentum, gamma, state, mask, cache):
         """The memory with Memory Caching; returns outputs, state and the cache entries to store."""
         B = q.shape[0]
         if cache is not None and "mc_seen" in cache:
             clock = cache["mc_seen"]
-            cached = CachedMemories({n[3:]: t for n, t in cache.states.items() if n.startswith("mc.")},
+            cached = CachedMemories(cache.group("mc."),
                                     cache["mc_count"])
             if self.gated:
                 cached = replace(cached, key_sum=cache["mc_key_sum"], key_count=cache["mc_key_count"],
@@ -94,8 +95,8 @@ class AtlasMemory(nn.Module):
             clock = torch.zeros(B, dtype=torch.long, device=q.device)
             cached = CachedMemories.empty(state.weights, self.spec.d_k if self.gated else None)
         rows = RowCompaction(mask)
-        q, k, v, alpha, lr, momentum, gamma = (rows.compact(x) for x in (q, k, v, alpha, lr, momentum, gamma))
-        o, state, cached = chunk_mc_atlas(self.spec, q, k, v, alpha, lr, momentum, gamma, state, cached,
+        q, k, v, retention, lr, momentum, gamma = (rows.compact(x) for x in (q, k, v, retention, lr, momentum, gamma))
+        o, state, cached = chunk_mc_atlas(self.spec, q, k, v, retention, lr, momentum, gamma, state, cached,
                                           lengths=rows.lengths, clock=clock, segment_size=self.segment_size,
                                           aggregation=self.aggregation, u=rows.compact(u),
                                           ssc_topk=self.ssc_topk, **self.options)
@@ -106,8 +107,10 @@ class AtlasMemory(nn.Module):
                           mc_online_key_sum=cached.online_key_sum, mc_online_key_count=cached.online_key_count)
         return rows.restore(o), state, stored
 
-    def forward(self, hidden_states: torch.Tensor, valid: torch.Tensor | None = None,
-                cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: LayerCache | None = None) -> LayerOutput:
+        """``hidden_states`` ``(B, T, d)``; ``attention_mask`` ``(B, T)`` 0/1 for these tokens."""
+        valid = attention_mask
         B, T, _ = hidden_states.shape
         H, D = self.num_heads, self.head_dim
         mask = valid.bool() if valid is not None else torch.ones(B, T, dtype=torch.bool, device=hidden_states.device)
@@ -115,35 +118,35 @@ class AtlasMemory(nn.Module):
         coefficients = getattr(self, "feature_coefficients", None)
         q = normalized_features(q, self.feature_map, coefficients)
         k = normalized_features(k, self.feature_map, coefficients)
-        alpha = torch.sigmoid(self.retention_proj(hidden_states).float())
+        retention = torch.sigmoid(self.retention_proj(hidden_states).float())
         lr = self.max_lr * torch.sigmoid(self.lr_proj(hidden_states).float())
         momentum = torch.sigmoid(self.momentum_proj(hidden_states).float()) if hasattr(self, "momentum_proj") else None
         gamma = torch.sigmoid(self.window_gate_proj(hidden_states).float())
         u = self.u_proj(hidden_states).float().view(B, T, H, self.spec.d_k) if self.gated else None
 
         if cache is not None and "memory.position" in cache:
-            state = AtlasState.from_tensors({k_[7:]: t for k_, t in cache.states.items() if k_.startswith("memory.")})
+            state = AtlasState.from_tensors(cache.group("memory."))
         else:
             state = AtlasState.initial(self.spec, self.memory_init(), B, H, self.options["omega_window"],
                                        self.options["optimizer"])
         mc_states = {}
         if self.segment_size is not None:
-            o, state, mc_states = self._cached_memory(q, k, v, u, alpha, lr, momentum, gamma, state, mask, cache)
+            o, state, mc_states = self._cached_memory(q, k, v, u, retention, lr, momentum, gamma, state, mask, cache)
         elif T == 1:
-            o, state = step_atlas(self.spec, q[:, 0], k[:, 0], v[:, 0], alpha[:, 0], lr[:, 0],
+            o, state = step_atlas(self.spec, q[:, 0], k[:, 0], v[:, 0], retention[:, 0], lr[:, 0],
                                   None if momentum is None else momentum[:, 0], gamma[:, 0], state,
                                   live=mask[:, 0], **self.options)
             o = o[:, None] * mask[:, :, None, None]
         elif valid is None:  # every token real: no compaction (its gathers and scatter are the identity)
-            o, state = chunk_atlas(self.spec, q, k, v, alpha, lr, momentum, gamma, state, **self.options)
+            o, state = chunk_atlas(self.spec, q, k, v, retention, lr, momentum, gamma, state, **self.options)
         else:
             rows = RowCompaction(mask)
-            q, k, v, alpha, lr, momentum, gamma = (rows.compact(x) for x in (q, k, v, alpha, lr, momentum, gamma))
-            o, state = chunk_atlas(self.spec, q, k, v, alpha, lr, momentum, gamma, state, lengths=rows.lengths,
+            q, k, v, retention, lr, momentum, gamma = (rows.compact(x) for x in (q, k, v, retention, lr, momentum, gamma))
+            o, state = chunk_atlas(self.spec, q, k, v, retention, lr, momentum, gamma, state, lengths=rows.lengths,
                                    **self.options)
             o = rows.restore(o)
         if cache is not None:
             cache.update(**{f"memory.{name}": t for name, t in state.tensors().items()}, **mc_states)
         gate = self.g_proj(hidden_states).view(B, T, H, D)
         out = self.o_norm(o.to(hidden_states.dtype), gate)
-        return self.o_proj(out.reshape(B, T, H * D))
+        return LayerOutput(self.o_proj(out.reshape(B, T, H * D)))

@@ -43,6 +43,10 @@ class LayerCache:
     def get(self, name: str) -> torch.Tensor | None:
         return self.states.get(name)
 
+    def group(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The tensors stored under ``prefix`` (``"memory."``, ``"mc."``), keyed by the rest of their names."""
+        return {name[len(prefix):]: t for name, t in self.states.items() if name.startswith(prefix)}
+
     def update(self, **tensors: torch.Tensor) -> None:
         self.states.update(tensors)
 

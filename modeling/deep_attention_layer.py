@@ -16,10 +16,20 @@ from ..configuration.configuration_deep_transformer import DeepTransformerConfig
 from ..kernels.deep_attention import DeepAttentionState, chunk_deep_attention
 from .attention import RotaryEmbedding, apply_rotary
 from .cache import LayerCache
+from .outputs import LayerOutput
 from .padding import RowCompaction
 
 
-class DeepAttention(nn.Module):
+def _own_positions(hidden_states: torch.Tensor, valid: torch.Tensor | None, cache: LayerCache | None) -> torch.Tensor:
+    """Positions of a layer driven without ``position_ids``: each row's real tokens counted from the cache's length."""
+    B, T, _ = hidden_states.shape
+    past = cache.get_seq_length() if cache is not None else 0
+    if valid is None:
+        return torch.arange(past, past + T, device=hidden_states.device).expand(B, T)
+    return past + (valid.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class DeepAttentionLayer(nn.Module):
     def __init__(self, config: DeepTransformerConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -51,10 +61,16 @@ class DeepAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        positions: torch.Tensor,
-        valid: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
         cache: LayerCache | None = None,
-    ) -> torch.Tensor:
+        *,
+        position_ids: torch.Tensor | None = None,
+    ) -> LayerOutput:
+        """``hidden_states`` ``(B, T, d)``; ``attention_mask`` ``(B, T)`` 0/1 for these tokens;
+        ``position_ids`` ``(B, T)`` the rotary positions (default: each row's own tokens counted on from
+        the cache's length, as the model counts them)."""
+        valid = attention_mask
+        positions = position_ids if position_ids is not None else _own_positions(hidden_states, valid, cache)
         B, T, _ = hidden_states.shape
         H, D = self.num_heads, self.head_dim
         q = self.q_proj(hidden_states).view(B, T, H, D).transpose(1, 2)
@@ -84,4 +100,4 @@ class DeepAttention(nn.Module):
             cache.states = new_state.tensors()
         if rows is not None:  # back to the original positions; padded positions get zeros
             o = rows.restore(o)
-        return self.o_proj(o.reshape(B, T, H * D).to(hidden_states.dtype))
+        return LayerOutput(self.o_proj(o.reshape(B, T, H * D).to(hidden_states.dtype)))

@@ -21,6 +21,7 @@ from ..kernels.mlp_memory import MLPMemorySpec
 from .cache import LayerCache
 from .gates import GateProjection
 from .normalization import GatedRMSNorm
+from .outputs import LayerOutput
 from .padding import RowCompaction
 from .short_conv import ShortConvolution, convolve_qkv
 
@@ -66,9 +67,11 @@ class MCTitansLayer(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        valid: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
         cache: LayerCache | None = None,
-    ) -> torch.Tensor:
+    ) -> LayerOutput:
+        """``hidden_states`` ``(B, T, d)``; ``attention_mask`` ``(B, T)`` 0/1 for these tokens."""
+        valid = attention_mask
         B, T, _ = hidden_states.shape
         H, D = self.num_heads, self.head_dim
         if self.conv_size:
@@ -76,20 +79,20 @@ class MCTitansLayer(nn.Module):
         else:
             q, k, v = (proj(hidden_states).view(B, T, H, D) for proj in (self.q_proj, self.k_proj, self.v_proj))
         u = self.u_proj(hidden_states).view(B, T, H, D)
-        alpha = torch.sigmoid(self.retention_proj(hidden_states).float())
-        eta = torch.sigmoid(self.momentum_proj(hidden_states).float())
-        theta = self.max_lr * torch.sigmoid(self.lr_proj(hidden_states).float())
+        retention = torch.sigmoid(self.retention_proj(hidden_states).float())
+        momentum = torch.sigmoid(self.momentum_proj(hidden_states).float())
+        lr = self.max_lr * torch.sigmoid(self.lr_proj(hidden_states).float())
         rows, lengths = None, None
         if valid is not None:
             rows = RowCompaction(valid)
             lengths = rows.lengths
-            q, k, v, u, alpha, eta, theta = (rows.compact(x) for x in (q, k, v, u, alpha, eta, theta))
+            q, k, v, u, retention, momentum, lr = (rows.compact(x) for x in (q, k, v, u, retention, momentum, lr))
         init = self.memory_init()
         if cache is not None and "seen" in cache:
             state = MCState.from_tensors(cache.states)
         else:
             state = MCState.initial(init, B, D)
-        o, state = chunk_mc_titans(self.spec, self.options, q, k, v, u, alpha, eta, theta, init, state,
+        o, state = chunk_mc_titans(self.spec, self.options, q, k, v, u, retention, momentum, lr, init, state,
                                    lengths=lengths)
         if cache is not None:
             cache.update(**state.tensors())
@@ -97,4 +100,4 @@ class MCTitansLayer(nn.Module):
             o = rows.restore(o)
         gate = self.g_proj(hidden_states).view(B, T, H, D)
         out = self.o_norm(o.to(hidden_states.dtype), gate)
-        return self.o_proj(out.reshape(B, T, H * D))
+        return LayerOutput(self.o_proj(out.reshape(B, T, H * D)))

@@ -17,7 +17,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..configuration.configuration_atlas import AtlasConfig
 from ..kernels.feature_maps import initial_coefficients
-from .atlas_layer import AtlasMemory
+from .atlas_layer import AtlasLayer
 from .attention import SoftmaxAttention
 from .base import MnemoCausalLMMixin, MnemoDecoderMixin, init_shared_weights
 from .cache import LayerCache
@@ -34,8 +34,7 @@ class _Prefixed:
 
     @property
     def states(self) -> dict[str, torch.Tensor]:
-        n = len(self.prefix)
-        return {k[n:]: v for k, v in self.cache.states.items() if k.startswith(self.prefix)}
+        return self.cache.group(self.prefix)
 
     def __contains__(self, name: str) -> bool:
         return self.prefix + name in self.cache.states
@@ -46,6 +45,9 @@ class _Prefixed:
     def get(self, name: str) -> torch.Tensor | None:
         return self.cache.states.get(self.prefix + name)
 
+    def group(self, prefix: str) -> dict[str, torch.Tensor]:
+        return self.cache.group(self.prefix + prefix)
+
     def update(self, **tensors: torch.Tensor) -> None:
         self.cache.update(**{self.prefix + k: v for k, v in tensors.items()})
 
@@ -55,7 +57,7 @@ class AtlasBlock(GradientCheckpointingLayer):
         super().__init__()
         self.hybrid = config.hybrid
         self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.attn = AtlasMemory(config, layer_idx)
+        self.attn = AtlasLayer(config, layer_idx)
         if config.hybrid is not None:
             self.swa = SoftmaxAttention(config.hidden_size, config.num_heads, config.num_heads, config.rope_theta,
                                         layer_idx, sliding_window=config.sliding_window)
@@ -83,10 +85,11 @@ class AtlasBlock(GradientCheckpointingLayer):
         if self.hybrid == "mag":
             x = self.attn_norm(hidden_states)
             swa = self.swa(x, positions, key_valid, swa_cache)
-            memory = self.attn(x, attention_mask, memory_cache)
+            memory = self.attn(x, attention_mask, memory_cache).hidden_states
             hidden_states = hidden_states + self.swa_out_norm(swa) * torch.sigmoid(self.memory_out_norm(memory))
         else:
-            hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), attention_mask, memory_cache)
+            memory = self.attn(self.attn_norm(hidden_states), attention_mask, memory_cache).hidden_states
+            hidden_states = hidden_states + memory
         hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
         return hidden_states, None
 
@@ -101,7 +104,7 @@ class AtlasPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         if init_shared_weights(module, self.config.initializer_range):
             return
-        if isinstance(module, AtlasMemory):
+        if isinstance(module, AtlasLayer):
             for param in module.memory_init().values():
                 init.normal_(param, mean=0.0, std=self.config.memory_init_std)
             if hasattr(module, "feature_coefficients"):

@@ -2,7 +2,7 @@
 
 Llama's architecture (pre-norm blocks of attention and SwiGLU, RoPE, RMSNorm,
 the same parameter names) with the attention memory replaced by
-:class:`DeepAttention`. ``memory_depth=1`` gives a Transformer++ that equals
+:class:`DeepAttentionLayer`. ``memory_depth=1`` gives a Transformer++ that equals
 ``transformers``' ``LlamaForCausalLM`` with the same weights.
 """
 
@@ -18,7 +18,7 @@ from ..configuration.configuration_deep_transformer import DeepTransformerConfig
 from .base import MnemoCausalLMMixin, MnemoDecoderMixin, init_shared_weights
 from .generation import MnemoGenerationMixin
 from .cache import LayerCache
-from .deep_attention_layer import DeepAttention
+from .deep_attention_layer import DeepAttentionLayer
 from .mlp import SwiGLU
 from .normalization import RMSNorm
 
@@ -27,7 +27,7 @@ class DeepTransformerBlock(GradientCheckpointingLayer):
     def __init__(self, config: DeepTransformerConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.self_attn = DeepAttention(config, layer_idx)
+        self.self_attn = DeepAttentionLayer(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
@@ -39,9 +39,9 @@ class DeepTransformerBlock(GradientCheckpointingLayer):
         positions: torch.Tensor | None = None,
         past_key_values: LayerCache | None = None,
     ) -> tuple[torch.Tensor, None]:
-        hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), positions, attention_mask, past_key_values
-        )
+        attended = self.self_attn(self.input_layernorm(hidden_states), attention_mask, past_key_values,
+                                  position_ids=positions)
+        hidden_states = hidden_states + attended.hidden_states
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states, None
 
@@ -57,7 +57,7 @@ class DeepTransformerPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         if init_shared_weights(module, self.config.initializer_range):
             return
-        if isinstance(module, DeepAttention) and module.memory_depth == 2:
+        if isinstance(module, DeepAttentionLayer) and module.memory_depth == 2:
             init.normal_(module.memory_w1, mean=0.0, std=self.config.memory_init_std)
 
 

@@ -38,7 +38,8 @@ class MCTitansBlock(GradientCheckpointingLayer):
         positions: torch.Tensor | None = None,
         past_key_values: LayerCache | None = None,
     ) -> tuple[torch.Tensor, None]:
-        hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), attention_mask, past_key_values)
+        memory = self.attn(self.attn_norm(hidden_states), attention_mask, past_key_values).hidden_states
+        hidden_states = hidden_states + memory
         hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
         return hidden_states, None
 

@@ -20,7 +20,7 @@ from .base import MnemoCausalLMMixin, MnemoDecoderMixin, init_shared_weights
 from .generation import MnemoGenerationMixin
 from .cache import LayerCache
 from .mlp import SwiGLU
-from .mom_layer import MoMMemoryLayer
+from .mom_layer import MoMLayer
 from .normalization import RMSNorm
 
 
@@ -38,7 +38,7 @@ class MoMBlock(GradientCheckpointingLayer):
                 config.rope_theta, layer_idx,
             )
         else:
-            self.attn = MoMMemoryLayer(config, layer_idx)
+            self.attn = MoMLayer(config, layer_idx)
         self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
@@ -73,7 +73,7 @@ class MoMPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         if init_shared_weights(module, self.config.initializer_range):
             return
-        if isinstance(module, MoMMemoryLayer) and module.gated:
+        if isinstance(module, MoMLayer) and module.gated:
             A_log, dt_bias = module.reset_decay_parameters()
             init.copy_(module.A_log, A_log)
             init.copy_(module.dt_bias, dt_bias)

@@ -22,6 +22,7 @@ from ..configuration.configuration_mom import MoMConfig
 from ..kernels.mc_gated_delta import CachedStates, chunk_mc_gated_delta, step_mc_gated_delta
 from ..kernels.gated_delta import chunk_gated_delta, step_gated_delta, step_gated_delta_
 from .cache import LayerCache
+from .outputs import LayerOutput
 from .normalization import GatedRMSNorm
 from .recompute import RecomputedSaves, gathered_rows, shared_parts
 from .routing import balance_loss, route, top_memories
@@ -58,7 +59,7 @@ def _plain_linears(modules: list[nn.Module]) -> bool:
     return all(type(p) is nn.Linear and p.bias is None for p in modules)
 
 
-class MoMMemoryLayer(nn.Module):
+class MoMLayer(nn.Module):
     """Router, per-memory projections and states, gated RMSNorm output."""
 
     def __init__(self, config: MoMConfig, layer_idx: int) -> None:
@@ -112,7 +113,7 @@ class MoMMemoryLayer(nn.Module):
         """Memories with a state: the routed ones plus the shared one."""
         return self.num_memories + int(self.shared_memory)
 
-    def reset_decay_parameters(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def reset_decay_parameters(self) -> LayerOutput:
         """Initial ``A_log`` and ``dt_bias`` (Mamba-2 / Gated DeltaNet practice)."""
         A = torch.empty(self.num_heads).uniform_(1, 16)
         dt = torch.exp(torch.rand(self.num_heads) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
@@ -188,7 +189,7 @@ class MoMMemoryLayer(nn.Module):
 
     def _decode_step(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, cache: LayerCache
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> LayerOutput:
         """One new token per row: the packed path's result without its routing plan.
 
         The plan needs device-to-host reads (segment lengths) that stall decoding;
@@ -250,7 +251,7 @@ class MoMMemoryLayer(nn.Module):
         mixed = (o.float().view(B, S, H, self.head_v_dim) * weight[..., None, None]).sum(1)
         gate = self.g_proj(hidden_states).view(B, 1, H, self.head_v_dim)
         out = self.o_norm(mixed.view(B, 1, H, self.head_v_dim).to(hidden_states.dtype), gate)
-        return self.o_proj(out.reshape(B, 1, self.value_dim)), aux_loss
+        return LayerOutput(self.o_proj(out.reshape(B, 1, self.value_dim)), aux_loss)
 
     def _memory_projections(self, packed: torch.Tensor, plan) -> tuple:
         """``k, v, beta`` and decay logits (``None`` when ungated) of every packed entry, each from the
@@ -352,7 +353,7 @@ class MoMMemoryLayer(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: LayerCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> LayerOutput:
         """``hidden_states`` ``(B, T, d)``; ``attention_mask`` ``(B, T)`` 0/1 for these tokens.
 
         Returns the layer output and this layer's load-balancing loss.
@@ -367,7 +368,7 @@ class MoMMemoryLayer(nn.Module):
 
     def _packed_forward(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, cache: LayerCache | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> LayerOutput:
         """Any number of tokens: route, pack each memory's subsequences, run the recurrence."""
         B, T, _ = hidden_states.shape
         M, H = self.num_states, self.num_heads
@@ -431,4 +432,4 @@ class MoMMemoryLayer(nn.Module):
         mixed = plan.combine(o, plan.weight)
         gate = self.g_proj(hidden_states).view(B, T, H, self.head_v_dim)
         out = self.o_norm(mixed.view(B, T, H, self.head_v_dim).to(hidden_states.dtype), gate)
-        return self.o_proj(out.reshape(B, T, self.value_dim)), plan.aux_loss
+        return LayerOutput(self.o_proj(out.reshape(B, T, self.value_dim)), plan.aux_loss)

@@ -11,7 +11,7 @@ keyword (:func:`resolve_cache_kwarg`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers.utils import ModelOutput
@@ -21,6 +21,15 @@ from .cache import MnemoCache
 # The name transformers' generate() gives the cache in the inputs it passes and reads from outputs.
 CACHE_NAME = "cache" if hasattr(ModelOutput, "_replace_old_cache_name") else "past_key_values"
 _NEW_NAMES = CACHE_NAME == "cache"
+
+
+class LayerOutput(NamedTuple):
+    """What every memory layer (``MoMLayer``, ``AtlasLayer``, ``MCTitansLayer``, ``DeepAttentionLayer``)
+    returns: its output ``(B, T, hidden)`` and its auxiliary loss (MoM's load balancing; ``None`` for
+    layers without one)."""
+
+    hidden_states: torch.Tensor
+    aux_loss: torch.Tensor | None = None
 
 
 def resolve_cache_kwarg(cache: Any, past_key_values: Any) -> Any:

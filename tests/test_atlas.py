@@ -244,7 +244,7 @@ def test_rows_without_a_mask_equal_an_all_true_mask(build, device):
     for valid in (None, torch.ones(2, 11, dtype=torch.bool, device=device)):
         h = x.clone().requires_grad_()
         cache = LayerCache()
-        out = layer(h, valid, cache)
+        out = layer(h, valid, cache).hidden_states
         grads = torch.autograd.grad(out.pow(2).sum(), [h, *layer.parameters()], allow_unused=True)
         runs.append((out, cache.states, grads))
     (out0, states0, grads0), (out1, states1, grads1) = runs

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mnemo.kernels.chunk_loop import run_chunks
+from mnemo.kernels.backend import comparison_paths
+from mnemo.kernels.chunk_loop import loop_options, run_chunks
 from mnemo.kernels.atlas import AtlasState, chunk_atlas, reference_atlas
 from mnemo.kernels.mc_atlas import GATED_AGGREGATIONS, CachedMemories, chunk_mc_atlas, reference_mc_atlas
 from mnemo.kernels.memory_caching import MCOptions
@@ -162,8 +163,8 @@ def test_uncaptured_loops_run_under_plain_autograd_unless_asked(monkeypatch):
     h0, kept, inp, mask, w = toy_inputs()
     ys, _ = run_chunks(toy_step, (h0, kept), (inp, mask), (w,))  # CPU: no graphs, so no recompute
     assert type(ys[0].grad_fn).__name__ != "_ChunkLoopBackward"
-    monkeypatch.setenv("MNEMO_CHUNK_RECOMPUTE", "1")
-    ys, _ = run_chunks(toy_step, (h0, kept), (inp, mask), (w,))
+    with loop_options(recompute=True):
+        ys, _ = run_chunks(toy_step, (h0, kept), (inp, mask), (w,))
     assert type(ys[0].grad_fn).__name__ == "_ChunkLoopBackward"
 
 
@@ -189,12 +190,13 @@ def test_bad_inputs_are_named():
 
 
 @pytest.fixture(params=["recompute", "plain", "replayed"])
-def loop_mode(request, monkeypatch):
+def loop_mode(request):
     if request.param == "replayed":  # the graphed path's bookkeeping, with CPU stand-ins for the graphs
         request.getfixturevalue("replay_on_cpu")
-    else:
-        monkeypatch.setenv("MNEMO_CHUNK_RECOMPUTE", "1" if request.param == "recompute" else "0")
-    return request.param
+        yield request.param
+        return
+    with loop_options(recompute=request.param == "recompute"):
+        yield request.param
 
 H, T, DK = 2, 19, 4
 SPECS = {
@@ -532,8 +534,8 @@ def test_a_returned_carry_gradient_is_owned_when_uncaptured_units_follow_a_captu
 
 
 @pytest.mark.parametrize("loop_mode", ["recompute", "replayed"])
-def test_the_spacing_asked_by_the_environment_is_the_default_one(loop_mode, monkeypatch, request):
-    """``MNEMO_CHUNK_CHECKPOINT_EVERY`` sets the stretches where the caller gives none (seen in the
+def test_the_spacing_asked_by_loop_options_is_the_default_one(loop_mode, request):
+    """``loop_options(checkpoint_every=...)`` sets the stretches where the caller gives none (seen in the
     snapshots, one per stretch end), keeps plain autograd's gradients, and yields to an explicit spacing."""
     if loop_mode == "replayed":
         request.getfixturevalue("replay_on_cpu")
@@ -541,17 +543,17 @@ def test_the_spacing_asked_by_the_environment_is_the_default_one(loop_mode, monk
     plain_ys, plain_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), recompute=False)
     expected = torch.autograd.grad(toy_loss(plain_ys, plain_carry), (h0, kept, inp, w))
     recompute = {"recompute": True, "replayed": None}[loop_mode]
-    monkeypatch.setenv("MNEMO_CHUNK_CHECKPOINT_EVERY", "2")
-    ys, carry, snaps = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), recompute=recompute, snapshots=True)
-    assert len(snaps) == -(-N // 2) - 1  # the default for 7 chunks would be 3: two snapshots
-    for a, b in zip(torch.autograd.grad(toy_loss(ys, carry), (h0, kept, inp, w)), expected):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    explicit = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=7, snapshots=True)[2]
-    assert explicit == []
-    for bad in ("0", "two", "-3"):
-        monkeypatch.setenv("MNEMO_CHUNK_CHECKPOINT_EVERY", bad)
-        with pytest.raises(ValueError, match="MNEMO_CHUNK_CHECKPOINT_EVERY"):
-            run_chunks(toy_step, (h0, kept), (inp, mask), (w,))
+    with loop_options(checkpoint_every=2):
+        ys, carry, snaps = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), recompute=recompute, snapshots=True)
+        assert len(snaps) == -(-N // 2) - 1  # the default for 7 chunks would be 3: two snapshots
+        for a, b in zip(torch.autograd.grad(toy_loss(ys, carry), (h0, kept, inp, w)), expected):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        explicit = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=7, snapshots=True)[2]
+        assert explicit == []
+    for bad in (0, "two", -3, 2.5, True):
+        with pytest.raises(ValueError, match="checkpoint_every"):
+            with loop_options(checkpoint_every=bad):
+                pass
 
 
 @pytest.mark.parametrize("agg", ["grm", "ssc", "residual", "mean"])
@@ -592,16 +594,14 @@ def test_a_graph_key_changes_with_what_selects_the_kernels(monkeypatch):
     from mnemo.kernels import use_backend
     from mnemo.kernels.chunk_loop import _selection
 
-    monkeypatch.delenv("MNEMO_CHUNK_FORWARD", raising=False)
-    monkeypatch.delenv("MNEMO_CHUNK_BACKWARD", raising=False)
     monkeypatch.delenv("MNEMO_BACKEND", raising=False)
     seen = {_selection()}
     for backend in ("torch", "triton"):
         with use_backend(backend):
             seen.add(_selection())
-    for name, value in (("MNEMO_CHUNK_FORWARD", "torch"), ("MNEMO_CHUNK_BACKWARD", "torch")):
-        monkeypatch.setenv(name, value)
-        seen.add(_selection())
+    for paths in (dict(chunk_forward="torch"), dict(chunk_backward="torch"), dict(chunk_backward="autograd")):
+        with comparison_paths(**paths):
+            seen.add(_selection())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         seen.add(_selection())
     before = torch.get_float32_matmul_precision()
@@ -610,7 +610,7 @@ def test_a_graph_key_changes_with_what_selects_the_kernels(monkeypatch):
         seen.add(_selection())
     finally:
         torch.set_float32_matmul_precision(before)
-    assert len(seen) == 7
+    assert len(seen) == 8
 
 
 class _ReplayedOnCpu:

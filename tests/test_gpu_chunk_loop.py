@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from mnemo.kernels.atlas import AtlasState, chunk_atlas
+from mnemo.kernels.backend import comparison_paths
+from mnemo.kernels.chunk_loop import loop_options
 from mnemo.kernels.memory_caching import MCOptions
 from mnemo.kernels.mc_titans import MCState, chunk_mc_titans
 from mnemo.kernels.mlp_memory import MLPMemorySpec
@@ -62,9 +64,8 @@ def test_graphed_chunks_equal_eager_chunks(run, dtype, monkeypatch):
     inputs = make_inputs(dtype)
     graphed = output_and_grads(run, inputs)
     # the same recompute, uncaptured (plain autograd would run its backward outside the TF32 products)
-    monkeypatch.setenv("MNEMO_CHUNK_GRAPHS", "0")
-    monkeypatch.setenv("MNEMO_CHUNK_RECOMPUTE", "1")
-    eager = output_and_grads(run, inputs)
+    with loop_options(graphs=False, recompute=True):
+        eager = output_and_grads(run, inputs)
     for a, b in zip(graphed, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -77,8 +78,8 @@ def test_graphed_prefill_equals_eager_chunks(run, monkeypatch):
     init, *xs = inputs
     with torch.no_grad():
         graphed = run(init, *xs)
-        monkeypatch.setenv("MNEMO_CHUNK_GRAPHS", "0")
-        eager = run(init, *xs)
+        with loop_options(graphs=False):
+            eager = run(init, *xs)
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-6)
 
 
@@ -110,9 +111,7 @@ def test_graphed_chunks_under_autocast_equal_eager_ones(monkeypatch):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         graphed = output_and_grads(titans, inputs)
     # the same recompute, uncaptured (plain autograd would run its backward outside the TF32 products)
-    monkeypatch.setenv("MNEMO_CHUNK_GRAPHS", "0")
-    monkeypatch.setenv("MNEMO_CHUNK_RECOMPUTE", "1")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with loop_options(graphs=False, recompute=True), torch.autocast("cuda", dtype=torch.bfloat16):
         eager = output_and_grads(titans, inputs)
     for a, b in zip(graphed, eager):
         err = ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
@@ -218,8 +217,8 @@ def test_hand_written_chunks_equal_autograd_over_the_operator_at_real_shapes(nam
     heads = 16 if "16x64" in name else 4
     inputs = _real_shape_inputs(dtype, spec, Hn=heads)
     fused = output_and_grads(make(spec), inputs)
-    monkeypatch.setenv("MNEMO_CHUNK_BACKWARD", "autograd")
-    plain = output_and_grads(make(spec), inputs)
+    with comparison_paths(chunk_backward="autograd"):
+        plain = output_and_grads(make(spec), inputs)
     # float32: the momentum gate's gradient is a sum of cancelling terms, 3e-4 / 4e-4 from float64 on
     # either path (fused / autograd, CPU, Atlas momentum 16 x 64, T=256); everything else is within 2e-6.
     # TF32: the gates' gradients sit 3e-2 to 5e-2 from float64 on either path (Atlas momentum 16 x 64 on an

@@ -110,10 +110,10 @@ def test_chunked_form_makes_no_device_to_host_read():
 def test_mom_layer_trains_without_a_device_to_host_read():
     """Routing, projections and recurrence stay on the device: a host read mid-forward made the host wait for
     the GPU and the GPU then wait for every launch after it."""
-    from mnemo.modeling.mom_layer import MoMMemoryLayer
+    from mnemo.modeling.mom_layer import MoMLayer
 
     config = MoMConfig(hidden_size=256, num_heads=2, head_dim=128, num_memories=4, topk=2, shared_memory=True)
-    layer = MoMMemoryLayer(config, 0).cuda().bfloat16()
+    layer = MoMLayer(config, 0).cuda().bfloat16()
     x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with use_backend("triton"):
         layer(x)[0].float().sum().backward()  # compiled outside the check

@@ -314,10 +314,11 @@ def test_the_sliced_triton_chunk_equals_the_torch_chunk(name, momentum, slice_, 
 
 
 def test_the_sliced_forward_is_taken_where_it_covers_the_memory(monkeypatch):
-    """On the Triton backend a covered chunk runs through the sliced forward (and ``MNEMO_CHUNK_FORWARD=torch``
+    """On the Triton backend a covered chunk runs through the sliced forward (and ``comparison_paths(chunk_forward="torch")``
     keeps cuBLAS); a memory with a linear skip is not covered."""
     pytest.importorskip("triton")
     from mnemo.kernels import titans_chunk, use_backend
+    from mnemo.kernels.backend import comparison_paths
 
     calls = []
     import mnemo.kernels.titans_triton_forward as sliced
@@ -328,9 +329,8 @@ def test_the_sliced_forward_is_taken_where_it_covers_the_memory(monkeypatch):
     x = torch.zeros(1, 1, 4, 24, device=DEVICE)
     with use_backend("triton"):
         assert titans_chunk._sliced_forward_wanted(spec, x, x)
-        monkeypatch.setenv("MNEMO_CHUNK_FORWARD", "torch")
-        assert not titans_chunk._sliced_forward_wanted(spec, x, x)
-        monkeypatch.delenv("MNEMO_CHUNK_FORWARD")
+        with comparison_paths(chunk_forward="torch"):
+            assert not titans_chunk._sliced_forward_wanted(spec, x, x)
         assert not titans_chunk._sliced_forward_wanted(SPECS["mlp_skip_l2"], x[..., :5], x[..., :5])
         assert not titans_chunk._sliced_forward_wanted(spec, x.double(), x.double())
     with use_backend("torch"):
@@ -359,8 +359,10 @@ def sliced_backward_calls(monkeypatch):
 
 def test_the_sliced_backward_follows_the_sliced_forward(sliced_backward_calls, monkeypatch):
     """A chunk whose forward ran sliced runs its backward through the Triton launches;
-    ``MNEMO_CHUNK_BACKWARD=torch`` takes the written-out PyTorch backward, with the same gradients."""
+    ``comparison_paths(chunk_backward="torch")`` takes the written-out PyTorch backward, with the same
+    gradients."""
     from mnemo.kernels import use_backend
+    from mnemo.kernels.backend import comparison_paths
 
     calls = sliced_backward_calls
     spec = SLICED["l2"]
@@ -371,8 +373,7 @@ def test_the_sliced_backward_follows_the_sliced_forward(sliced_backward_calls, m
     leaves = [*W.values(), q, k, v, a, c]
     grads, cotangents = {}, None
     for choice in ("fused", "torch"):
-        monkeypatch.setenv("MNEMO_CHUNK_BACKWARD", choice)
-        with use_backend("triton"):
+        with use_backend("triton"), comparison_paths(chunk_backward=choice):
             y, W_new, _ = chunk_memory(spec, W, None, q, k, v, a, None, c, None, None)
             outputs = [y, *W_new.values()]
             cotangents = cotangents or [torch.randn(t.shape, generator=gen).to(DEVICE) for t in outputs]

@@ -8,12 +8,12 @@ from torch.nn import functional as F
 
 from mnemo.kernels import l2_normalize
 from mnemo.modeling.cache import LayerCache
-from mnemo.modeling.mom_layer import MoMMemoryLayer
+from mnemo.modeling.mom_layer import MoMLayer
 
 from conftest import MOM_VARIANTS, tiny_mom_config
 
 
-def spec_mom_layer(layer: MoMMemoryLayer, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def spec_mom_layer(layer: MoMLayer, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """FAMILIES.md §1 as written, for one batch row at a time, in float64; with ``segment_size``, every memory
     of a row is also cached at each multiple of the row's token count and read back (FAMILIES.md §2, MC),
     the gated aggregations scoring memory ``m``'s cached states by the mean of the keys it received in
@@ -89,7 +89,7 @@ GATED_VARIANTS = {
 def test_layer_matches_spec(variant):
     config = tiny_mom_config(**(GATED_VARIANTS[variant[3:]] if variant.startswith("mc-") else MOM_VARIANTS[variant]))
     torch.manual_seed(0)
-    layer = MoMMemoryLayer(config, 0)
+    layer = MoMLayer(config, 0)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.3)
@@ -109,7 +109,7 @@ def test_layer_state_split_anywhere():
     """A sequence fed in pieces through a LayerCache gives the one-shot outputs and states."""
     config = tiny_mom_config()
     torch.manual_seed(1)
-    layer = MoMMemoryLayer(config, 0).eval()
+    layer = MoMLayer(config, 0).eval()
     x = torch.randn(2, 30, config.hidden_size)
     with torch.no_grad():
         full_cache = LayerCache()
@@ -126,7 +126,7 @@ def test_layer_state_split_anywhere():
 def test_padded_decode_step_is_exact_noop():
     config = tiny_mom_config()
     torch.manual_seed(2)
-    layer = MoMMemoryLayer(config, 0).eval()
+    layer = MoMLayer(config, 0).eval()
     x = torch.randn(2, 6, config.hidden_size)
     cache = LayerCache()
     with torch.no_grad():
@@ -143,7 +143,7 @@ def test_decode_step_equals_packed_path(variant):
     """The one-token decode path (no routing plan) gives the packed path's output, aux loss and cache."""
     config = tiny_mom_config(**MOM_VARIANTS[variant])
     torch.manual_seed(3)
-    layer = MoMMemoryLayer(config, 0).eval()
+    layer = MoMLayer(config, 0).eval()
     with torch.no_grad():
         if layer.gated:
             layer.A_log.uniform_(-1, 1)
@@ -167,7 +167,7 @@ def test_gated_decode_step_equals_packed_path(variant):
     packed path's outputs and cache, across segment ends and with padded tokens."""
     config = tiny_mom_config(**GATED_VARIANTS[variant])
     torch.manual_seed(4)
-    layer = MoMMemoryLayer(config, 0).eval()
+    layer = MoMLayer(config, 0).eval()
     with torch.no_grad():
         layer.u_proj.weight.normal_(0, 1.0)
         if layer.gated:
@@ -209,7 +209,7 @@ def test_grouped_projections_equal_the_per_memory_products(shared, monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
-    layer = MoMMemoryLayer(tiny_mom_config(shared_memory=shared), 0).to(device, dtype)
+    layer = MoMLayer(tiny_mom_config(shared_memory=shared), 0).to(device, dtype)
     x = torch.randn(2, 9, layer.q_proj.in_features, device=device, dtype=dtype)
     plan = route(layer.gate(x), layer.topk, None, layer.shared_memory)
     packed = x.reshape(-1, x.shape[-1]).index_select(0, plan.token_index)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mnemo import MoMConfig, MoMForCausalLM
-from mnemo.modeling.mom_layer import MoMMemoryLayer
+from mnemo.modeling.mom_layer import MoMLayer
 
 from conftest import left_pad, tiny_mom, tiny_mom_config
 
@@ -107,8 +107,8 @@ def _decode(model, ids, split, mask=None):
 def test_gated_prefill_and_decode_equal_forward(aggregation, variant, monkeypatch):
     model = gated_mom(aggregation, **variant)
     steps = []
-    decode_step = MoMMemoryLayer._decode_step
-    monkeypatch.setattr(MoMMemoryLayer, "_decode_step", lambda self, *a: steps.append(1) or decode_step(self, *a))
+    decode_step = MoMLayer._decode_step
+    monkeypatch.setattr(MoMLayer, "_decode_step", lambda self, *a: steps.append(1) or decode_step(self, *a))
     ids = torch.randint(1, 97, (2, 19), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(ids).logits

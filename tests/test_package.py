@@ -44,6 +44,47 @@ def test_kernels_is_a_leaf_package():
                 )
 
 
+def test_triton_is_imported_in_one_place_under_try():
+    """Every kernel module takes ``triton`` from ``backend``, which imports it inside ``try``: transformers'
+    import check of an exported folder (which skips ``try`` blocks) then never asks for Triton."""
+    from transformers.dynamic_module_utils import get_imports
+
+    for path in (ROOT / "kernels").glob("*.py"):
+        assert "triton" not in get_imports(path), f"{path.name} imports triton outside a try block"
+
+
+def test_every_family_runs_where_triton_is_absent(tmp_path):
+    """With Triton not importable, every kernel module still imports and each family trains a step."""
+    code = (
+        "import importlib, importlib.abc, pkgutil, sys, torch\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'triton' or name.startswith('triton.'):\n"
+        "            raise ImportError('no triton here')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import mnemo, mnemo.kernels as K\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "assert not K.triton_available()\n"
+        "for m in pkgutil.iter_modules(K.__path__):\n"
+        "    importlib.import_module('mnemo.kernels.' + m.name)\n"
+        "torch.manual_seed(0)\n"
+        "small = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, intermediate_size=32)\n"
+        "for config in (mnemo.MoMConfig(num_heads=2, head_dim=8, **small),\n"
+        "               mnemo.AtlasConfig(num_heads=2, **small),\n"
+        "               mnemo.MCTitansConfig(num_heads=2, head_dim=8, segment_size=4, **small),\n"
+        "               mnemo.DeepTransformerConfig(num_attention_heads=2, memory_depth=2, **small)):\n"
+        "    model = AutoModelForCausalLM.from_config(config)\n"
+        "    ids = torch.randint(0, 40, (2, 9))\n"
+        "    model(ids, labels=ids).loss.backward()\n"
+        "print('ran')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ran" in out.stdout
+
+
 def test_repo_root_on_sys_path_is_harmless():
     """With the root as working directory, a top-level `kernels` is found; transformers and mnemo still work."""
     code = (

@@ -79,7 +79,7 @@ def test_mom_layer_gradients_are_those_of_keeping_the_activations(monkeypatch, b
     """The layer's gathered inputs, queries, keys and values are recomputed in the backward, bit for bit."""
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() and backend == "triton" else "cpu"
-    layer = mom_layer.MoMMemoryLayer(tiny_mom_config(chunk_size=16), 0).to(device)
+    layer = mom_layer.MoMLayer(tiny_mom_config(chunk_size=16), 0).to(device)
     x = torch.randn(2, 37, layer.gate.in_features, device=device, requires_grad=True)
 
     def grads():
