@@ -251,7 +251,7 @@ def _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lea
         new = new.to(dtype).transpose(1, 2)
         return new if cached is None else torch.cat([cached.to(dtype), new], dim=2)
 
-    get = (lambda name: getattr(state, name)) if state is not None else (lambda name: None)
+    get = (lambda name: getattr(state, name)) if state is not None else (lambda _name: None)
     K = _gather_time(cat_time(get("keys"), k), source, valid)
     V = _gather_time(cat_time(get("values"), v), source, valid)
     ETA = _gather_time(cat_time(get("eta"), eta), source, valid)

@@ -169,7 +169,7 @@ def read_scored(
     spec = MLPMemorySpec(depth=1, d_k=q.shape[-1], d_v=online.shape[-1])
     heads_first = lambda x: x.transpose(1, 2)  # noqa: E731  (mc_read's (I, H, L, ·) layout)
     y = mc_read(spec, "grm" if aggregation == "soup" else aggregation, ssc_topk, heads_first(q), heads_first(u),
-                lambda name, x: heads_first(online),  # the online read is already the recurrence's output
+                lambda _name, _x: heads_first(online),  # the online read is already the recurrence's output
                 heads_first(online_summary), {"w": cached.states.transpose(-1, -2)}, cached.summary(), cached_valid)
     return heads_first(y)
 

@@ -129,7 +129,7 @@ def _hidden_block(hidden: int, block: int) -> int:
 
 
 @triton.jit
-def _query_tile(Q, g_idx, T, tile, BQ: tl.constexpr, D: tl.constexpr):
+def _query_tile(g_idx, T, tile, BQ: tl.constexpr, D: tl.constexpr):
     """The rows, their mask and the offsets of query block ``tile`` of ``(G, T, D)`` tensors."""
     rows = tile * BQ + tl.arange(0, BQ)
     live = rows < T
@@ -157,7 +157,7 @@ def _forward_kernel(Q, G, W1, W2, Y, MEMS, COUNT, T, NG, G0, precision: tl.const
                     F: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the latest blocks read the most memories: first
     gi = G0 + tl.program_id(1).to(tl.int64)
-    rows, live, offs = _query_tile(Q, gi, T, tile, BQ, D)
+    rows, live, offs = _query_tile(gi, T, tile, BQ, D)
     q = tl.load(Q + offs, mask=live[:, None], other=0.0)
     q_op = q.to(W1.dtype.element_ty)
     acc = tl.zeros((BQ, D), tl.float32)
@@ -178,7 +178,7 @@ def _query_backward_kernel(Q, DY, G, W1, W2, DQ, DG, MEMS, STARTS, COUNT, T, NG,
                            D: tl.constexpr, F: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     gi = G0 + tl.program_id(1).to(tl.int64)
-    rows, live, offs = _query_tile(Q, gi, T, tile, BQ, D)
+    rows, live, offs = _query_tile(gi, T, tile, BQ, D)
     q = tl.load(Q + offs, mask=live[:, None], other=0.0)
     dy = tl.load(DY + offs, mask=live[:, None], other=0.0)
     q_op, dy_op = q.to(W1.dtype.element_ty), dy.to(W1.dtype.element_ty)
@@ -214,7 +214,7 @@ def _weight_backward_kernel(Q, DY, G, W1, W2, DW1, DW2, MEMS, STARTS, T, NG, G0,
     dw1 = tl.zeros((D, BH), tl.float32)
     dw2_t = tl.zeros((D, BH), tl.float32)
     for tile in range(start // BQ, tl.cdiv(T, BQ)):
-        rows, live, offs = _query_tile(Q, gi, T, tile, BQ, D)
+        rows, live, offs = _query_tile(gi, T, tile, BQ, D)
         q = tl.load(Q + offs, mask=live[:, None], other=0.0).to(W1.dtype.element_ty)
         dy = tl.load(DY + offs, mask=live[:, None], other=0.0).to(W1.dtype.element_ty)
         g = tl.load(G + (j * NG + gi) * T + rows, mask=live, other=0.0)

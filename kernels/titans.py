@@ -486,7 +486,7 @@ def chunk_titans(
     if track_start:
         carry += stored
     step = partial(_titans_step, spec, track_start, fused)
-    o, carry = run_resumable_chunks(lambda with_stored: step, carry, xs, (), state.position > 0, stored,
+    o, carry = run_resumable_chunks(lambda _with_stored: step, carry, xs, (), state.position > 0, stored,
                                     checkpoint_every=checkpoint_every, tf32=tf32_wanted(v))
     o = chunks_last(o).transpose(1, 2)  # (B, total, H, d_v)
     m = len(names)

@@ -304,7 +304,7 @@ class _ChunkMemory(torch.autograd.Function):
         if spec.grad_clip is not None:
             inner["raw"] = {n: A for n, (A, _) in factors.items()}
             factors = clip_rank_one(factors, spec.grad_clip)
-        Sn = (lambda n: S[n]) if momentum else (lambda n: None)
+        Sn = (lambda n: S[n]) if momentum else (lambda _n: None)
         saved = {}
         if spec.depth == 1:
             y, saved["w"] = _read(q, W["w"], Sn("w"), *factors["w"], a, b, c)
@@ -352,7 +352,7 @@ class _ChunkMemory(torch.autograd.Function):
         else:
             factors = {n: (A, k if Bf is None else Bf) for n, (A, Bf) in ctx.factors.items()}
             inner, saved = ctx.inner, ctx.saved
-        Sn = (lambda n: S[n]) if momentum else (lambda n: None)
+        Sn = (lambda n: S[n]) if momentum else (lambda _n: None)
         dW_new = dict(zip(names, d_new[:m]))
         dS_new = dict(zip(names, d_new[m:2 * m])) if momentum else None
         g = _Grads(a, c, names)

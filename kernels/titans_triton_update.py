@@ -130,7 +130,7 @@ def final_update(W: torch.Tensor, S: torch.Tensor | None, a: torch.Tensor, b: to
     return W_out.view(W.shape), (S_out.view(W.shape) if has_s else None)
 
 
-def _stack(uses: list[tuple[torch.Tensor, torch.Tensor]], lead: int, G: int, M: int, N: int, like: torch.Tensor):
+def _stack(uses: list[tuple[torch.Tensor, torch.Tensor]], G: int, M: int, N: int, like: torch.Tensor):
     if not uses:
         return like.new_zeros(G, 0, M), like.new_zeros(G, 0, N), 0
     L = torch.cat([left for left, _ in uses], -2)
@@ -150,10 +150,10 @@ def final_update_backward(W: torch.Tensor, S: torch.Tensor | None, dW_new: torch
     Wf = _flat(W, -2)
     G = Wf.shape[0]
     flat = lambda x: None if x is None else _flat(x, len(lead))  # noqa: E731
-    stacked_s = _stack(uses_s, len(lead), G, M, N, Wf) if S is not None else None
+    stacked_s = _stack(uses_s, G, M, N, Wf) if S is not None else None
     dW, dS, *dots = final_update_backward_stacked(
         Wf, _flat(S, -2), _flat(dW_new, -2), _flat(dS_new, -2), flat(a), flat(b), flat(sa),
-        _stack(uses_w, len(lead), G, M, N, Wf), stacked_s)
+        _stack(uses_w, G, M, N, Wf), stacked_s)
     if S is None:
         return dW.view(W.shape), None, dots[0].view(lead), None, None
     return dW.view(W.shape), dS.view(W.shape), *(x.view(lead) for x in dots)

@@ -115,7 +115,7 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _info(args: argparse.Namespace) -> int:
+def _info(_args: argparse.Namespace) -> int:
     import mnemo
 
     for config_cls, _, lm_cls in mnemo._FAMILIES:

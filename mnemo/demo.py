@@ -195,12 +195,12 @@ def _mc_titans(settings: DemoSettings):
 
 _BUILDERS: dict[str, tuple[Callable[[DemoSettings], PreTrainedModel], Callable[[DemoSettings], str]]] = {
     "MoM": (lambda s: _mom(s, "MoM", num_memories=4, topk=2, shared_memory=True),
-            lambda s: "4 gated-delta memories, top-2 routing, + shared memory"),
+            lambda _s: "4 gated-delta memories, top-2 routing, + shared memory"),
     "Atlas": (_atlas, lambda s: f"Atlas preset {s.atlas_preset!r}: deep MLP memory trained in context"),
-    "DeepTransformer": (_deep_transformer, lambda s: "attention + deep (Hebbian) memory branch"),
+    "DeepTransformer": (_deep_transformer, lambda _s: "attention + deep (Hebbian) memory branch"),
     "MC-Titans": (_mc_titans, lambda s: f"Titans MLP memory, cached every {max(16, s.seq_len // 4)} tokens (GRM)"),
     BASELINE: (lambda s: _mom(s, BASELINE, num_memories=1, topk=1, shared_memory=False),
-               lambda s: "plain recurrent baseline: one gated-delta memory (MoM, 1 memory, top-1)"),
+               lambda _s: "plain recurrent baseline: one gated-delta memory (MoM, 1 memory, top-1)"),
 }
 
 

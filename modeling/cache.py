@@ -130,13 +130,13 @@ class MnemoCache(Cache):
             return 0
         return self.layers[layer_idx or 0].seen_tokens
 
-    def get_max_length(self, layer_idx: int | None = None) -> int:
+    def get_max_length(self, layer_idx: int | None = None) -> int:  # noqa: ARG002  (transformers' signature)
         return -1
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.layers[layer_idx].get_mask_sizes(query_length)
 
-    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:  # noqa: ARG002
         return self.get_seq_length(layer_idx or 0) > 0
 
     @property

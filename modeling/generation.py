@@ -49,7 +49,7 @@ class MnemoGenerationMixin(GenerationMixin):
     _is_stateful = True
 
     @classmethod
-    def decode_graph_obstacle(cls, config) -> str:
+    def decode_graph_obstacle(cls, config) -> str:  # noqa: ARG003  (overrides read the config)
         """Why this model cannot decode through a CUDA graph (``""``: it can); families that can override it."""
         return f"{cls.__name__} has no fixed-size decode step without host reads yet"
 

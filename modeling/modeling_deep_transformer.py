@@ -35,7 +35,7 @@ class DeepTransformerBlock(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        key_valid: torch.Tensor | None = None,
+        key_valid: torch.Tensor | None = None,  # noqa: ARG002  (every family's block takes stack.py's arguments)
         positions: torch.Tensor | None = None,
         past_key_values: LayerCache | None = None,
     ) -> tuple[torch.Tensor, None]:

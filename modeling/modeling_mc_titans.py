@@ -34,8 +34,8 @@ class MCTitansBlock(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        key_valid: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
+        key_valid: torch.Tensor | None = None,  # noqa: ARG002  (every family's block takes stack.py's arguments)
+        positions: torch.Tensor | None = None,  # noqa: ARG002
         past_key_values: LayerCache | None = None,
     ) -> tuple[torch.Tensor, None]:
         memory = self.attn(self.attn_norm(hidden_states), attention_mask, past_key_values).hidden_states

@@ -130,7 +130,7 @@ class MoMLayer(nn.Module):
         """Every memory's projections ``k, v, beta`` (and decay when gated), the shared memory last."""
         return [[p for p in self._memory(m) if p is not None] for m in range(self.num_states)]
 
-    def _cached_states(self, cache: LayerCache | None, batch: int, like: torch.Tensor):
+    def _cached_states(self, cache: LayerCache | None, batch: int):
         """States in sequence order ``m * B + b`` (``None`` entries mean zeros)."""
         if cache is None or "recurrent" not in cache:
             return None, None, None, None
@@ -376,7 +376,7 @@ class MoMLayer(nn.Module):
         valid = attention_mask.bool() if attention_mask is not None else None
         plan = route(self.gate(hidden_states), self.topk, valid, self.shared_memory)
 
-        state, win_q, win_k, win_v = self._cached_states(cache, B, hidden_states)
+        state, win_q, win_k, win_v = self._cached_states(cache, B)
         windows = ConvWindows.build(plan.cu_seqlens, self.conv_size, token_sequence=plan.sequence)
         with RecomputedSaves() as saves:
             # Each memory's gathered rows of x, the gathered queries and the projected keys and values are

@@ -14,7 +14,7 @@ import sys
 
 
 class _BlockMnemo(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
+    def find_spec(self, name, _path=None, _target=None):
         if name == "mnemo" or name.startswith("mnemo."):
             raise ImportError(f"{name} is blocked: Hub folders must not need mnemo")
         return None

@@ -142,13 +142,14 @@ class ReplayOnCPU:
 def replay_on_cpu(monkeypatch):
     from mnemo.kernels import chunk_loop
 
-    monkeypatch.setattr(chunk_loop, "_graphs_wanted", lambda tensors, n, graphs=None: graphs is not False)
+    monkeypatch.setattr(chunk_loop, "_graphs_wanted", lambda _tensors, _n, graphs=None: graphs is not False)
     monkeypatch.setattr(chunk_loop, "graphed_step", ReplayOnCPU)
 
 
 @pytest.mark.parametrize("unit", [None, 1, 2])
 @pytest.mark.parametrize("every", [None, 1, 3])
-def test_replayed_steps_equal_plain_autograd(every, unit, replay_on_cpu):
+@pytest.mark.usefixtures("replay_on_cpu")
+def test_replayed_steps_equal_plain_autograd(every, unit):
     # replayed steps recompute by default
     assert_run_chunks_is_plain_autograd(checkpoint_every=every, backward_unit=unit)
     h0, kept, inp, mask, w = toy_inputs()
@@ -159,7 +160,7 @@ def test_replayed_steps_equal_plain_autograd(every, unit, replay_on_cpu):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_uncaptured_loops_run_under_plain_autograd_unless_asked(monkeypatch):
+def test_uncaptured_loops_run_under_plain_autograd_unless_asked():
     h0, kept, inp, mask, w = toy_inputs()
     ys, _ = run_chunks(toy_step, (h0, kept), (inp, mask), (w,))  # CPU: no graphs, so no recompute
     assert type(ys[0].grad_fn).__name__ != "_ChunkLoopBackward"
@@ -221,7 +222,8 @@ def titans_inputs(spec):
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 @pytest.mark.parametrize("chunk, every", [(4, None), (4, 1), (5, 2), (64, None)])
-def test_titans_gradients_equal_the_reference(name, chunk, every, loop_mode):
+@pytest.mark.usefixtures("loop_mode")
+def test_titans_gradients_equal_the_reference(name, chunk, every):
     spec = SPECS[name]
     init, q, k, v, alpha, eta, theta = titans_inputs(spec)
     lengths = torch.tensor([T, 11, 6])
@@ -238,7 +240,8 @@ def test_titans_gradients_equal_the_reference(name, chunk, every, loop_mode):
 
 
 @pytest.mark.parametrize("chunk", [4, 5])
-def test_titans_gradients_flow_through_a_resumed_state(chunk, loop_mode):
+@pytest.mark.usefixtures("loop_mode")
+def test_titans_gradients_flow_through_a_resumed_state(chunk):
     """A prefix of ragged length, then the rest from its state: gradients of both calls' outputs reach
     every input as in one reference pass (the resumed chunk reads the stored chunk-start weights)."""
     spec = SPECS["mlp"]
@@ -283,7 +286,8 @@ MC_CASES = [
 
 
 @pytest.mark.parametrize("seg, mode, agg", MC_CASES)
-def test_mc_titans_gradients_equal_the_reference(seg, mode, agg, loop_mode):
+@pytest.mark.usefixtures("loop_mode")
+def test_mc_titans_gradients_equal_the_reference(seg, mode, agg):
     spec = SPECS["mlp"]
     init, q, k, v, alpha, eta, theta = titans_inputs(spec)
     u = torch.randn(B, T, H, DK, generator=torch.Generator().manual_seed(4), dtype=torch.float64).requires_grad_()
@@ -334,7 +338,8 @@ def atlas_case(memory, optimizer):
 
 
 @pytest.mark.parametrize("memory, optimizer, window, chunk", ATLAS_CASES)
-def test_atlas_gradients_equal_the_reference(memory, optimizer, window, chunk, loop_mode):
+@pytest.mark.usefixtures("loop_mode")
+def test_atlas_gradients_equal_the_reference(memory, optimizer, window, chunk):
     from test_kernels_atlas import B as AB, H as AH, TAKES as ATAKES, next_tokens
 
     spec, init, xs, leaves = atlas_case(memory, optimizer)
@@ -358,7 +363,8 @@ def test_atlas_gradients_equal_the_reference(memory, optimizer, window, chunk, l
 
 
 @pytest.mark.parametrize("aggregation", ["grm", "residual"])
-def test_atlas_memory_caching_gradients_equal_the_reference(aggregation, loop_mode):
+@pytest.mark.usefixtures("loop_mode")
+def test_atlas_memory_caching_gradients_equal_the_reference(aggregation):
     from test_kernels_atlas import B as AB, H as AH, TAKES as ATAKES, next_tokens
 
     spec, init, xs, leaves = atlas_case("mlp", "momentum")
@@ -475,7 +481,7 @@ def test_a_carry_gradient_left_in_a_graph_buffer_is_owned_when_returned(snapshot
             kept_graphs[key] = ReplayOnCPU(step, carry, x, consts, need_x, need_consts, backward)
         return kept_graphs[key]
 
-    monkeypatch.setattr(chunk_loop, "_graphs_wanted", lambda tensors, n, graphs=None: graphs is not False)
+    monkeypatch.setattr(chunk_loop, "_graphs_wanted", lambda _tensors, _n, graphs=None: graphs is not False)
     monkeypatch.setattr(chunk_loop, "graphed_step", cached)
 
     def grads(scale):
@@ -517,7 +523,7 @@ def test_a_returned_carry_gradient_is_owned_when_uncaptured_units_follow_a_captu
             return None
         return kept_graphs.setdefault(backward, ReplayOnCPU(step, carry, x, consts, need_x, need_consts, backward))
 
-    monkeypatch.setattr(chunk_loop, "_graphs_wanted", lambda tensors, n, graphs=None: graphs is not False)
+    monkeypatch.setattr(chunk_loop, "_graphs_wanted", lambda _tensors, _n, graphs=None: graphs is not False)
     monkeypatch.setattr(chunk_loop, "graphed_step", only_short_units)
 
     def grads(scale):
@@ -557,7 +563,8 @@ def test_the_spacing_asked_by_loop_options_is_the_default_one(loop_mode, request
 
 
 @pytest.mark.parametrize("agg", ["grm", "ssc", "residual", "mean"])
-def test_mc_titans_whole_segments_run_in_one_loop_and_equal_the_reference(agg, loop_mode, monkeypatch):
+@pytest.mark.usefixtures("loop_mode")
+def test_mc_titans_whole_segments_run_in_one_loop_and_equal_the_reference(agg, monkeypatch):
     """Whole segments of whole chunks take one chunk loop whose checkpoints are the cached memories
     (mc_titans._segments_in_one_loop); two calls of whole segments equal one reference run."""
     from mnemo.kernels import mc_titans

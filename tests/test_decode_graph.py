@@ -141,12 +141,12 @@ def test_a_step_that_cannot_be_captured_leaves_the_cache_as_the_prefill_left_it(
         def wait_stream(self, other):
             pass
 
-    def failing_capture(graph):
+    def failing_capture(_graph):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda _s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
     monkeypatch.setattr(torch.cuda, "graph", failing_capture)
     model = tiny_mom(seed=2)

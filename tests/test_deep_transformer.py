@@ -49,7 +49,7 @@ def test_deep_branch_off_equals_attention_and_on_differs():
         for layer in deep.model.layers:
             layer.self_attn.memory_w1.zero_()  # W_1(0) = 0
             # the learning-rate gate forced to 0: sigmoid(-inf)
-            layer.self_attn.eta_proj.register_forward_hook(lambda m, i, o: torch.full_like(o, float("-inf")))
+            layer.self_attn.eta_proj.register_forward_hook(lambda _m, _i, o: torch.full_like(o, float("-inf")))
         torch.testing.assert_close(deep(ids).logits, flat(ids).logits, rtol=0, atol=1e-6)
 
 

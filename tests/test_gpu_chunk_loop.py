@@ -32,7 +32,7 @@ def make_inputs(dtype=torch.float32, seed=0, device="cuda"):
     return init, q, k, v, u, alpha, eta, theta
 
 
-def titans(init, q, k, v, u, alpha, eta, theta):
+def titans(init, q, k, v, _u, alpha, eta, theta):
     lengths = torch.tensor([T, T - 37], device=q.device)
     return chunk_titans(SPEC, q, k, v, alpha, eta, theta, TitansState.initial(init, B), chunk_size=16,
                         lengths=lengths)[0]
@@ -43,7 +43,7 @@ def mc_titans(init, q, k, v, u, alpha, eta, theta):
     return chunk_mc_titans(SPEC, opts, q, k, v, u, alpha, eta, theta, init, MCState.initial(init, B, D))[0]
 
 
-def atlas_muon(init, q, k, v, u, alpha, eta, theta):
+def atlas_muon(init, q, k, v, _u, alpha, eta, theta):
     state = AtlasState.initial(SPEC, init, B, H, 4, "muon")
     return chunk_atlas(SPEC, q, k, v, alpha, theta, eta, alpha, state, optimizer="muon", omega_window=4,
                        chunk_size=16, ns_steps=3)[0]
@@ -60,7 +60,7 @@ def output_and_grads(run, inputs):
 
 @pytest.mark.parametrize("run", [titans, mc_titans, atlas_muon])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graphed_chunks_equal_eager_chunks(run, dtype, monkeypatch):
+def test_graphed_chunks_equal_eager_chunks(run, dtype):
     inputs = make_inputs(dtype)
     graphed = output_and_grads(run, inputs)
     # the same recompute, uncaptured (plain autograd would run its backward outside the TF32 products)
@@ -71,7 +71,7 @@ def test_graphed_chunks_equal_eager_chunks(run, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("run", [titans, mc_titans, atlas_muon])
-def test_graphed_prefill_equals_eager_chunks(run, monkeypatch):
+def test_graphed_prefill_equals_eager_chunks(run):
     """Without gradients the chunks run in captured units (8 chunks, or MC's stretches of 4) and the chunks
     after the last whole unit one at a time: 13 chunks here, so both kinds run. Same values as uncaptured."""
     inputs = make_inputs()
@@ -103,7 +103,7 @@ def test_prefills_of_any_length_take_two_captures():
     assert len(chunk_loop._GRAPHS) == captured
 
 
-def test_graphed_chunks_under_autocast_equal_eager_ones(monkeypatch):
+def test_graphed_chunks_under_autocast_equal_eager_ones():
     """Within bf16 rounding: the matmuls run in bf16 here, and the captured ones round like the eager
     ones only up to the last bit (max abs difference 3.8e-4 measured on an H100). A graph that replayed
     a stale autocast cast (the cast cache left on while capturing) was off by far more."""
@@ -169,7 +169,7 @@ def _real_shape_inputs(dtype, spec, Bn=2, Tn=256, Hn=4):
 
 
 def _real_titans(spec):
-    def run(init, q, k, v, u, alpha, eta, theta):
+    def run(init, q, k, v, _u, alpha, eta, theta):
         return chunk_titans(spec, q, k, v, alpha, eta, theta, TitansState.initial(init, q.shape[0]), chunk_size=64)[0]
     return run
 
@@ -183,7 +183,7 @@ def _real_mc(spec, aggregation="grm", segment=128, topk=2):
 
 
 def _real_atlas(spec, optimizer):
-    def run(init, q, k, v, u, alpha, eta, theta):
+    def run(init, q, k, v, _u, alpha, eta, theta):
         # unit keys as the layer gives them: a window of 16 raw keys of norm 8 diverges either way
         q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
         state = AtlasState.initial(spec, init, q.shape[0], q.shape[2], 16, optimizer)
@@ -207,7 +207,7 @@ REAL = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(REAL))
-def test_hand_written_chunks_equal_autograd_over_the_operator_at_real_shapes(name, dtype, monkeypatch):
+def test_hand_written_chunks_equal_autograd_over_the_operator_at_real_shapes(name, dtype):
     """The fused chunks (kernels/titans_chunk.py, Triton final updates) against autograd over
     ChunkOperator, both graphed, at the benchmark's head shapes. float32 problems: exact products;
     bf16 problems: TF32 products on both sides, summed in other orders."""

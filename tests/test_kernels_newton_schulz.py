@@ -172,7 +172,7 @@ def test_triton_forward_keeps_iterates_only_for_a_gradient(monkeypatch):
     torch.testing.assert_close(kept[1][:, -1].float(), G, rtol=1e-2, atol=1e-2)
 
 
-def test_newton_schulz_keeps_the_torch_path_past_the_kernels_limits(monkeypatch):
+def test_newton_schulz_keeps_the_torch_path_past_the_kernels_limits():
     """Short sides over 64 and float64 stay on the PyTorch path even when Triton is asked."""
     from mnemo.kernels.backend import use_backend
 
@@ -199,7 +199,7 @@ def test_atlas_muon_with_triton_newton_schulz(monkeypatch):
     ref = reference_atlas(spec, *xs, init, **opts)
 
     def run(triton: bool):
-        monkeypatch.setattr(ns_module, "triton_wanted", supported if triton else lambda X: False)
+        monkeypatch.setattr(ns_module, "triton_wanted", supported if triton else lambda _X: False)
         init32 = {n: w.float().to(DEVICE).requires_grad_() for n, w in init.items()}
         xs32 = [x.float().to(DEVICE).requires_grad_() for x in xs]
         out, _ = chunk_atlas(spec, *xs32, AtlasState.initial(spec, init32, B, H, 3, "muon"), **opts)
@@ -217,7 +217,7 @@ def test_atlas_muon_with_triton_newton_schulz(monkeypatch):
     for got, ours in ((out, torch_out), (stepped, torch_stepped)):
         bound = 3 * (ours.double().cpu() - ref).abs().max().item()
         torch.testing.assert_close(got.double().cpu(), ref, rtol=0, atol=max(bound, 1e-6))
-    monkeypatch.setattr(ns_module, "triton_wanted", lambda X: False)
+    monkeypatch.setattr(ns_module, "triton_wanted", lambda _X: False)
     init64 = {n: w.clone().requires_grad_() for n, w in init.items()}
     xs64 = [x.clone().requires_grad_() for x in xs]
     out64, _ = chunk_atlas(spec, *xs64, AtlasState.initial(spec, init64, B, H, 3, "muon"), **opts)

@@ -109,7 +109,7 @@ def test_uncovered_memories_are_refused_by_name():
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _update_problem(momentum, M=70, N=33, K=19, seed=5):
+def _update_problem(momentum, M=70, N=33, seed=5):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float32).to(DEVICE)  # noqa: E731
     W, S = r(2, 3, M, N), (r(2, 3, M, N) if momentum else None)
@@ -357,7 +357,7 @@ def sliced_backward_calls(monkeypatch):
     return calls
 
 
-def test_the_sliced_backward_follows_the_sliced_forward(sliced_backward_calls, monkeypatch):
+def test_the_sliced_backward_follows_the_sliced_forward(sliced_backward_calls):
     """A chunk whose forward ran sliced runs its backward through the Triton launches;
     ``comparison_paths(chunk_backward="torch")`` takes the written-out PyTorch backward, with the same
     gradients."""

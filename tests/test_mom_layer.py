@@ -216,7 +216,7 @@ def test_grouped_projections_equal_the_per_memory_products(shared, monkeypatch):
     assert mom_layer._grouped_product_covers(packed)
 
     def projections(grouped: bool):
-        monkeypatch.setattr(mom_layer, "_grouped_product_covers", lambda t: grouped)
+        monkeypatch.setattr(mom_layer, "_grouped_product_covers", lambda _t: grouped)
         layer.zero_grad()
         rows = packed.detach().clone().requires_grad_()
         parts = [p for p in layer._memory_projections(rows, plan) if p is not None]

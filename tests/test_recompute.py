@@ -70,7 +70,7 @@ def test_no_recipes_without_gradients_or_under_no_grad():
 
 
 class KeepEverything(RecomputedSaves):
-    def register(self, tensor, recipe):
+    def register(self, tensor, _recipe):
         return tensor
 
 

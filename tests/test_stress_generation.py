@@ -61,7 +61,7 @@ class RowSeededGumbelSampler(LogitsProcessor):
     def __init__(self, seeds: list[int], temperature: float = 0.8, top_k: int = 20) -> None:
         self.seeds, self.temperature, self.top_k, self.step = list(seeds), temperature, top_k, 0
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, _input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         assert scores.shape[0] == len(self.seeds), "one seed per row"
         logits = scores.float() / self.temperature
         kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
