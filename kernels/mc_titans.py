@@ -1,21 +1,9 @@
 """Memory Caching over the Titans memory (FAMILIES.md §2, MC paper): the cached memories of MC-Titans.
 
-The sequence of each row is cut into segments; at the end of a segment the layer
-caches the online memory's weights ``M^(i)`` and the segment's summary ``r^(i)``
-(the mean of its normalised keys). Token ``t`` reads its online memory ``M_t``
-(after its own write) and the cached memories through ``aggregation``, scored by
-``s^(i) = <u_t, r^(i)>`` with the gate projection ``u_t`` (the online memory's
-summary is the mean of the current segment's keys so far):
-
-- ``residual``: ``M_t(q) + sum_i M^(i)(q)``;  ``mean``: their uniform average;
-- ``grm``: ``softmax`` of the scores over cached and online memories, weighted sum;
-- ``soup``: the same weights mix the memories' *weights*, then one forward;
-- ``ssc``: ``grm`` over the ``ssc_topk`` best cached memories and the online one. Cached
-  memories tied with the ``ssc_topk``-th best score are all kept, so a zero gate projection
-  reads every memory uniformly, like ``mean``; "tied" means within ``SSC_TIE_TOLERANCE`` of it
-  (relative, at least 1 in scale), because two segments with the same keys get summaries that
-  differ by rounding when they are computed in different calls (a prefill and a decode step),
-  and an exact comparison then kept one memory in one path and two in the other.
+Each row's sequence is cut into segments; at a segment's end the layer caches the online Titans
+memory's weights and the segment's key summary, and every token reads its online memory and the
+cached ones through the aggregation of :mod:`.memory_caching` (``residual``, ``mean``, ``grm``,
+``soup``, ``ssc``).
 
 Segmentation ``constant`` cuts every ``segment_size`` tokens (``None``: one
 segment, plain Titans) and restarts the inner chunks at each segment start;
