@@ -1,149 +1,270 @@
-"""Compile mnemo's Triton kernels for a GPU without one: shared memory, registers and spills.
+"""Compile mnemo's Triton kernels for a GPU on a machine without one: shared memory, registers, spills.
 
-``--kernels key_pass`` (default): the DeepTransformer key pass; ``--kernels titans_forward`` /
-``titans_backward``: the sliced chunk forward / backward of the Titans memory
-(:mod:`mnemo.kernels.titans_chunk_forward_triton`, :mod:`mnemo.kernels.titans_chunk_backward_triton`, at
-their default blocks, 64-token chunks, a 256-wide key and 16 hidden slices, with momentum, ``l2`` and
-the clip).
+What it reports: for each distinct launch a kernel family makes at a given shape, the shared memory the
+compiled kernel asks for (and whether it fits the largest block of an SM: 232,448 bytes on an H100) and
+the registers and spilled bytes that Triton's bundled ``ptxas -v`` reports for the target. That tells,
+before a GPU run, whether a launch can start at all and which warp counts spill. It cannot tell whether
+the results are right (the GPU tests do) nor how fast a kernel runs.
 
-Triton compiles for a named target on any machine (``GPUTarget("cuda", 90, 32)`` is Hopper), and its
-bundled ``ptxas -v`` reports registers and spills. That tells, before a GPU run, whether a launch fits an
-SM (an H100 has 227 KB of shared memory per block) and which warp counts spill. It cannot tell whether
-the numbers are right: that needs the GPU tests. Run with the Triton version of the GPU machines
-importable (3.6), e.g. ``python benchmarks/compile_for_gpu.py --chunks 64 --widths 64,128``.
+How: the family's own launch code runs on tensors of the ``meta`` device with Triton's launch replaced
+by a recorder, so the launches are those the code makes at that shape: the kernel, its arguments' types,
+its constants, warps and stages, with Triton's specialisations (integers equal to 1, 16-byte alignment
+and multiples of 16). Each distinct launch is compiled with Triton's compiler for ``--arch`` (default
+90: Hopper). Families:
+
+- ``titans_forward`` / ``titans_backward``: the sliced chunk of a depth-2 MLP memory
+  (``mnemo.kernels.titans_triton_forward`` / ``titans_triton_backward``) at ``--memory``: ``titans_4x256``
+  (the Titans layer: width 256, hidden 1024, 64 written tokens, momentum), ``titans_16x64``,
+  ``atlas_momentum_16x64`` and ``atlas_omeganet_16x64`` (width 64, hidden 256, Omega window 16: 79
+  written tokens; with and without momentum); clip 10, ``l2``; TF32 products unless ``--float32``;
+- ``key_pass``: the DeepTransformer key pass's forward and backward
+  (``mnemo.kernels.deep_attention_triton_key_pass``) at 16 heads x 64, memory hidden 64, chunk 64, reads
+  in each of ``--reads``, at the T=8192 step (B=2: 32 rows of 128 chunks, in groups with bulk launches).
+
+``--set module.NAME=VALUE`` (or ``module.DICT.key=VALUE``) changes a launch constant of a module of
+``mnemo.kernels`` first, e.g. ``--set titans_triton_forward.BLOCKS.backward_warps=8`` or
+``--set deep_attention_triton_key_pass._WARPS=4``.
+
+Prints one JSON line per distinct launch; writes nothing. Registers vary between Triton versions: run
+with the GPU machines' version (3.6) where it matters, e.g.
+``python benchmarks/compile_for_gpu.py --kernels titans_backward --memory atlas_momentum_16x64``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile for real, whatever the shell says
+import torch
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.compiler import compile as triton_compile  # noqa: E402
-
-from mnemo.kernels import deep_attention_key_pass_triton as key_pass  # noqa: E402
-from mnemo.kernels import titans_chunk_backward_triton as titans_backward  # noqa: E402
-from mnemo.kernels import titans_chunk_forward_triton as titans_forward  # noqa: E402
-
-INTS = {"m", "first", "lo", "hi", "top", "N", "T", "BH", "DK", "DV", "HID"}
-TITANS_INTS = {"C", "K", "D", "F", "NS", "ROWS1"}
-TITANS_SLICES = 16  # the benchmark's hidden layer (1024) in slices of 64
-FLOATS = {"scale", "clip"}
+MAX_SHARED = 232448  # bytes a block of an H100 may take
+MEMORIES = {  # (width, hidden, written tokens, momentum)
+    "titans_4x256": (256, 1024, 64, True),
+    "titans_16x64": (64, 256, 64, True),
+    "atlas_momentum_16x64": (64, 256, 79, True),
+    "atlas_omeganet_16x64": (64, 256, 79, False),
+}
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
+         torch.int64: "i64", torch.int8: "i8", torch.bool: "i1"}
 
 
-def signature(fn, reads: str, constants: dict, ints: set = INTS) -> tuple[dict, dict]:
-    """Argument types of a kernel: ``ints`` 32-bit integers, the reads' tensors in ``reads``, other
-    pointers float32."""
-    types = {}
-    for name in fn.arg_names:
-        if name in constants:
-            types[name] = "constexpr"
-        elif name in ints:
-            types[name] = "i32"
-        elif name in FLOATS:
+@dataclass
+class Launch:
+    fn: object
+    args: dict
+    options: dict = field(default_factory=dict)
+
+
+class Recorder:
+    """Triton's launch replaced: ``kernel[grid](...)`` records the kernel and its arguments by name."""
+
+    def __init__(self) -> None:
+        self.launches: list[Launch] = []
+
+    def __enter__(self) -> Recorder:
+        from triton.runtime.jit import JITFunction
+
+        self.saved = JITFunction.run
+        recorder = self
+
+        def run(fn, *args, grid=None, warmup=False, **kwargs):  # noqa: ARG001  (Triton's signature)
+            bound = dict(zip(fn.arg_names, args))
+            options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
+            bound.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
+            recorder.launches.append(Launch(fn, bound, options))
+
+        JITFunction.run = run
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from triton.runtime.jit import JITFunction
+
+        JITFunction.run = self.saved
+
+
+def signature(launch: Launch) -> tuple[dict, dict, dict]:
+    """Argument types, constants and alignment hints of a recorded launch, as Triton's launcher derives them."""
+    fn = launch.fn
+    types, constants, hints = {}, {}, {}
+    dns = set(getattr(fn, "do_not_specialize", []) or [])
+    for i, param in enumerate(fn.params):
+        name = param.name
+        value = launch.args.get(name, param.default if param.has_default else None)
+        frozen = i in dns or name in dns
+        if param.is_constexpr:
+            types[name], constants[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            types[name] = "*" + TYPES[value.dtype]
+            if (value.storage_offset() * value.element_size()) % 16 == 0:
+                hints[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            types[name] = "i1"
+        elif isinstance(value, int):
+            if value == 1 and not frozen:
+                types[name], constants[name] = "constexpr", 1
+                continue
+            types[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0 and not frozen:
+                hints[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
             types[name] = "fp32"
-        else:
-            types[name] = f"*{reads}" if name in ("K", "UR", "A", "DA") else "*fp32"
-    return types, {name: constants[name] for name in fn.arg_names if name in constants}
+        else:  # None: an absent optional operand
+            types[name], constants[name] = "constexpr", value
+    return types, constants, hints
+
+
+def ptxas_path(arch: int) -> str:
+    """The ptxas Triton itself compiles with for ``arch`` (newer Triton bundles one per architecture)."""
+    import triton
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        try:
+            return get_ptxas(arch).path
+        except TypeError:
+            return get_ptxas().path
+    except (ImportError, AttributeError):
+        return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
 
 
 def ptxas_report(ptx: str, arch: int) -> str:
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    ptxas = ptxas_path(arch)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
-    out = subprocess.run([str(ptxas), "-v", "--gpu-name", f"sm_{arch}a", f.name, "-o", os.devnull],
-                         capture_output=True, text=True)
-    os.unlink(f.name)
+    try:
+        out = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=False)
+    finally:
+        os.unlink(f.name)
     return " ".join(line.split(":", 1)[-1].strip() for line in out.stderr.splitlines()
                     if "registers" in line or "spill" in line)
 
 
-def _compile(fn, reads: str, constants: dict, target, warps: int, stages: int, ints: set = INTS) -> dict:
-    if "NS" in {p.name for p in fn.params if p.is_constexpr}:  # a kernel that unrolls over the slices
-        constants = {**constants, "NS": TITANS_SLICES}
-    types, consts = signature(fn, reads, constants, ints)
-    hints = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if types[name].startswith("*")}
-    kernel = triton_compile(ASTSource(fn, types, consts, hints), target=target,
-                            options=dict(num_warps=warps, num_stages=stages))
-    return dict(shared_bytes=kernel.metadata.shared, ptxas=ptxas_report(kernel.asm["ptx"], target.arch))
+def compile_launch(launch: Launch, arch: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+
+    types, constants, hints = signature(launch)
+    options = {k: v for k, v in launch.options.items() if k in ("num_warps", "num_stages", "num_ctas", "maxnreg")}
+    kernel = triton_compile(ASTSource(launch.fn, types, constants, hints), target=GPUTarget("cuda", arch, 32),
+                            options=options)
+    shared = kernel.metadata.shared
+    return dict(triton=triton.__version__, arch=arch, kernel=launch.fn.__name__, **options, shared_bytes=shared,
+                fits=shared <= MAX_SHARED, ptxas=ptxas_report(kernel.asm["ptx"], arch),
+                constants={k: v for k, v in constants.items() if isinstance(v, (int, float, str, bool))})
 
 
-def titans_forward_rows(target, BK: int = 64) -> None:
-    blocks = titans_forward.BLOCKS
-    constants = dict(HAS_S=True, L2=True, CLIP=True, BC=64, BK=BK, BF=blocks["slice"], BD=blocks["width"],
-                     BR=blocks["rows"], BDF=256, U=blocks["share_unroll"], PRECISION="tf32")
-    for fn, warps, extra in ((titans_forward._pre_kernel, blocks["warps"], {}),
-                             (titans_forward._error_kernel, blocks["warps"], dict(BR=blocks["error_rows"])),
-                             (titans_forward._back_kernel, blocks["warps"], {}),
-                             (titans_forward._read_kernel, blocks["read_warps"], dict(BW=blocks["read_width"])),
-                             (titans_forward._update_kernel, blocks["update_warps"], dict(BD=blocks["update_width"])),
-                             (titans_forward._output_kernel, blocks["warps"], dict(BD=blocks["output_width"]))):
-        row = dict(triton=triton.__version__, arch=target.arch, kernel=fn.__name__, BK=BK, warps=warps)
-        row.update(_compile(fn, "fp32", {**constants, **extra}, target, warps, blocks["stages"], TITANS_INTS))
-        print(json.dumps(row), flush=True)
+# ------------------------------------------------------------------------------------- the families' launches
+
+META = dict(device="meta")
 
 
-def titans_backward_rows(target, BK: int = 64) -> None:
-    blocks = titans_forward.BLOCKS
-    constants = dict(HAS_S=True, L2_OBJ=True, CLIP=True, BC=64, BK=BK, BF=blocks["slice"], BD=blocks["width"],
-                     BR=blocks["backward_rows"], BKB=blocks["backward_rows"], U=blocks["share_unroll"],
-                     PRECISION="tf32")
-    for fn, warps in ((titans_backward._slices_kernel, blocks["backward_warps"]),
-                      (titans_backward._gates_kernel, blocks["warps"]),
-                      (titans_backward._width_kernel, blocks["warps"]),
-                      (titans_backward._chain_kernel, blocks["warps"]),
-                      (titans_backward._error_grad_kernel, blocks["warps"]),
-                      (titans_backward._prediction_kernel, blocks["warps"]),
-                      (titans_backward._sum_kernel, blocks["warps"])):
-        for w in sorted({warps, 4, 8}) if fn is titans_backward._slices_kernel else (warps,):
-            row = dict(triton=triton.__version__, arch=target.arch, kernel=fn.__name__, BK=BK, warps=w)
-            stages = blocks["backward_stages"] if fn is titans_backward._slices_kernel else blocks["stages"]
-            row.update(_compile(fn, "fp32", constants, target, w, stages, TITANS_INTS))
-            print(json.dumps(row), flush=True)
+def titans_launches(memory: str, backward: bool) -> list[Launch]:
+    from mnemo.kernels.mlp_memory import MLPMemorySpec
+    from mnemo.kernels.titans_triton_backward import chunk_backward
+    from mnemo.kernels.titans_triton_forward import chunk_forward
+
+    D, F, K, momentum = MEMORIES[memory]
+    spec = MLPMemorySpec(depth=2, d_k=D, d_v=D, expansion=F // D, grad_clip=10.0)
+    G, C = 8, 64  # batch x heads of the T=8192 step; a chunk of 64 queries
+    f32 = dict(META, dtype=torch.float32)
+    W = {name: torch.empty(G, *shape, **f32) for name, shape in spec.shapes.items()}
+    S = {name: torch.empty_like(w) for name, w in W.items()} if momentum else None
+    q, k, v = torch.empty(G, C, D, **f32), torch.empty(G, K, D, **f32), torch.empty(G, K, D, **f32)
+    a, c = torch.empty(G, C, **f32), torch.empty(G, C, K, **f32)
+    b, sa_last, sc_last = (torch.empty(G, C, **f32), torch.empty(G, **f32), torch.empty(G, K, **f32)) if momentum \
+        else (None, None, None)
+    with Recorder() as forward:
+        y, W_new, S_new, parts = chunk_forward(spec, W, S, q, k, v, a, b, c, sa_last, sc_last)
+    if not backward:
+        return forward.launches
+    with Recorder() as rec:
+        chunk_backward(spec, W, S, q, k, a, b, c, sa_last, sc_last, parts, torch.empty_like(y),
+                       {n: torch.empty_like(w) for n, w in W_new.items()},
+                       {n: torch.empty_like(s) for n, s in S_new.items()} if momentum else None)
+    return rec.launches
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", choices=("key_pass", "titans_forward", "titans_backward"), default="key_pass")
-    parser.add_argument("--arch", type=int, default=90)
-    parser.add_argument("--chunks", default="64")
-    parser.add_argument("--widths", default="64")
-    parser.add_argument("--keys", default="64", help="Titans: blocks of written tokens (Atlas' window: 128)")
-    parser.add_argument("--warps", default="4,8")
-    parser.add_argument("--reads", default="bf16,fp32")
-    args = parser.parse_args()
-    target = GPUTarget("cuda", args.arch, 32)
-    if args.kernels.startswith("titans"):
-        for keys in map(int, args.keys.split(",")):
-            (titans_forward_rows if args.kernels == "titans_forward" else titans_backward_rows)(target, keys)
-        return
-    for reads in args.reads.split(","):
-        for chunk in map(int, args.chunks.split(",")):
-            for width in map(int, args.widths.split(",")):
-                for warps in map(int, args.warps.split(",")):
-                    constants = dict(CLIP=True, C=chunk, BK=width, BV=width, BHID=width,
-                                     PRECISION="tf32x3" if reads == "fp32" else "ieee", WRITE_READ=reads != "fp32",
-                                     FRESH=False)
-                    row = dict(triton=triton.__version__, arch=args.arch, reads=reads, chunk=chunk, width=width,
-                               warps=warps)
-                    bulk = key_pass._bulk_stages(torch.float32 if reads == "fp32" else torch.bfloat16)
-                    for label, fn, stages in (("forward", key_pass._forward_step, key_pass._STAGES),
-                                              ("forward_reads", key_pass._forward_reads, bulk),
-                                              ("backward", key_pass._backward_step, key_pass._STAGES),
-                                              ("key_side", key_pass._backward_key_side, bulk),
-                                              ("query", key_pass._query_gradients, bulk)):
-                        row[label] = _compile(fn, reads, constants, target, warps, stages)
-                    print(json.dumps(row), flush=True)
+def key_pass_launches(reads: torch.dtype, chunk: int = 64, width: int = 64, hidden: int = 64, T: int = 8192,
+                      BH: int = 32) -> list[Launch]:
+    from mnemo.kernels.deep_attention_triton_key_pass import key_pass_backward_triton, key_pass_forward_triton
+
+    f32 = dict(META, dtype=torch.float32)
+    keys = torch.empty(BH, T, width, device="meta", dtype=reads)
+    v, e, w1 = torch.empty(BH, T, width, **f32), torch.empty(BH, T, **f32), torch.empty(BH, width, hidden, **f32)
+    with Recorder() as rec:
+        u, sig, er, w1s, u_read, a, lse = key_pass_forward_triton(keys, v, e, w1, chunk, width**-0.5, 10.0)
+        key_pass_backward_triton(keys, v, e, w1s, u_read, a, lse, torch.empty_like(u), torch.empty_like(sig),
+                                 torch.empty_like(er), torch.empty_like(w1s), chunk, width**-0.5, 10.0)
+    return rec.launches
+
+
+def distinct(launches: list[Launch]) -> list[Launch]:
+    """One launch per kernel, types and constants: a pass launches the same step kernel once per chunk."""
+    seen, out = set(), []
+    for launch in launches:
+        types, constants, _ = signature(launch)
+        key = (launch.fn, tuple(types.items()), tuple((k, repr(v)) for k, v in constants.items()),
+               tuple(sorted(launch.options.items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(launch)
+    return out
+
+
+def apply_setting(text: str) -> None:
+    """``module.NAME=VALUE`` or ``module.DICT.key=VALUE`` on a module of ``mnemo.kernels``."""
+    target, _, value = text.partition("=")
+    module, *path = target.split(".")
+    obj = importlib.import_module(f"mnemo.kernels.{module}")
+    for part in path[:-1]:
+        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+    if isinstance(obj, dict):
+        obj[path[-1]] = int(value)
+    else:
+        setattr(obj, path[-1], int(value))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", default="titans_forward,titans_backward,key_pass",
+                        help="comma-separated families (default %(default)s)")
+    parser.add_argument("--memory", choices=tuple(MEMORIES), default="titans_4x256",
+                        help="the shape of the titans families (default %(default)s)")
+    parser.add_argument("--reads", default="bf16,fp32", help="key_pass: the reads' dtypes (default %(default)s)")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default %(default)s)")
+    parser.add_argument("--float32", action="store_true", help="titans: exact float32 products instead of TF32")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="change a launch constant first (repeatable)")
+    args = parser.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)  # compile for real, whatever the shell says
+    for setting in args.set:
+        apply_setting(setting)
+    torch.set_float32_matmul_precision("highest" if args.float32 else "high")
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    for family in args.kernels.split(","):
+        if family == "key_pass":
+            runs = [(f"key_pass reads={r}", key_pass_launches(dtypes[r])) for r in args.reads.split(",")]
+        else:
+            runs = [(f"{family} {args.memory}", titans_launches(args.memory, family == "titans_backward"))]
+        for label, launches in runs:
+            for launch in distinct(launches):
+                try:
+                    row = compile_launch(launch, args.arch)
+                except Exception as error:  # noqa: BLE001  (a launch that does not compile is the finding)
+                    row = dict(kernel=launch.fn.__name__, err=f"{type(error).__name__}: {error}"[:300])
+                print(json.dumps({"family": label, **row}), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,13 +1,19 @@
 """Choose the demo's settings: train every family under several candidate settings, in parallel, one thread each.
 
-Each (candidate, family) pair is one job in a pool of single-threaded worker
-processes, so a many-core machine covers a grid in the time of its slowest job.
-The candidates are named overrides of :meth:`mnemo.demo.DemoSettings.quick`; the
-report gives, per candidate, every family's held-out MQAR accuracy and its
-seconds of single-thread training, and the margin of the weakest memory family
-over the Gated DeltaNet baseline.
+What it measures: for each candidate of a grid (named overrides of
+:meth:`mnemo.demo.DemoSettings.quick`: steps, learning rate, pairs, key width, model overrides) and each
+family it trains (all of ``mnemo.demo.FAMILIES`` unless the candidate names some), the held-out MQAR
+accuracy after training and the seconds of single-thread training.
 
-``python -m benchmarks.demo_sweep --workers 14 --out sweep/`` (``--only A,B`` picks candidates).
+How: each (candidate, family) pair is one job in a pool of single-threaded worker processes (``spawn``),
+longest first, so a many-core machine covers a grid in the time of its slowest job. Candidates named
+``-gpu`` train on the GPU.
+
+Writes one JSON line per finished job to ``<out>/sweep.jsonl`` (as each ends, so a time limit keeps every
+finished job), then prints a markdown table: per candidate, every family's accuracy (seconds), the margin
+of the weakest memory family over the Gated DeltaNet baseline, and the summed seconds.
+``python benchmarks/demo_sweep.py --grid state --workers 14 --out sweep/`` (``--only A,B`` picks
+candidates, ``--steps N`` makes a smoke run of a grid).
 """
 
 from __future__ import annotations
@@ -122,7 +128,7 @@ def _job(candidate: str, family: str, steps: int | None = None) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=max(1, multiprocessing.cpu_count() - 2))
     parser.add_argument("--only", default=None)
     parser.add_argument("--grid", choices=tuple(GRIDS), default="learning")

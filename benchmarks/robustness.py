@@ -1,21 +1,24 @@
-"""Long training and long contexts on one GPU: no NaN, no drift (run on a CUDA machine).
+"""Long training and long contexts on one GPU: no NaN, no drift, for every family of the demo.
 
-For each family of the demo (``mnemo.demo``), in its own process so the families
-run side by side:
+What it checks, for each family of ``mnemo.demo`` (its demo-sized model), each in its own process so
+the families run side by side (share the GPU through MPS where available):
 
-1. Long training: up to ``--steps`` AdamW steps on MQAR at lr 1e-3 under bf16
-   autocast (capped by ``--train-seconds``); every step checks the loss and
-   every gradient for NaN/inf, and every ``--check-every`` steps a cached
-   forward checks every memory state.
-2. Long context with the trained weights: a ``--context``-token prompt prefilled
-   in pieces of ``--piece`` tokens through the cache, then ``--decode`` greedy
-   steps, once in float32 and once under bf16 autocast. Reports whether the
-   tokens agree (and the first divergence), and the relative error of the
-   bf16 run's memory states against float32 after each piece (its growth per 1K
-   tokens).
+1. Long training: up to ``--steps`` AdamW steps (lr 1e-3, weight decay 0.1, gradient clip 1.0) on MQAR
+   (``--pairs`` pairs, ``--seq-len`` tokens, batch 32) under bf16 autocast, capped by ``--train-seconds``
+   (with ``--weights`` a later call resumes where the last one stopped). Every step counts non-finite
+   losses and gradient norms on the GPU (read every ``--sync-every`` steps, so the host never waits per
+   step); every ``--check-every`` steps a cached forward checks every memory state for NaN/inf.
+2. Long context with the trained weights: a ``--context``-token prompt (MQAR blocks back to back)
+   prefilled through the cache in pieces of ``--piece`` tokens, then ``--decode`` greedy steps, once in
+   float32 and once under bf16 autocast: whether the greedy tokens agree (and the first divergence),
+   whether logits and states stay finite, and the relative error of the bf16 run's memory states against
+   float32 after each piece, with its growth per 1K tokens.
 
-``python benchmarks/robustness.py --out results/`` launches every family and
-prints one markdown table; ``--family NAME`` runs one (what the launcher does).
+Writes ``<out>/<family>.json`` (the report, after each phase, so a time limit keeps the first) and
+``<out>/<family>.log``; prints one markdown table over the families (steps, seconds, first and last loss,
+non-finite counts, the long-context figures, peak memory). ``python benchmarks/robustness.py --out
+results/ --compile`` launches every family; ``--family NAME`` runs one (what the launcher does);
+``--phase train|context`` with ``--weights DIR`` splits the two across calls.
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ def long_context(model, args, report: dict) -> None:
     prompt = torch.cat(blocks, 1)[:, :args.context].to(args.device)
 
     def run(bf16: bool):
-        cache, errors_at, states_at = None, [], []
+        cache, states_at = None, []
         for s in range(0, prompt.shape[1], args.piece):
             with torch.autocast(args.device, dtype=torch.bfloat16, enabled=bf16):
                 out = model(input_ids=prompt[:, s:s + args.piece], past_key_values=cache, use_cache=True)
@@ -237,7 +240,7 @@ def run_family(name: str, args, path: Path) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default=None)
     parser.add_argument("--out", default="robustness-results")
     parser.add_argument("--steps", type=int, default=10_000)
