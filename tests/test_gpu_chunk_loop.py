@@ -275,7 +275,7 @@ def test_cached_reads_in_batches_equal_the_reads_memory_by_memory_at_real_shapes
     memory by memory, float32 products (``use_backend("torch")``: no fused kernels), at the benchmark's head
     shape (:func:`_real_reads`); ssc top 2 makes selective batches of several memories. The gates'
     gradients are compared where a gate is nonzero."""
-    import mnemo.kernels.memory_caching as mc
+    import mnemo.kernels.mc_titans as mc
     from mnemo.kernels.backend import use_backend
 
     spec, starts, q, g, weights, expected = _real_reads(aggregation)
@@ -298,7 +298,7 @@ def test_fused_cached_reads_equal_the_reads_memory_by_memory_at_real_shapes(aggr
     operands (Triton asked for, a float32 problem) to 1e-5; bf16 operands (what a bf16 problem takes) to
     bf16's rounding, 1e-2. grm: every memory in one pass; ssc top 2: selective batches of several memories,
     each over its gathered queries."""
-    import mnemo.kernels.memory_caching as mc
+    import mnemo.kernels.mc_titans as mc
     import mnemo.kernels.mc_titans_triton as fused
     from mnemo.kernels.backend import use_backend
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mnemo.kernels.memory_caching as mc
+import mnemo.kernels.mc_titans as mc
 import mnemo.kernels.mc_titans_triton as fused
 from mnemo.kernels.backend import use_backend
 from mnemo.kernels.mlp_memory import MLPMemorySpec, memory_apply, static_apply
