@@ -1,4 +1,4 @@
-"""Configuration of the Atlas family (``model_type="mnemo_atlas"``, FAMILIES.md §3) and its presets."""
+"""Configuration of the Atlas family (``model_type="mnemo_atlas"``, docs/semantics.md) and its presets."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ PRESETS = {
 }
 
 
-# Memory Caching aggregations, those of MC-Titans (FAMILIES.md §2, ``kernels/mc_atlas.py``). The
+# Memory Caching aggregations, those of MC-Titans (docs/semantics.md, ``kernels/mc_atlas.py``). The
 # parameter-free ones are also the ones post-training conversion offers (it adds no gate projection); the
 # gated ones score each cached memory with the layer's own gate projection ``u_proj``.
 MC_AGGREGATIONS = ("mean", "residual")

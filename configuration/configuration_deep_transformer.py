@@ -1,4 +1,4 @@
-"""Configuration of the DeepTransformer family (``model_type="mnemo_deep_transformer"``, FAMILIES.md §4)."""
+"""Configuration of the DeepTransformer family (``model_type="mnemo_deep_transformer"``, docs/semantics.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Configuration of the MC-Titans family (``model_type="mnemo_mc_titans"``, FAMILIES.md §2)."""
+"""Configuration of the MC-Titans family (``model_type="mnemo_mc_titans"``, docs/semantics.md)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ class MCTitansConfig(PretrainedConfig):
         aggregation: ``"residual"``, ``"grm"``, ``"soup"``, ``"ssc"`` or ``"mean"``.
         ssc_topk: cached memories each token reads with ``"ssc"``.
         conv_size: width of causal depthwise short convolutions (SiLU) after the q, k and v
-            projections, as in the Titans paper; 0 (default) leaves them out, as FAMILIES.md
-            does. The decode cache then also keeps each row's last ``conv_size - 1`` inputs.
+            projections, as in the Titans paper; 0 (default) leaves them out, as the MC
+            paper does. The decode cache then also keeps each row's last ``conv_size - 1`` inputs.
         hidden_ratio, intermediate_size: the SwiGLU MLP of each block.
     """
 

@@ -1,4 +1,4 @@
-"""Configuration of the Mixture-of-Memories family (``model_type="mnemo_mom"``, FAMILIES.md §1)."""
+"""Configuration of the Mixture-of-Memories family (``model_type="mnemo_mom"``, docs/semantics.md)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from transformers import PretrainedConfig
 from .validation import check, check_block, check_choice, check_layer_indices, check_positive_int, swiglu_width
 
 MEMORY_UPDATES = ("gated_deltanet", "deltanet")
-# Memory Caching aggregations (FAMILIES.md §2, ``kernels/mc_gated_delta.py``). The parameter-free ones are
+# Memory Caching aggregations (docs/semantics.md, ``kernels/mc_gated_delta.py``). The parameter-free ones are
 # also the ones post-training conversion offers (it adds no gate projection); the gated ones score each
 # cached memory with the layer's gate projection ``u_proj``.
 MC_AGGREGATIONS = ("mean", "residual")

@@ -1,4 +1,4 @@
-"""Import Llama checkpoints as DeepTransformers (FAMILIES.md §4).
+"""Import Llama checkpoints as DeepTransformers (docs/semantics.md).
 
 A DeepTransformer with ``memory_depth=1`` is a Llama Transformer with the same
 parameter names, so a Llama checkpoint converts by mapping its config and

@@ -1,7 +1,7 @@
 """Memory kernels: one API per memory kind, a PyTorch path everywhere and Triton on CUDA.
 
 This package is a leaf: its modules import only torch, triton and each other,
-never the rest of mnemo (see ARCHITECTURE.md: ``transformers`` may import a
+never the rest of mnemo (docs/kernels.md: ``transformers`` may import a
 top-level folder named ``kernels`` when the repository root is on ``sys.path``).
 """
 

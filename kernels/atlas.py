@@ -1,6 +1,6 @@
-"""The Atlas memory: the Omega rule over a sliding window, with GD, momentum or Muon (FAMILIES.md §3).
+"""The Atlas memory: the Omega rule over a sliding window, with GD, momentum or Muon (docs/semantics.md).
 
-Per head, the memory is the MLP of :class:`~.titans.MLPMemorySpec` (objective
+Per head, the memory is the MLP of :class:`~.mlp_memory.MLPMemorySpec` (objective
 ``l2`` or ``dot``) acting on feature-mapped keys and queries (the layer applies
 the feature map). Token ``t`` of an inner chunk that starts from memory ``M^(s)``
 takes the window gradient::
@@ -9,8 +9,8 @@ takes the window gradient::
 
 (window tokens before the chunk are re-evaluated at ``M^(s)``) and the inner optimiser:
 
-- ``gd``:       ``M_t = alpha_t M_{t-1} - eta_t g_t``
-- ``momentum``: ``S_t = theta_t S_{t-1} + g_t``,  ``M_t = alpha_t M_{t-1} - eta_t S_t``
+- ``gd``:       ``M_t = retention_t M_{t-1} - lr_t g_t``
+- ``momentum``: ``S_t = momentum_t S_{t-1} + g_t``,  ``M_t = retention_t M_{t-1} - lr_t S_t``
 - ``muon``:     as momentum, with ``NS_k(S_t)`` (Newton-Schulz, per weight matrix
   and per token) in place of ``S_t``.
 
@@ -31,17 +31,21 @@ import torch
 
 from .backend import requested_backend, resolve_backend
 from .chunk_loop import tf32_products, tf32_wanted
-from .titans import (
+from .mlp_memory import (
     ChunkOperator,
+    MLPMemorySpec,
+    segment_products,
     align_rows,
     chunk_coefficients,
     chunks_first,
     chunks_last,
+    grad_factors,
+    memory_apply,
     next_chunk_start,
     resumed_grad_weights,
     run_resumable_chunks,
+    static_apply,
 )
-from .mlp_memory import MLPMemorySpec, grad_factors, memory_apply, static_apply
 from .titans_chunk import chunk_memory
 from .titans_chunk import wanted as fused_chunks
 
@@ -247,9 +251,8 @@ class MuonChunk:
 
     def __init__(self, W0, S0, factors, band, dM, gm, dS, ns_steps):
         helper = ChunkOperator(W0, S0, factors, band, dM, torch.ones_like(gm), dS, torch.ones_like(gm))
-        from .titans import _segment_products
 
-        X = _segment_products(dM.clamp(min=1e-30).log()) * gm[..., None, :]
+        X = segment_products(dM.clamp(min=1e-30).log()) * gm[..., None, :]
         self.weights = {}
         self.momenta = {}
         for n, (A, Bf) in factors.items():
@@ -484,7 +487,7 @@ def chunk_atlas(
     return o.to(v.dtype), new_state
 
 
-# --------------------------------------------------------------------------- Muon's Newton-Schulz orthogonalisation
+# ------------------------------------------------------------ Muon's Newton-Schulz orthogonalisation
 
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -524,10 +527,8 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 
 def triton_wanted(X: torch.Tensor) -> bool:
     """Whether ``(..., r, L)`` matrices (``r <= L``) take the Triton kernels: the backend switch, and their limits."""
-    try:
-        from .atlas_triton import faster, supported  # noqa: PLC0415  (Triton may be absent)
-    except ImportError:
-        return resolve_backend(X, has_triton_impl=False) == "triton"
+    from .atlas_triton import faster, supported
+
     if resolve_backend(X, has_triton_impl=supported(X)) != "triton":
         return False
     return requested_backend() == "triton" or faster(X.dtype)

@@ -2,9 +2,11 @@
 
 The default is Triton on CUDA tensors when Triton imports, the PyTorch path
 otherwise. ``MNEMO_BACKEND=torch|triton`` or the :func:`use_backend` context
-manager override it. :func:`comparison_paths` is for tests and benchmarks only: it runs the deep
-memories' chunks through the slower paths kept to check the shipped kernels against. This module imports only the standard library, torch and, where installed, Triton
-(``kernels/`` must stay a leaf package, see ARCHITECTURE.md).
+manager override it. :func:`comparison_paths` is for tests and benchmarks only: it runs the
+deep memories' chunks through the slower paths kept to check the shipped kernels against.
+
+This module imports only the standard library, torch and, where installed, Triton, which
+it imports for every other module (``kernels/`` is a leaf package, see docs/kernels.md).
 """
 
 from __future__ import annotations

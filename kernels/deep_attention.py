@@ -1,4 +1,4 @@
-"""The DeepTransformer memory: softmax attention plus a deep branch (FAMILIES.md §4).
+"""The DeepTransformer memory: softmax attention plus a deep branch (docs/semantics.md).
 
 Per head, with keys ``k_j`` (already rotated), raw values ``v_j``, read weights
 ``w_j(z)`` = softmax over the visible keys of ``z.k_j * scale`` (``normalize``;
@@ -19,7 +19,7 @@ raw ``exp`` otherwise), and GELU ``sigma``:
 
 ``A^(s)`` and ``M^(s)`` see only keys before the chunk start ``s`` (inner chunks
 of ``chunk_size`` tokens counted over each sequence's own tokens). With no
-visible key a read is 0. Omega-window choices where FAMILIES.md is silent: the
+visible key a read is 0. Omega-window choices where the papers are silent: the
 linear-branch write has learning rate 1 (gated by ``gamma``), the deep branch
 uses ``eta``; window tokens before the chunk are re-evaluated at the current
 chunk-start memory.
@@ -62,11 +62,17 @@ __all__ = [
 LEARNING_RULES = ("hebbian", "omega")
 
 
+def _pair_clip_scale(grad_u: torch.Tensor, r: torch.Tensor, sig: torch.Tensor, clip: float) -> torch.Tensor:
+    """Each pair's factor ``(..., 1)`` that bounds the norm of its deep-branch gradient ``(grad_u, r sig^T)``
+    by ``clip`` (the norm of ``r sig^T`` is ``|r| |sig|``: no outer product is formed)."""
+    return clip_scale(grad_u.pow(2).sum(-1) + r.pow(2).sum(-1) * sig.pow(2).sum(-1), clip)[..., None]
+
+
 def _clip_pair(grad_u: torch.Tensor, r: torch.Tensor, sig: torch.Tensor, clip: float | None):
     """``(grad_u, r)`` scaled so that each pair's deep-branch gradient ``(grad_u, r sig^T)`` has norm <= ``clip``."""
     if clip is None:
         return grad_u, r
-    scale = clip_scale(grad_u.pow(2).sum(-1) + r.pow(2).sum(-1) * sig.pow(2).sum(-1), clip)[..., None]
+    scale = _pair_clip_scale(grad_u, r, sig, clip)
     return grad_u * scale, r * scale
 
 
@@ -504,7 +510,7 @@ def step_deep_attention(
     return o[:, 0], new
 
 
-# --------------------------------------------------------------------------- The Hebbian rule over whole sequences: a key pass and one causal read
+# -------------------------- The Hebbian rule over whole sequences: a key pass and one causal read
 #
 # :func:`chunk_deep_attention` takes this path for the training case of the
 # Hebbian rule (``memory_depth=2``, softmax weights, no initial state, every row full). Where the
@@ -543,7 +549,7 @@ def chunk_update(a: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, e: torch.Te
     grad_u = (v @ w1) * gelu_derivative(a)
     rate = e[..., None]
     if clip is not None:
-        rate = rate * clip_scale(grad_u.pow(2).sum(-1) + v.pow(2).sum(-1) * sig.pow(2).sum(-1), clip)[..., None]
+        rate = rate * _pair_clip_scale(grad_u, v, sig, clip)
     er = rate * v
     return rate * grad_u, sig, er, w1 + er.transpose(-1, -2) @ sig
 

@@ -12,14 +12,15 @@ per earlier chunk: block ``(n, j)`` can run as soon as chunk ``j`` is written. T
   accumulators (running max, sum, weighted sum of ``U``) of this group's chunks; then launch ``m`` per
   chunk of the group: a program per later chunk ``n`` of the group adds block ``(n, m - 1)``, and the
   program of chunk ``m`` adds its last block, finishes its read ``a_m`` and runs the chunk's update
-  (:func:`.update_tiles`). The blocks of every earlier group are added on a second CUDA stream while the
-  group before runs, so the critical path is one block and one update per chunk.
+  (:func:`~.deep_attention_triton.update_tiles`). The blocks of every earlier group are added on a
+  second CUDA stream while the group before runs, so the critical path is one block and one update per
+  chunk.
 - Backward, group by group from the last: launch ``m`` per chunk of the group: a program per earlier
   chunk ``j`` of the group takes the key side of block ``(m + 1, j)`` of the softmax backward (``dU_j``
   and ``dk_j`` as a key), and the program of chunk ``m``, whose ``dU`` is then complete, runs the update's
-  backward (:func:`.update_backward_tiles`) for ``da_m``. Then one launch takes the key side of the blocks
-  of this group's queries for the group just before, and the second stream those for every earlier
-  group, while the group before runs.
+  backward (:func:`~.deep_attention_triton.update_backward_tiles`) for ``da_m``. Then one launch takes
+  the key side of the blocks of this group's queries for the group just before, and the second stream
+  those for every earlier group, while the group before runs.
 - The query side of the blocks (``dk_n`` as a query) depends on nothing the wavefront still computes:
   one launch after it takes every block at once, a program per query chunk.
 

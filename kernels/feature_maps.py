@@ -1,4 +1,4 @@
-"""Feature maps on keys and queries of the Atlas memory (FAMILIES.md §3)."""
+"""Feature maps on keys and queries of the Atlas memory (docs/semantics.md)."""
 
 from __future__ import annotations
 

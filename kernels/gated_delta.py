@@ -1,4 +1,4 @@
-"""The gated delta rule: the memory of every MoM memory (FAMILIES.md §1).
+"""The gated delta rule: the memory of every MoM memory (docs/semantics.md).
 
 Per head, with a state ``S`` of shape ``(d_k, d_v)`` kept in float32::
 
@@ -74,6 +74,18 @@ def _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens):
 # --------------------------------------------------------------------------- reference
 
 
+def gated_delta_write(S: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
+                      beta: torch.Tensor) -> torch.Tensor:
+    """One token's write into states ``S (..., d_k, d_v)``, the gated delta rule:
+    ``S' = exp(g) S + beta k (v - (exp(g) S)^T k)^T`` for ``k (..., d_k)``, ``v (..., d_v)`` and gates
+    ``g`` (log-decay; ``None``: no decay), ``beta`` ``(...)``. The reference and the step both write
+    through it."""
+    if g is not None:
+        S = S * g.exp()[..., None, None]
+    residual = v - torch.einsum("...kv,...k->...v", S, k)
+    return S + k[..., :, None] * (beta[..., None] * residual)[..., None, :]
+
+
 def reference_gated_delta(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -102,10 +114,7 @@ def reference_gated_delta(
     for i, (b, start, end) in enumerate(bounds):
         S = q.new_zeros(H, K, V) if initial_state is None else initial_state[i].to(dtype)
         for t in range(start, end):
-            kt, vt, bt = k[b, t], v[b, t], beta[b, t]
-            S = S * g[b, t].exp()[:, None, None]
-            residual = vt - torch.einsum("hkv,hk->hv", S, kt)
-            S = S + torch.einsum("hk,hv->hkv", kt, bt[:, None] * residual)
+            S = gated_delta_write(S, k[b, t], v[b, t], g[b, t], beta[b, t])
             o[b, t] = torch.einsum("hkv,hk->hv", S, q[b, t])
         finals.append(S)
     return o.to(out_dtype), torch.stack(finals)
@@ -137,11 +146,7 @@ def step_gated_delta(
     dtype = torch.promote_types(_compute_dtype(v), state.dtype)
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm, dtype)
     v, beta = v.to(dtype), beta.to(dtype)
-    S = state.to(dtype)
-    if g is not None:
-        S = S * g.to(dtype).exp()[..., None, None]
-    residual = v - torch.einsum("nhkv,nhk->nhv", S, k)
-    S = S + k.unsqueeze(-1) * (beta.unsqueeze(-1) * residual).unsqueeze(-2)
+    S = gated_delta_write(state.to(dtype), k, v, None if g is None else g.to(dtype), beta)
     o = torch.einsum("nhkv,nhk->nhv", S, q)
     return o.to(out_dtype), S
 

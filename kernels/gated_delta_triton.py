@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import tl, triton, triton_available
+from .backend import tl, triton
 
 
 __all__ = ["chunk_packed", "step", "supports"]
@@ -54,8 +54,7 @@ MAX_HEAD_DIM = 256
 def supports(key_dim: int, value_dim: int, chunk_size: int) -> bool:
     """Whether these kernels cover the shape (else the caller uses the PyTorch path)."""
     return (
-        triton_available()
-        and key_dim <= MAX_HEAD_DIM
+        key_dim <= MAX_HEAD_DIM
         and value_dim <= MAX_HEAD_DIM
         and chunk_size in (16, 32, 64)
     )

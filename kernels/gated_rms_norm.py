@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from .backend import resolve_backend, tl, triton, triton_available
+from .backend import resolve_backend, tl, triton
 
 
 __all__ = ["gated_rms_norm"]
@@ -102,7 +102,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if gate.shape != x.shape or weight.shape != x.shape[-1:]:
         raise ValueError(f"gated_rms_norm: x {tuple(x.shape)}, gate {tuple(gate.shape)} and weight "
                          f"{tuple(weight.shape)} do not match (gate like x, weight like x's last dimension)")
-    covered = triton_available() and x.dtype != torch.float64 and x.shape[-1] <= 4096
+    covered = x.dtype != torch.float64 and x.shape[-1] <= 4096
     if resolve_backend(x, has_triton_impl=covered) == "triton" and x.numel() > 0:
         return _GatedRMSNorm.apply(x, gate, weight, eps)
     return _torch_path(x, gate, weight, eps)

@@ -1,4 +1,4 @@
-"""Memory Caching over the Atlas memory (FAMILIES.md §2-3).
+"""Memory Caching over the Atlas memory (docs/semantics.md).
 
 At the end of every segment of ``segment_size`` tokens of a row, the row's
 memory weights are cached, and token ``t`` reads its online memory (after its
@@ -22,7 +22,7 @@ the feature width ``spec.d_k`` (larger than the head width with
 segment's normalised keys so far, the current token's included.
 
 The memory is an MLP, so each cached memory is read on its own (unlike the
-matrix memories of ``cached_linear.py``): the cache holds the list, growing by
+matrix memories of :mod:`.mc_gated_delta`): the cache holds the list, growing by
 one memory per segment. The online memory continues across segments
 (``checkpoint`` mode): its inner chunks, Omega window and optimiser state are
 those of plain Atlas, so inside the first segment the layer is plain Atlas
@@ -41,22 +41,19 @@ from dataclasses import dataclass, replace
 import torch
 
 from .atlas import AtlasState, chunk_atlas, step_atlas
-from .memory_caching import mc_read
 from .norms import l2_normalize
-from .memory_caching import close_segments, key_mean, with_extra_slots
+from .memory_caching import (
+    AGGREGATIONS,
+    GATED_AGGREGATIONS,
+    check_aggregation,
+    close_segments,
+    key_mean,
+    mc_read,
+    with_extra_slots,
+)
 from .mlp_memory import MLPMemorySpec, memory_apply, static_apply
 
 __all__ = ["AGGREGATIONS", "GATED_AGGREGATIONS", "CachedMemories", "chunk_mc_atlas", "reference_mc_atlas"]
-
-AGGREGATIONS = ("mean", "residual", "grm", "soup", "ssc")
-GATED_AGGREGATIONS = ("grm", "soup", "ssc")
-
-
-def _check_aggregation(aggregation: str, u: torch.Tensor | None) -> None:
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation over Atlas memories must be one of {AGGREGATIONS}, got {aggregation!r}")
-    if aggregation in GATED_AGGREGATIONS and u is None:
-        raise ValueError(f"aggregation {aggregation!r} scores the memories: pass the gate inputs u")
 
 
 @dataclass
@@ -182,7 +179,7 @@ def reference_mc_atlas(
     The cached memories, their summaries and the current segment's keys are plain
     lists; ``u`` ``(1, T, H, d_k)`` are the gate inputs of the gated aggregations.
     """
-    _check_aggregation(aggregation, u)
+    check_aggregation(aggregation, u, "Atlas memories")
     memories: list[dict[str, torch.Tensor]] = []  # M^(i), oldest first
     summaries: list[torch.Tensor] = []  # r^(i), (1, H, d_k)
     segment_keys: list[torch.Tensor] = []  # normalised keys of the online segment so far
@@ -242,7 +239,7 @@ def chunk_mc_atlas(
     aggregations need the gate inputs ``u`` ``(B, T, H, d_k)`` and a ``cached``
     list with summaries (``CachedMemories.empty(weights, d_k)``).
     """
-    _check_aggregation(aggregation, u)
+    check_aggregation(aggregation, u, "Atlas memories")
     gated = aggregation in GATED_AGGREGATIONS
     if gated and not cached.has_summaries:
         raise ValueError(f"aggregation {aggregation!r} needs a cache that keeps segment summaries")

@@ -1,4 +1,4 @@
-"""Memory Caching over matrix memories: the gated delta rule of MoM (FAMILIES.md §1-2).
+"""Memory Caching over matrix memories: the gated delta rule of MoM (docs/semantics.md).
 
 At the end of every segment of ``segment_size`` tokens of a row, each of the
 row's memories is cached, and token ``t`` reads its online memory (after its own
@@ -58,8 +58,17 @@ from typing import Callable
 import torch
 
 from .gated_delta import _prepare_qk, chunk_gated_delta, reference_gated_delta, step_gated_delta
-from .memory_caching import mc_read, ssc_select
-from .memory_caching import close_segments, key_mean, with_extra_slots
+from .memory_caching import (
+    AGGREGATIONS,
+    GATED_AGGREGATIONS,
+    LINEAR_AGGREGATIONS,
+    check_aggregation,
+    close_segments,
+    key_mean,
+    mc_read,
+    ssc_select,
+    with_extra_slots,
+)
 from .mlp_memory import MLPMemorySpec
 
 __all__ = [
@@ -74,19 +83,6 @@ __all__ = [
     "step_mc_gated_delta",
 ]
 
-LINEAR_AGGREGATIONS = ("mean", "residual")
-GATED_AGGREGATIONS = ("grm", "soup", "ssc")
-AGGREGATIONS = LINEAR_AGGREGATIONS + GATED_AGGREGATIONS
-
-
-def _check_aggregation(aggregation: str, u: torch.Tensor | None) -> bool:
-    """Validate; ``True`` for a gated aggregation (which needs the gate inputs ``u``)."""
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation over matrix memories must be one of {AGGREGATIONS}, got {aggregation!r}")
-    gated = aggregation in GATED_AGGREGATIONS
-    if gated and u is None:
-        raise ValueError(f"aggregation {aggregation!r} scores the memories: pass the gate inputs u")
-    return gated
 
 
 # --------------------------------------------------------------------------- the gated cache
@@ -193,7 +189,7 @@ def reference_mc_gated_delta(
     """One sequence (``q, k`` ``(T, H, d_k)``, ``v`` ``(T, H, d_v)``, ``g, beta`` ``(T, H)``) whose tokens sit at
     ``positions`` of its row's clock; the state starts at zero. The gated aggregations take the gate inputs
     ``u`` ``(T, H, d_k)``. Returns the outputs."""
-    gated = _check_aggregation(aggregation, u)
+    gated = check_aggregation(aggregation, u, "matrix memories")
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     state = torch.zeros(1, H, K, V, dtype=torch.promote_types(v.dtype, torch.float32))
     cached: list[torch.Tensor] = []
@@ -307,7 +303,7 @@ def chunk_mc_gated_delta(
     Returns:
         ``(o, final_state, cached, cached_count)``; outputs ``(P, H, d_v)`` in ``v``'s dtype.
     """
-    gated = _check_aggregation(aggregation, u)
+    gated = check_aggregation(aggregation, u, "matrix memories")
     before, after = row_clock
     S = segment_size
     dtype = torch.promote_types(v.dtype, torch.float32)
@@ -386,7 +382,7 @@ def step_mc_gated_delta(
 
     Returns ``(o, new_state, cached)`` with the online key sums advanced.
     """
-    _check_aggregation(aggregation, u)
+    check_aggregation(aggregation, u, "matrix memories")
     if aggregation not in GATED_AGGREGATIONS:
         raise ValueError(f"the one-token step serves the gated aggregations {GATED_AGGREGATIONS}, got {aggregation!r}")
     dtype = torch.promote_types(v.dtype, torch.float32)

@@ -1,4 +1,4 @@
-"""Memory Caching over the Titans memory (FAMILIES.md §2, MC paper): the cached memories of MC-Titans.
+"""Memory Caching over the Titans memory (docs/semantics.md, MC paper): the cached memories of MC-Titans.
 
 Each row's sequence is cut into segments; at a segment's end the layer caches the online Titans
 memory's weights and the segment's key summary, and every token reads its online memory and the
@@ -42,17 +42,22 @@ from .memory_caching import (
     ssc_select,
     with_extra_slots,
 )
-from .mlp_memory import MLPMemorySpec, grad_factors, memory_apply, static_apply
+from .mlp_memory import (
+    MLPMemorySpec,
+    align_rows,
+    chunks_last,
+    grad_factors,
+    memory_apply,
+    next_chunk_start,
+    resumed_grad_weights,
+    static_apply,
+)
 from .normalized_features import normalized_features
 from .norms import l2_normalize
 from .titans import (
     TitansChunk,
     TitansState,
     _titans_step,
-    align_rows,
-    chunks_last,
-    next_chunk_start,
-    resumed_grad_weights,
     step_titans,
     titans_chunk_operator,
     titans_coefficients,

@@ -1,7 +1,7 @@
 """Reads of many cached MLP memories in fused Triton kernels (MC-Titans' training path).
 
-:class:`~.memory_caching._CachedReads` computes ``y_t = sum_j g_{j,t} M_j(q_t)`` over the cached memories
-``M_j(z) = z + W1_j gelu(W2_j z)`` (:func:`~.titans.memory_apply` with an identity skip). Through batched
+:class:`~.mc_titans._CachedReads` computes ``y_t = sum_j g_{j,t} M_j(q_t)`` over the cached memories
+``M_j(z) = z + W1_j gelu(W2_j z)`` (:func:`~.mlp_memory.memory_apply` with an identity skip). Through batched
 matmuls every (query, memory) pair's hidden layer, four times a query's width, goes to memory and back
 several times per pass, and at T = 8192 those hidden layers (a billion elements) cost as much as the
 products. These kernels keep them on chip, hidden block by hidden block, as attention kernels keep
@@ -15,7 +15,7 @@ their scores:
   Weight side, a program per (hidden block, memory, batch x head) looping over the blocks of queries
   that read the memory: ``dW1[:, blk] = dy^T (g gelu(pre))`` and ``dW2[blk] = (g z gelu'(pre))^T q``, the
   latter accumulated as its transpose ``q^T (...)`` and stored transposed, so that no product's result
-  is transposed into another product (which Triton 3.4-3.7.0 miscompiles on Hopper; TRITON_NOTES.md).
+  is transposed into another product (which Triton 3.4-3.7.0 miscompiles on Hopper; docs/kernels.md).
 
 Memories are given as a list ``mems`` of indices into the stacked weights, ordered by their first query
 ``starts``: a block of queries ending at ``e`` reads the first ``count`` of them, those starting before
@@ -104,7 +104,7 @@ def _tables(reads: DenseReads, T: int, block: int, device: torch.device):
 
 
 # One memory read by every query: a selective batch of memories, each over its own gathered queries, is this
-# with a memory and a batch x head per row of heads (:meth:`~.memory_caching._CachedReads._picked`).
+# with a memory and a batch x head per row of heads (:meth:`~.mc_titans._CachedReads._picked`).
 ONE_MEMORY = DenseReads((0,), (0,))
 
 

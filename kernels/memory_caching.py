@@ -1,4 +1,4 @@
-"""Memory Caching's read, shared by every cached memory (MC paper; FAMILIES.md §2).
+"""Memory Caching's read, shared by every cached memory (MC paper; docs/semantics.md).
 
 The sequence of each row is cut into segments; at the end of a segment a layer caches its
 memory's state ``M^(i)`` and the segment's summary ``r^(i)`` (the mean of its normalised keys).
@@ -33,7 +33,10 @@ from .mlp_memory import MLPMemorySpec, memory_apply, static_apply
 
 __all__ = [
     "AGGREGATIONS",
+    "GATED_AGGREGATIONS",
+    "LINEAR_AGGREGATIONS",
     "MCOptions",
+    "check_aggregation",
     "close_segments",
     "key_mean",
     "log_segments",
@@ -44,12 +47,25 @@ __all__ = [
 ]
 
 
-AGGREGATIONS = ("residual", "grm", "soup", "ssc", "mean")
+LINEAR_AGGREGATIONS = ("mean", "residual")  # no parameters: what post-training conversion starts from
+GATED_AGGREGATIONS = ("grm", "soup", "ssc")  # scored by the gate projection u
+AGGREGATIONS = LINEAR_AGGREGATIONS + GATED_AGGREGATIONS
 # Far above float32 rounding of a score (about 1e-7 of its scale), far below any gap that
 # routing learns: scores this close to the k-th best count as tied with it.
 SSC_TIE_TOLERANCE = 2.0**-16
 SEGMENTATIONS = ("constant", "logarithmic")
 CACHE_MODES = ("checkpoint", "independent")
+
+
+def check_aggregation(aggregation: str, u: torch.Tensor | None, memories: str) -> bool:
+    """Validate an aggregation over ``memories`` (for the message); ``True`` for a gated one, which
+    needs the gate inputs ``u``."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation over {memories} must be one of {AGGREGATIONS}, got {aggregation!r}")
+    gated = aggregation in GATED_AGGREGATIONS
+    if gated and u is None:
+        raise ValueError(f"aggregation {aggregation!r} scores the memories: pass the gate inputs u")
+    return gated
 
 
 @dataclass(frozen=True)
@@ -158,7 +174,7 @@ def mc_read(
     return y
 
 
-# --------------------------------------------------------------------------- Segment summaries: the bookkeeping every caching memory shares
+# -------------------------------- Segment summaries: the bookkeeping every caching memory shares
 
 
 def key_mean(key_sum: torch.Tensor, key_count: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ Over the last dimension (one head)::
 
     u = x / sqrt(|x|^2 + eps),    y = phi(u),    phi = identity  or  sum_{i=1..p} a_i u^i
 
-(``poly_elementwise``, FAMILIES.md §3), computed in float32 and returned in ``dtype``.
+(``poly_elementwise``, docs/semantics.md), computed in float32 and returned in ``dtype``.
 The PyTorch path is :func:`~.norms.l2_normalize` then :func:`~.feature_maps.apply_feature_map`,
 which stay the readable form and the test's reference. On CUDA one Triton kernel computes ``y``
 and one its backward (``dx`` and per-block partial sums of ``da``, added in PyTorch: no
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .backend import resolve_backend, tl, triton, triton_available
+from .backend import resolve_backend, tl, triton
 from .feature_maps import apply_feature_map
 from .norms import L2_EPS, l2_normalize
 
@@ -131,7 +131,7 @@ def normalized_features(x: torch.Tensor, feature_map: str = "identity", coeffici
     if feature_map == "poly_elementwise" and (coefficients is None or coefficients.dim() != 1):
         raise ValueError("normalized_features: poly_elementwise takes its coefficients a_1..a_p as a 1-d tensor, "
                          f"got {None if coefficients is None else tuple(coefficients.shape)}")
-    covered = (triton_available() and feature_map in _FUSED_MAPS and dtype == torch.float32
+    covered = (feature_map in _FUSED_MAPS and dtype == torch.float32
                and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.shape[-1] <= 4096
                and (feature_map == "identity" or coefficients.numel() > 0))
     # Uncovered cases take the PyTorch path even when Triton is asked for: the memory kernels around this

@@ -1,7 +1,7 @@
 """One inner chunk of a deep memory as one autograd function with a hand-written backward.
 
 :class:`~.titans.ChunkOperator` gives every token of a chunk its online weights
-``M_t = a_t W + b_t S + sum_k c_tk A_k B_k^T`` and :func:`~.titans.memory_apply`
+``M_t = a_t W + b_t S + sum_k c_tk A_k B_k^T`` and :func:`~.mlp_memory.memory_apply`
 reads them; autograd over that code is exact but pays for it in weight-sized
 passes. Every use of a weight (three matmuls for ``W1``, two for ``W2``, the
 chunk's final update) gets its own weight-sized gradient, summed afterwards, and
@@ -32,17 +32,13 @@ Omega window for Atlas); coefficients ``a, b (B, H, C)``, ``c (B, H, C, K)``,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch.nn import functional as F
 
 from .activations import gelu_derivative
 from .backend import ComparisonPaths, current_paths, resolve_backend
+from .mlp_memory import MLPMemorySpec, raw_grad_factors
 from .norms import clip_rank_one
-
-if TYPE_CHECKING:
-    from .mlp_memory import MLPMemorySpec
 
 __all__ = ["chunk_memory", "supported", "wanted"]
 
@@ -189,8 +185,6 @@ class _Grads:
 def _factors(spec, W, k, v):
     """The gradient factors ``{name: (A, B)}`` at ``W`` (the same definition as every other path) and
     the intermediates their backward needs."""
-    from .mlp_memory import raw_grad_factors  # the module imports this one
-
     inner: dict = {}
     return raw_grad_factors(spec, W, k, v, keep=inner), inner
 
@@ -231,7 +225,7 @@ def _sliced_forward_wanted(spec, q, k) -> bool:
     "torch")`` keeps the cuBLAS forward, to compare the two)."""
     if current_paths().chunk_forward == "torch" or q.dtype != torch.float32:
         return False
-    # The backend first: the kernels' module imports Triton, which a plain install does not bring.
+    # The backend first: the covers rule is the kernels' own.
     if resolve_backend(q, has_triton_impl=True) != "triton":
         return False
     from .titans_triton_forward import covers

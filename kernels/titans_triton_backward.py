@@ -38,7 +38,7 @@ layer before its activation), ``s`` the clip's scale and ``cs, ss`` the last row
    token's ``da``, ``db`` and ``d sa_last``.
 
 No product takes a transposed product's result: operands needed transposed are
-loaded transposed from memory (see TRITON_NOTES.md on Triton 3.4-3.7.0 on Hopper).
+loaded transposed from memory (docs/kernels.md on Triton 3.4-3.7.0 on Hopper).
 Scope and shapes as in :mod:`.titans_triton_forward`, where the launches fit (:func:`covers`).
 """
 

@@ -33,7 +33,7 @@ to run. The intermediates a backward needs (``pre``, ``back``, ``e``, the hidden
 layer and the read's products) are outputs, in :class:`ForwardParts`.
 
 No product takes a transposed product's result: operands needed transposed are
-loaded transposed from memory (see TRITON_NOTES.md on Triton 3.4-3.7.0 on Hopper).
+loaded transposed from memory (docs/kernels.md on Triton 3.4-3.7.0 on Hopper).
 
 The chunked forward without gradients (a prompt's prefill) is faster through these kernels than
 through cuBLAS (benchmarks/RESULTS.md). The read and the update are separate launches, each over

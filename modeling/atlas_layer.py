@@ -1,4 +1,4 @@
-"""The Atlas memory layer and its sliding-window hybrids (FAMILIES.md §3).
+"""The Atlas memory layer and its sliding-window hybrids (docs/semantics.md).
 
 Short convolutions on q, k and v (over each row's own tokens, with their windows
 in the cache), L2-normalised and feature-mapped keys and queries, per-head gates

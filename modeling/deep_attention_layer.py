@@ -1,4 +1,4 @@
-"""Attention whose memory has a deep branch: the DeepTransformer / Dot layer (FAMILIES.md §4).
+"""Attention whose memory has a deep branch: the DeepTransformer / Dot layer (docs/semantics.md).
 
 Projections and RoPE are Llama's (same names), so with ``memory_depth=1`` the
 layer is Llama's attention and Llama weights load as they are. The memory is the

@@ -1,11 +1,11 @@
-"""The MC-Titans layer: Titans' deep memory read through Memory Caching (FAMILIES.md §2).
+"""The MC-Titans layer: Titans' deep memory read through Memory Caching (docs/semantics.md).
 
 Projections ``q, k, v`` (optionally followed by Titans' short convolutions,
 ``conv_size``) and the gate projection ``u`` (its own, as the MC paper's ablation
 requires; read only once a memory is cached, so plain Titans, ``segment_size=None``, leaves it
 without gradient), per-head data-dependent gates named by role (retention,
 momentum, learning rate), learned initial memory weights, and the gated RMSNorm
-output of the MoM family (a choice of this package: FAMILIES.md does not fix
+output of the MoM family (a choice of this package: the papers do not fix
 Titans' output head). The memory itself is the kernel API's ``mc_titans``.
 """
 
@@ -44,7 +44,7 @@ class MCTitansLayer(nn.Module):
         self.k_proj = nn.Linear(hidden, H * D, bias=False)
         self.v_proj = nn.Linear(hidden, H * D, bias=False)
         self.u_proj = nn.Linear(hidden, H * D, bias=False)
-        # Titans' short convolutions after the q, k, v projections (off by default: FAMILIES.md has none).
+        # Titans' short convolutions after the q, k, v projections (off by default: the MC paper has none).
         self.conv_size = config.conv_size
         if self.conv_size:
             self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConvolution(H * D, self.conv_size) for _ in range(3))

@@ -1,4 +1,4 @@
-"""Atlas language models: ``AtlasModel`` and ``AtlasForCausalLM`` (FAMILIES.md §3).
+"""Atlas language models: ``AtlasModel`` and ``AtlasForCausalLM`` (docs/semantics.md).
 
 One block shape covers Atlas, Atlas++, OmegaNet, DLA and SWLA (see
 ``AtlasConfig.preset``) and the sliding-window hybrids: ``hybrid="mal"`` runs

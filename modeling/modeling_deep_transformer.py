@@ -1,4 +1,4 @@
-"""DeepTransformer language models: ``DeepTransformerModel`` and ``DeepTransformerForCausalLM`` (FAMILIES.md §4).
+"""DeepTransformer language models: ``DeepTransformerModel`` and ``DeepTransformerForCausalLM`` (docs/semantics.md).
 
 Llama's architecture (pre-norm blocks of attention and SwiGLU, RoPE, RMSNorm,
 the same parameter names) with the attention memory replaced by

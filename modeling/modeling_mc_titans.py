@@ -1,4 +1,4 @@
-"""MC-Titans language models: ``MCTitansModel`` and ``MCTitansForCausalLM`` (FAMILIES.md §2).
+"""MC-Titans language models: ``MCTitansModel`` and ``MCTitansForCausalLM`` (docs/semantics.md).
 
 Pre-norm blocks of an MC-Titans memory layer and a SwiGLU MLP, as in the MoM
 family. ``segment_size=None`` is plain Titans; otherwise the cache grows by one

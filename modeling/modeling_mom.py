@@ -1,4 +1,4 @@
-"""Mixture-of-Memories language models: ``MoMModel`` and ``MoMForCausalLM`` (FAMILIES.md §1).
+"""Mixture-of-Memories language models: ``MoMModel`` and ``MoMForCausalLM`` (docs/semantics.md).
 
 A stack of pre-norm blocks, each a MoM memory layer (or, at the indices in
 ``config.attention_layers``, softmax attention with RoPE) followed by a SwiGLU

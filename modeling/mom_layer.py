@@ -1,4 +1,4 @@
-"""The Mixture-of-Memories layer (FAMILIES.md §1).
+"""The Mixture-of-Memories layer (docs/semantics.md).
 
 Tokens are routed to ``topk`` of ``num_memories`` gated-delta-rule memories (plus
 a shared memory every token updates). Each memory runs over its own subsequence:
@@ -113,7 +113,7 @@ class MoMLayer(nn.Module):
         """Memories with a state: the routed ones plus the shared one."""
         return self.num_memories + int(self.shared_memory)
 
-    def reset_decay_parameters(self) -> LayerOutput:
+    def reset_decay_parameters(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Initial ``A_log`` and ``dt_bias`` (Mamba-2 / Gated DeltaNet practice)."""
         A = torch.empty(self.num_heads).uniform_(1, 16)
         dt = torch.exp(torch.rand(self.num_heads) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))

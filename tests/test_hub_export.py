@@ -194,10 +194,13 @@ def test_flat_files_are_the_package_source(exported):
 
 
 def test_exported_files_pass_transformers_import_check(exported):
-    from transformers.dynamic_module_utils import check_imports
+    """Every exported file passes transformers' check, and none needs Triton (imported only under ``try``)."""
+    from transformers.dynamic_module_utils import check_imports, get_imports
 
-    for file in (exported["tmp"] / "folders" / "mom-hybrid").glob("*.py"):
-        check_imports(str(file))
+    for folder in (exported["tmp"] / "folders").iterdir():
+        for file in folder.glob("*.py"):
+            check_imports(str(file))
+            assert "triton" not in get_imports(str(file)), f"{folder.name}/{file.name} needs triton"
 
 
 def test_config_and_card(exported):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mnemo.kernels.titans import ChunkOperator
+from mnemo.kernels.mlp_memory import ChunkOperator
 from mnemo.kernels.mlp_memory import MLPMemorySpec, grad_factors, memory_apply
 from mnemo.kernels.titans_chunk import chunk_memory, supported
 
@@ -205,7 +205,7 @@ def test_the_chunk_through_the_triton_ends_equals_autograd_over_the_operator():
     for x, y in zip(got, want):
         torch.testing.assert_close(x.detach().cpu().double(), y.detach(), rtol=1e-4, atol=1e-4)
     # Gradients span five decades here (dk: 0.4 to 6,000), so each is held to its largest entry: float32
-    # gives 1e-7 to 6e-7 of it on both backwards (the sliced one, and MNEMO_CHUNK_BACKWARD=torch).
+    # gives 1e-7 to 6e-7 of it on both backwards (the sliced one, and ``comparison_paths(chunk_backward="torch")``).
     for i, (x, y) in enumerate(zip(g_got, g_want)):
         error = ((x.cpu().double() - y).abs().max() / y.abs().max()).item()
         assert error < 1e-5, f"gradient {i}: relative error {error:.1e}"

@@ -1,4 +1,4 @@
-"""The MoM layer against a direct transcription of FAMILIES.md §1 (token by token, memory by memory)."""
+"""The MoM layer against a direct transcription of docs/semantics.md (token by token, memory by memory)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from conftest import MOM_VARIANTS, tiny_mom_config
 
 
 def spec_mom_layer(layer: MoMLayer, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """FAMILIES.md §1 as written, for one batch row at a time, in float64; with ``segment_size``, every memory
-    of a row is also cached at each multiple of the row's token count and read back (FAMILIES.md §2, MC),
+    """docs/semantics.md as written, for one batch row at a time, in float64; with ``segment_size``, every memory
+    of a row is also cached at each multiple of the row's token count and read back (docs/semantics.md, MC),
     the gated aggregations scoring memory ``m``'s cached states by the mean of the keys it received in
     their segments."""
     B, T, _ = x.shape
