@@ -268,6 +268,19 @@ class MuonChunk:
         return ({n: w[:, :, -1] for n, w in self.weights.items()}, {n: s[:, :, -1] for n, s in self.momenta.items()})
 
 
+def atlas_gates(optimizer: str, inside: torch.Tensor, gamma, retention, lr, mom, live) -> dict[str, torch.Tensor]:
+    """The chunk operator's window band and gates (:func:`~.mlp_memory.chunk_coefficients`' arguments) for
+    gates ``(R, H, C)``, the window's ``gamma (R, H, C + c - 1)``, ``live (R, C)`` and the band ``inside
+    (C, C + c - 1)``; ``dS`` and ``gs`` only with a momentum. A dead token's gates are 1, 1 and 0."""
+    band = inside[None, None] * gamma[:, :, None, :] * live[:, None, :, None]
+    one, zero = torch.ones_like(retention), torch.zeros_like(retention)
+    lvh = live[:, None, :]
+    gates = dict(band=band, dM=torch.where(lvh, retention, one), gm=torch.where(lvh, -lr, zero))
+    if optimizer != "gd":
+        gates.update(dS=torch.where(lvh, mom, one), gs=torch.where(lvh, one, zero))
+    return gates
+
+
 def atlas_coefficients(optimizer: str, inside: torch.Tensor, gamma, retention, lr, mom, live) -> tuple[torch.Tensor, ...]:
     """:func:`~.titans_chunk.chunk_memory`'s coefficients for every chunk at once (chunk first: window
     ``gamma (n, B, H, C + c - 1)``, gates ``(n, B, H, C)``, ``live (n, B, C)``, the window band
@@ -275,13 +288,7 @@ def atlas_coefficients(optimizer: str, inside: torch.Tensor, gamma, retention, l
     One batch of small ops before the chunk loop instead of a few dozen per chunk."""
     n, B = retention.shape[:2]
     flat = lambda x: x.reshape(n * B, *x.shape[2:])  # noqa: E731
-    gamma, retention, lr, mom, lv = (flat(x) for x in (gamma, retention, lr, mom, live))
-    band = inside[None, None] * gamma[:, :, None, :] * lv[:, None, :, None]
-    one, zero = torch.ones_like(retention), torch.zeros_like(retention)
-    lvh = lv[:, None, :]
-    gates = dict(band=band, dM=torch.where(lvh, retention, one), gm=torch.where(lvh, -lr, zero))
-    if optimizer != "gd":
-        gates.update(dS=torch.where(lvh, mom, one), gs=torch.where(lvh, one, zero))
+    gates = atlas_gates(optimizer, inside, *(flat(x) for x in (gamma, retention, lr, mom, live)))
     a, b, c, sa, sc = chunk_coefficients(**gates)
     return tuple(x.reshape(n, B, *x.shape[1:]) for x in (a, b, c, sa[..., -1], sc[..., -1, :]))
 
@@ -334,20 +341,12 @@ def _atlas_chunk_step(spec: MLPMemorySpec, optimizer: str, ns_steps: int, track_
         return (y,), new_carry
     # The operator's band and gates, which the fused chunks take precomputed for all chunks at once
     # (atlas_coefficients): built here they were seven launches a chunk, in every pass, for nothing.
-    band = inside[None, None] * gamma[:, :, None, :] * lv[:, None, :, None]
-    one, zero = torch.ones_like(retention), torch.zeros_like(retention)
-    lvh = lv[:, None, :]
-    dM = torch.where(lvh, retention, one)
-    gm = torch.where(lvh, -lr, zero)
+    gates = atlas_gates(optimizer, inside, gamma, retention, lr, mom, lv)
     factors = grad_factors(spec, grad_w, k, v)
-    if optimizer == "gd":
-        op = ChunkOperator(W, None, factors, band, dM, gm)
+    if optimizer == "muon":
+        op = MuonChunk(W, S, factors, gates["band"], gates["dM"], gates["gm"], gates["dS"], ns_steps)
     else:
-        dS = torch.where(lvh, mom, one)
-        if optimizer == "momentum":
-            op = ChunkOperator(W, S, factors, band, dM, gm, dS, torch.where(lvh, one, zero))
-        else:
-            op = MuonChunk(W, S, factors, band, dM, gm, dS, ns_steps)
+        op = ChunkOperator(W, None if optimizer == "gd" else S, factors, **gates)
     y = memory_apply(spec, op, q) if read is None else read(op, q, *extra, *read_consts)
     W, S = op.final()
     new_carry = tuple(W[n] for n in names)
