@@ -28,7 +28,11 @@ current directory):
 - ``update-tiles``: the chunk's final weight update and its backward (``titans_triton_update``) at 32 x
   (256 x 1024) and 32 x (1024 x 256) float32 weights, 64 factor rows, TF32, for every tile shape, warp
   and stage count of ``--grid`` (set as the module's launch constants), beside the PyTorch versions and a
-  plain copy of ``W, S`` (the bandwidth floor).
+  plain copy of ``W, S`` (the bandwidth floor).- ``loss-norm-mlp``: what surrounds the memories in a whole model, at 16K tokens, hidden 1024, bf16: the
+  LM loss at a 32K vocabulary (transformers' ``ForCausalLMLoss`` over full logits, mnemo's
+  ``linear_cross_entropy``, and fla 0.6.0's ``FusedLinearCrossEntropyLoss`` where installed), forward +
+  backward time and peak above the inputs; RMSNorm with the residual add and the SwiGLU product, mnemo's
+  Triton kernels against its PyTorch path and the plain expressions under autograd.
 
 Run on a GPU machine with mnemo importable, e.g. ``python benchmarks/bench_kernels.py newton-schulz``.
 """
@@ -426,6 +430,68 @@ def update_tiles(recorder: Recorder, args: argparse.Namespace) -> None:
     update._BM, update._BN, update._BK, update._WARPS, update._STAGES = saved
 
 
+# --------------------------------------------------------------------------------------------- loss-norm-mlp
+
+def loss_norm_mlp(recorder: Recorder, args: argparse.Namespace) -> None:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from benchlib import HIDDEN, VOCAB, lift_fla_hopper_guard, reset_peak
+
+    from mnemo.kernels.backend import use_backend
+    from mnemo.kernels.linear_cross_entropy import causal_targets, linear_cross_entropy
+    from mnemo.kernels.rms_norm import rms_norm
+    from mnemo.kernels.swiglu import silu_mul
+
+    N, H, V, I = args.tokens, HIDDEN, VOCAB, 4 * HIDDEN
+    hidden = torch.randn(N // 2048, 2048, H, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    head = torch.nn.Linear(H, V, bias=False, device=DEVICE)
+    labels = torch.randint(0, V, (N // 2048, 2048), device=DEVICE)
+
+    def timed(what: str, fn) -> None:
+        def step():
+            with torch.autocast("cuda", dtype=DTYPE):
+                out = fn()
+            out.float().sum().backward() if out.dim() else out.backward()
+        step()
+        torch.cuda.synchronize()
+        reset_peak()
+        base = torch.cuda.memory_allocated() / 2**30
+        ms = median_ms(step, warmup=2, iters=10, repeats=3)
+        recorder.record(what=what, tokens=N, fwd_bwd_ms=round(ms, 3), peak_gib_above_inputs=round(peak_gib() - base, 2))
+
+    timed("loss: transformers ForCausalLMLoss (full logits)", lambda: ForCausalLMLoss(head(hidden), labels, V))
+    timed("loss: mnemo linear_cross_entropy", lambda: linear_cross_entropy(hidden, head, causal_targets(labels)))
+    try:
+        lift_fla_hopper_guard()
+        from fla.modules import FusedLinearCrossEntropyLoss
+
+        fla_loss = FusedLinearCrossEntropyLoss()
+        shifted = causal_targets(labels)
+        timed("loss: fla FusedLinearCrossEntropyLoss",
+              lambda: fla_loss(hidden.reshape(-1, H), shifted, head.weight))
+    except Exception as error:  # noqa: BLE001  (anchor absent or broken: the row says so)
+        recorder.record(what="loss: fla FusedLinearCrossEntropyLoss", err=str(error)[:200])
+
+    x = torch.randn(N, H, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    r = torch.randn(N, H, device=DEVICE, requires_grad=True)
+    w = torch.ones(H, device=DEVICE, requires_grad=True)
+
+    def plain_norm():
+        s = x + r
+        return (s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w).to(s.dtype) + s
+
+    timed("rms_norm + residual: plain under autograd", plain_norm)
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            timed(f"rms_norm + residual: mnemo {backend}", lambda: sum(rms_norm(x, w, 1e-6, r)))
+    g = torch.randn(N, I, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    u = torch.randn(N, I, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    timed("silu(gate) * up: plain under autograd", lambda: F.silu(g) * u)
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            timed(f"silu(gate) * up: mnemo {backend}", lambda: silu_mul(g, u))
+
+
 # ------------------------------------------------------------------------------------------------------ main
 
 COMMANDS: dict[str, Callable[[Recorder, argparse.Namespace], None]] = {
@@ -434,6 +500,7 @@ COMMANDS: dict[str, Callable[[Recorder, argparse.Namespace], None]] = {
     "cached-reads": cached_reads,
     "titans-chunk": titans_chunk,
     "update-tiles": update_tiles,
+    "loss-norm-mlp": loss_norm_mlp,
 }
 
 
@@ -471,6 +538,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
     p = sub.add_parser("update-tiles", help="the final weight update's tiles")
     p.add_argument("--grid", metavar="BM,BN,BK,WARPS,STAGES;...", help="tiles to time (default: a grid of 72)")
+
+    p = sub.add_parser("loss-norm-mlp", help="the LM loss, RMSNorm + residual and SwiGLU beside their anchors")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens (multiple of 2048; default %(default)s)")
     return parser.parse_args(argv)
 
 

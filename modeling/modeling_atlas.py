@@ -86,11 +86,11 @@ class AtlasBlock(GradientCheckpointingLayer):
             x = self.attn_norm(hidden_states)
             swa = self.swa(x, positions, key_valid, swa_cache)
             memory = self.attn(x, attention_mask, memory_cache).hidden_states
-            hidden_states = hidden_states + self.swa_out_norm(swa) * torch.sigmoid(self.memory_out_norm(memory))
+            mixed = self.swa_out_norm(swa) * torch.sigmoid(self.memory_out_norm(memory))
         else:
-            memory = self.attn(self.attn_norm(hidden_states), attention_mask, memory_cache).hidden_states
-            hidden_states = hidden_states + memory
-        hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
+            mixed = self.attn(self.attn_norm(hidden_states), attention_mask, memory_cache).hidden_states
+        normed, hidden_states = self.mlp_norm(mixed, hidden_states)  # the residual add fused into the norm
+        hidden_states = hidden_states + self.mlp(normed)
         return hidden_states, None
 
 

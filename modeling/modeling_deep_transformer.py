@@ -41,8 +41,8 @@ class DeepTransformerBlock(GradientCheckpointingLayer):
     ) -> tuple[torch.Tensor, None]:
         attended = self.self_attn(self.input_layernorm(hidden_states), attention_mask, past_key_values,
                                   position_ids=positions)
-        hidden_states = hidden_states + attended.hidden_states
-        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        normed, hidden_states = self.post_attention_layernorm(attended.hidden_states, hidden_states)
+        hidden_states = hidden_states + self.mlp(normed)
         return hidden_states, None
 
 

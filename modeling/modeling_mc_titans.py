@@ -39,8 +39,8 @@ class MCTitansBlock(GradientCheckpointingLayer):
         past_key_values: LayerCache | None = None,
     ) -> tuple[torch.Tensor, None]:
         memory = self.attn(self.attn_norm(hidden_states), attention_mask, past_key_values).hidden_states
-        hidden_states = hidden_states + memory
-        hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
+        normed, hidden_states = self.mlp_norm(memory, hidden_states)  # the residual add fused into the norm
+        hidden_states = hidden_states + self.mlp(normed)
         return hidden_states, None
 
 

@@ -57,8 +57,8 @@ class MoMBlock(GradientCheckpointingLayer):
             hidden_states = self.attn(hidden_states, positions, key_valid, past_key_values)
         else:
             hidden_states, aux = self.attn(hidden_states, attention_mask, past_key_values)
-        hidden_states = residual + hidden_states
-        hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
+        normed, hidden_states = self.mlp_norm(hidden_states, residual)  # the residual add fused into the norm
+        hidden_states = hidden_states + self.mlp(normed)
         return hidden_states, aux
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cache import MnemoCache
+from ..kernels.linear_cross_entropy import causal_targets, chunked_cross_entropy, linear_cross_entropy
+from .cache import MnemoCache, as_mnemo_cache
 from .generation import check_attention_mask
 from .outputs import MnemoCausalLMOutput, MnemoModelOutput, cache_field
 
@@ -69,6 +70,7 @@ def decoder_forward(
 ) -> MnemoModelOutput:
     """Embed, run the blocks over the cache, normalise; the aux loss is the mean over blocks that report one."""
     config = model.config
+    past_key_values = as_mnemo_cache(past_key_values, config.num_hidden_layers)
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
     if inputs_embeds is None:
@@ -135,23 +137,51 @@ def decoder_forward(
     )
 
 
+def _default_loss(lm: nn.Module) -> bool:
+    """Whether ``lm`` computes transformers' own causal-LM loss (not one a user or ``loss_type`` put in)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return getattr(lm.loss_function, "__wrapped__", lm.loss_function) is ForCausalLMLoss
+
+
 def causal_lm_forward(
     lm: nn.Module,
     outputs: MnemoModelOutput,
     labels: torch.LongTensor | None,
     logits_to_keep: int | torch.Tensor,
     aux_loss_coef: float,
+    return_logits: bool | None = None,
     **loss_kwargs,
 ) -> MnemoCausalLMOutput:
-    """Logits of the kept positions; LM loss plus ``aux_loss_coef * aux_loss`` when labels are given."""
+    """Logits of the kept positions; LM loss plus ``aux_loss_coef * aux_loss`` when labels are given.
+
+    With labels (or ``shift_labels``) and every position kept, the loss is transformers' causal-LM loss
+    computed without the full float32 logits (``kernels/linear_cross_entropy.py``). In training (``train()``
+    mode, gradients recorded) the logits are then not made at all and ``logits`` is ``None`` unless
+    ``return_logits=True``; otherwise (evaluation) they are returned unless ``return_logits=False``, and the
+    loss upcasts them one block at a time. A model whose
+    ``loss_function`` is not transformers' default keeps computing its loss from the full logits.
+    """
     hidden_states = outputs.last_hidden_state
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    logits = lm.lm_head(hidden_states[:, keep, :])
+    wants_loss = labels is not None or loss_kwargs.get("shift_labels") is not None
+    fused = wants_loss and isinstance(logits_to_keep, int) and logits_to_keep == 0 and _default_loss(lm)
+    if return_logits is None:
+        return_logits = not (fused and lm.training and torch.is_grad_enabled())
+    logits = lm.lm_head(hidden_states[:, keep, :]) if return_logits or not fused else None
     loss = None
-    if labels is not None:
+    if fused:
+        ignore_index = loss_kwargs.get("ignore_index", -100)
+        targets = causal_targets(labels, loss_kwargs.get("shift_labels"), ignore_index)
+        reduce = {"num_items_in_batch": loss_kwargs.get("num_items_in_batch"), "ignore_index": ignore_index}
+        if logits is not None:
+            loss = chunked_cross_entropy(logits, targets, **reduce)
+        else:
+            loss = linear_cross_entropy(hidden_states, lm.lm_head, targets, **reduce)
+    elif wants_loss:
         loss = lm.loss_function(logits, labels, lm.config.vocab_size, **loss_kwargs)
-        if outputs.aux_loss is not None and aux_loss_coef > 0:
-            loss = loss + aux_loss_coef * outputs.aux_loss.to(loss.device)
+    if loss is not None and outputs.aux_loss is not None and aux_loss_coef > 0:
+        loss = loss + aux_loss_coef * outputs.aux_loss.to(loss.device)
     return MnemoCausalLMOutput(
         loss=loss,
         logits=logits,

@@ -1,0 +1,193 @@
+"""Whole-model training: tokens/s and peak GiB of every family beside flash-linear-attention's and a Llama.
+
+Every row is a language model of ``--layers`` blocks at hidden 1024 and a 32,000-token
+vocabulary (about 400-600M parameters at 24 layers), trained for a few steps on random
+tokens with bf16 autocast and fused AdamW, ``--batch x --length`` tokens per step, all
+rows one after another in one process:
+
+- mnemo: Gated DeltaNet (MoM with one memory, 4 heads x 256), MoM (4 memories, top-2 +
+  shared), Titans (4 heads x 256, MLP x4), MC-Titans (grm and ssc, segments of 256),
+  OmegaNet and Atlas (16 heads x 64), DeepTransformer (depth 2);
+- anchors, where installed: fla 0.6.0's ``GatedDeltaNetForCausalLM`` and ``MomForCausalLM``
+  (their fused cross-entropy, norms and SwiGLU on, as fla ships them) and transformers'
+  ``LlamaForCausalLM`` (SDPA).
+
+``--fsdp`` shards every row with FSDP2 (``fully_shard`` on each block, then the model)
+when run under ``torchrun --nproc-per-node N``: each process takes ``--batch`` rows, the
+table gives the tokens/s of all processes together, and the first step's loss on one
+fixed global batch, which a one-process run of the same global batch (``--batch`` times
+N) must give within bf16 rounding.
+
+Run: ``python benchmarks/models.py [--only gdn,llama] [--layers 24] [--batch 8 --length 2048]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from benchlib import HIDDEN, VOCAB, Recorder, lift_fla_hopper_guard, names, out_dir, peak_gib, picked, reset_peak
+
+
+def _mom(layers: int, **overrides):
+    from mnemo import MoMConfig, MoMForCausalLM
+
+    kwargs = dict(hidden_size=HIDDEN, num_hidden_layers=layers, num_heads=4, head_dim=256, expand_v=1.0,
+                  vocab_size=VOCAB, num_memories=4, topk=2, shared_memory=True)
+    return MoMForCausalLM(MoMConfig(**{**kwargs, **overrides}))
+
+
+def _titans(layers: int, **overrides):
+    from mnemo import MCTitansConfig, MCTitansForCausalLM
+
+    kwargs = dict(hidden_size=HIDDEN, num_hidden_layers=layers, num_heads=4, head_dim=256, memory_expansion=4,
+                  inner_chunk_size=64, segment_size=None, vocab_size=VOCAB)
+    return MCTitansForCausalLM(MCTitansConfig(**{**kwargs, **overrides}))
+
+
+def _atlas(layers: int, preset: str):
+    from mnemo import AtlasConfig, AtlasForCausalLM
+
+    return AtlasForCausalLM(AtlasConfig.preset(preset, hidden_size=HIDDEN, num_hidden_layers=layers, num_heads=16,
+                                               vocab_size=VOCAB))
+
+
+def _deep_transformer(layers: int):
+    from mnemo import DeepTransformerConfig, DeepTransformerForCausalLM
+
+    return DeepTransformerForCausalLM(DeepTransformerConfig(hidden_size=HIDDEN, num_hidden_layers=layers,
+                                                            num_attention_heads=16, intermediate_size=4 * HIDDEN,
+                                                            vocab_size=VOCAB, memory_depth=2))
+
+
+def _fla(layers: int, kind: str):
+    lift_fla_hopper_guard()
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, MomConfig, MomForCausalLM
+
+    if kind == "gdn":
+        return GatedDeltaNetForCausalLM(GatedDeltaNetConfig(hidden_size=HIDDEN, num_hidden_layers=layers,
+                                                            num_heads=4, head_dim=256, expand_v=1, vocab_size=VOCAB))
+    return MomForCausalLM(MomConfig(hidden_size=HIDDEN, num_hidden_layers=layers, num_heads=4, head_dim=256,
+                                    expand_v=1, num_memories=4, topk=2, shared_mem=True, vocab_size=VOCAB))
+
+
+def _llama(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=16,
+                                        intermediate_size=4 * HIDDEN, vocab_size=VOCAB, attn_implementation="sdpa",
+                                        max_position_embeddings=70000))
+
+
+MODELS: dict[str, Callable[[int], torch.nn.Module]] = {
+    "gdn": lambda n: _mom(n, num_memories=1, topk=1, shared_memory=False),
+    "mom_4x2_shared": _mom,
+    "titans_4x256": _titans,
+    "mc_titans_grm": lambda n: _titans(n, segment_size=256),
+    "mc_titans_ssc": lambda n: _titans(n, segment_size=256, aggregation="ssc"),
+    "omeganet_16x64": lambda n: _atlas(n, "omeganet"),
+    "atlas_muon_16x64": lambda n: _atlas(n, "atlas"),
+    "deep_transformer": _deep_transformer,
+    "anchor_fla_gdn": lambda n: _fla(n, "gdn"),
+    "anchor_fla_mom_4x2_shared": lambda n: _fla(n, "mom"),
+    "anchor_llama_sdpa": _llama,
+}
+
+
+def _shard(model: torch.nn.Module) -> torch.nn.Module:
+    # float32 parameters under autocast, as the one-process rows: the same numbers, sharded.
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def measure(name: str, args: argparse.Namespace, rank: int, world: int) -> dict:
+    """Tokens/s (all processes), peak GiB (this process) and the first step's loss of one model."""
+    torch.manual_seed(0)
+    model = MODELS[name](args.layers).cuda()
+    params = sum(p.numel() for p in model.parameters())
+    if world > 1:
+        model = _shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    fixed = torch.randint(0, VOCAB, (args.batch * world, args.length), device="cuda", generator=g)
+    ids = fixed[rank * args.batch:(rank + 1) * args.batch]
+    losses = []
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    reset_peak()
+    step()  # compiles, autotunes; its loss is the fixed batch's at the initial weights
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        step()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / args.iters
+    first = losses[0].float()
+    if world > 1:
+        torch.distributed.all_reduce(first)
+        first /= world
+    return {"model": name, "params_M": round(params / 1e6, 1), "batch": args.batch * world, "length": args.length,
+            "processes": world, "tok_per_s": round(args.batch * world * args.length / seconds),
+            "ms_per_step": round(1e3 * seconds, 1), "peak_gib": round(peak_gib(), 2),
+            "first_loss": round(float(first), 5)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", help=f"comma-separated rows (substrings) of: {', '.join(MODELS)}")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step (per process with --fsdp)")
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (run under torchrun)")
+    parser.add_argument("--out", help="folder of models.json (default: $OUT, else the current folder)")
+    args = parser.parse_args(argv)
+    rank, world = 0, 1
+    if args.fsdp:
+        torch.distributed.init_process_group("nccl")
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.backends.cuda.matmul.allow_tf32 = True
+    recorder = Recorder() if rank == 0 else None
+    for name in MODELS:
+        if not picked(name, names(args.only)):
+            continue
+        try:
+            row = measure(name, args, rank, world)
+        except Exception as error:  # noqa: BLE001  (one broken row must not lose the others)
+            traceback.print_exc()
+            row = {"model": name, "error": f"{type(error).__name__}: {error}"[:200]}
+        torch.cuda.empty_cache()
+        if rank == 0:
+            recorder.record(**row)
+    if rank == 0:
+        recorder.table(["model", "params_M", "batch", "length", "processes", "tok_per_s", "ms_per_step", "peak_gib",
+                        "first_loss"])
+        recorder.write(out_dir(args.out) / ("models_fsdp.json" if args.fsdp else "models.json"))
+    if args.fsdp:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
