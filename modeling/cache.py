@@ -156,3 +156,19 @@ class MnemoCache(Cache):
         DeepTransformer with ``memory_depth=1``) support it; recurrent states raise."""
         for layer in self.layers:
             layer.crop(max_length)
+
+
+def as_mnemo_cache(cache: Cache | None, num_layers: int) -> MnemoCache | None:
+    """The cache a mnemo model runs on when given ``cache``: a :class:`MnemoCache` as it is, ``None`` as
+    ``None``, and another transformers cache (``DynamicCache()``, as pipelines and ``generate()`` callers
+    pass) replaced by a fresh ``MnemoCache`` while it is empty. A cache that holds another model's state
+    cannot continue here: ``ValueError``."""
+    if cache is None or isinstance(cache, MnemoCache):
+        return cache
+    if isinstance(cache, Cache) and cache.get_seq_length() == 0:
+        return MnemoCache(num_layers)
+    raise ValueError(
+        f"a mnemo model keeps its state in a mnemo.MnemoCache, not a {type(cache).__name__} that already holds "
+        "tokens: pass the cache a mnemo model returned (model(ids, use_cache=True).cache), a new "
+        "mnemo.MnemoCache(config.num_hidden_layers), or no cache"
+    )
