@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from .validation import check, check_block, check_choice, check_positive_int, swiglu_width
+from .validation import check, check_block, check_choice, check_positive_int, default_head_dim, swiglu_width
 
 FEATURE_MAPS = ("identity", "poly_elementwise", "poly_tensor")
 OBJECTIVES = ("l2", "dot")
@@ -46,7 +46,8 @@ class AtlasConfig(PretrainedConfig):
     OmegaNet, DLA and SWLA.
 
     Args:
-        num_heads, head_dim: memory heads (``head_dim`` defaults to ``hidden_size // num_heads``).
+        num_heads, head_dim: memory heads (``head_dim`` defaults to ``hidden_size // num_heads``,
+            which must then divide exactly).
         memory_depth, memory_expansion, memory_gated: the MLP memory (1 = linear; gated = Atlas++).
         feature_map: ``"identity"``, ``"poly_elementwise"`` (``sum_i a_i x^i``, ``poly_degree``
             terms, ``a_i`` learnable from ``1/i!``) or ``"poly_tensor"`` (the exact degree-2
@@ -123,7 +124,7 @@ class AtlasConfig(PretrainedConfig):
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         self.num_heads = num_heads
-        self.head_dim = head_dim if head_dim is not None else (hidden_size // num_heads if num_heads else 0)
+        self.head_dim = default_head_dim(hidden_size, num_heads, head_dim)
         self.memory_depth = memory_depth
         self.memory_expansion = memory_expansion
         self.memory_gated = memory_gated

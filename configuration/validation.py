@@ -32,6 +32,17 @@ def check_layer_indices(field: str, value: Any, num_layers: int) -> None:
     )
 
 
+def default_head_dim(hidden_size: Any, num_heads: Any, head_dim: Any) -> Any:
+    """``head_dim`` when given, else ``hidden_size // num_heads``, which must divide exactly: a floored width
+    would build heads narrower than asked and leave part of the hidden state unread."""
+    if head_dim is not None:
+        return head_dim
+    check_positive_int("num_heads", num_heads)
+    check(hidden_size % num_heads == 0, "num_heads",
+          f"must divide hidden_size ({hidden_size}), or give head_dim for another head width", num_heads)
+    return hidden_size // num_heads
+
+
 def swiglu_width(hidden_size: int, hidden_ratio: float) -> int:
     """The SwiGLU width ``hidden_size * hidden_ratio * 2/3`` rounded up to a multiple of 256."""
     return 256 * ((int(hidden_size * hidden_ratio * 2 / 3) + 255) // 256)

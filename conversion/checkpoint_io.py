@@ -79,11 +79,18 @@ def load_state_dict(src_dir: str | os.PathLike, allow_pickle: bool = False) -> d
         raise ConversionError(f"{src_dir} is not a folder")
     shards = _shards(src, "model.safetensors.index.json", "model.safetensors")
     if shards is not None:
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
+
+        from ..modeling.checkpoint_files import safetensors_problem
 
         state: dict[str, torch.Tensor] = {}
         for shard in shards:
-            state.update(load_file(str(shard), device="cpu"))
+            try:
+                state.update(load_file(str(shard), device="cpu"))
+            except SafetensorError as error:
+                why = safetensors_problem(shard) or str(error)
+                raise ConversionError(f"{shard} is truncated or corrupt: {why}") from error
         return state
     shards = _shards(src, "pytorch_model.bin.index.json", "pytorch_model.bin")
     if shards is None:
@@ -136,17 +143,21 @@ def staged_output(out_dir: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary folder beside ``out_dir``; move it into place only if the block succeeds.
 
     ``out_dir`` must not exist or be empty. On any error the temporary folder is
-    removed and ``out_dir`` is left as it was.
+    removed and ``out_dir`` is left as it was. The folder yielded has ``out_dir``'s
+    name (what is written there may name itself after its folder) and the mode
+    ``mkdir`` gives under the user's umask; it lies in a private temporary folder
+    (mode 0700), removed afterwards.
     """
     out = check_output_dir(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    holder = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
+        staging = holder / out.name
+        staging.mkdir()
         yield staging
         check_output_dir(out)  # nothing appeared there meanwhile
         if out.exists():
             out.rmdir()
         os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    finally:
+        shutil.rmtree(holder, ignore_errors=True)

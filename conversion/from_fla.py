@@ -5,6 +5,9 @@ fla's ``MomForCausalLM`` (``model_type="mom"``) and ``GatedDeltaNetForCausalLM``
 uses (mnemo's layer follows fla's ``MomAttention`` layout), except:
 
 - ``model.embeddings`` is mnemo's ``model.embed_tokens``;
+- fla's per-memory lists ``k_proj.<m>`` (and ``v_proj``, ``b_proj``, ``a_proj``)
+  are mnemo's ``memories.<m>.k_proj`` (saved checkpoints keep fla's names:
+  transformers writes them back on saving);
 - a Gated DeltaNet is a MoM with one memory, routed to by every token
   (``num_memories=1, topk=1, shared_memory=False``): its single ``k_proj``,
   ``v_proj``, ``b_proj``, ``a_proj`` become memory 0's, and the router, whose
@@ -40,6 +43,7 @@ from typing import Any
 import torch
 
 from ..configuration.configuration_mom import MoMConfig
+from ..modeling.mom_layer import MEMORY_PROJECTIONS, legacy_memory_key
 from .checkpoint_io import (
     ConversionError,
     check_state_dict_keys,
@@ -116,9 +120,8 @@ _REQUIRED_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
 _ATTENTION_SPEC_KEYS = frozenset({"layers", "num_heads", "num_kv_heads", "qkv_bias", "window_size", "rope_theta"})
 _FLA_DEFAULT_ROPE_THETA = 10000.0
 
-# The layer-local names of a Gated DeltaNet's memory projections, which become memory 0's.
-_GDN_MEMORY_PROJECTIONS = ("k_proj", "v_proj", "b_proj", "a_proj")
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.attn\.(.+)$")
+_MEMORY_KEY = re.compile(r"\.memories\.(\d+)\.(\w+)\.weight$")
 
 
 # --------------------------------------------------------------------------- config
@@ -291,9 +294,9 @@ def _mom_name(fla_name: str, model_type: str, memory_layers: set[int]) -> str:
         match = _LAYER_KEY.match(fla_name)
         if match and int(match.group(1)) in memory_layers:
             module, _, param = match.group(2).partition(".")
-            if module in _GDN_MEMORY_PROJECTIONS and param == "weight":
-                return f"model.layers.{match.group(1)}.attn.{module}.0.weight"
-    return fla_name
+            if module in MEMORY_PROJECTIONS and param == "weight":
+                return f"model.layers.{match.group(1)}.attn.memories.0.{module}.weight"
+    return legacy_memory_key(fla_name)
 
 
 def _fla_name(mom_name: str, model_type: str, memory_layers: set[int]) -> str:
@@ -303,10 +306,10 @@ def _fla_name(mom_name: str, model_type: str, memory_layers: set[int]) -> str:
     if model_type == "gated_deltanet":
         match = _LAYER_KEY.match(mom_name)
         if match and int(match.group(1)) in memory_layers:
-            for module in _GDN_MEMORY_PROJECTIONS:
-                if match.group(2) == f"{module}.0.weight":
+            for module in MEMORY_PROJECTIONS:
+                if match.group(2) == f"memories.0.{module}.weight":
                     return f"model.layers.{match.group(1)}.attn.{module}.weight"
-    return mom_name
+    return _MEMORY_KEY.sub(r".\2.\1.weight", mom_name)
 
 
 def _target_shapes(config: MoMConfig) -> dict[str, torch.Size]:

@@ -1,12 +1,13 @@
 """Self-contained Hub folders (``trust_remote_code``) and pushing them to the Hub.
 
-:func:`export_hub_folder` writes what ``AutoModelForCausalLM.from_pretrained(folder,
-trust_remote_code=True)`` needs on a machine without mnemo: ``config.json`` with an
-``auto_map``, the flat modules generated from the package's own source
-(:mod:`.flatten`), ``model.safetensors``, ``generation_config.json``, the
-tokenizer when there is one, and a model card filled from the family's template.
-The folder is written beside its destination and moved into place only when
-complete. :func:`push_to_hub` uploads such a folder with ``huggingface_hub``.
+Every mnemo model's ``save_pretrained`` writes what ``AutoModelForCausalLM.from_pretrained(folder,
+trust_remote_code=True)`` needs on a machine without mnemo (:mod:`..modeling.hub_files`):
+``config.json`` with an ``auto_map``, the flat modules generated from the package's own
+source (:mod:`.flatten`), ``model.safetensors``, ``generation_config.json`` and a model card
+filled here from the family's template (:func:`model_card`). :func:`export_hub_folder` does
+that for a model or a checkpoint folder into a new folder, with the tokenizer when there is
+one; the folder is written beside its destination and moved into place only when complete.
+:func:`push_to_hub` uploads such a folder with ``huggingface_hub``.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from ..model_cards import render_card
+from ..modeling.hub_files import defining_class, hub_modules
 from .checkpoint_io import ConversionError, copy_tokenizer_files, staged_output
-from .flatten import FlatModule, flat_sources
 
-__all__ = ["export_hub_folder", "hub_modules", "push_to_hub"]
+__all__ = ["export_hub_folder", "hub_modules", "model_card", "push_to_hub"]
 
 
 def _package_version() -> str:
@@ -50,26 +51,8 @@ def _check_model(model: Any) -> None:
         raise TypeError(f"{type(model).__name__} is not a mnemo *ForCausalLM model")
 
 
-def hub_modules(model: Any) -> list[FlatModule]:
-    """The flat modules that define ``model``'s config and class, and all they import."""
-    roots = [type(model.config).__module__, type(model).__module__]
-    return flat_sources(roots, _package_version())
-
-
-def _auto_map(model: Any) -> dict[str, str]:
-    def flat(cls: type) -> str:
-        return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
-
-    auto_map = {"AutoConfig": flat(type(model.config)), "AutoModelForCausalLM": flat(type(model))}
-    base = model.base_model
-    if base is not model:
-        auto_map["AutoModel"] = flat(type(base))
-    return auto_map
-
-
-def _config_table(config: Any) -> str:
+def _config_table(config: Any, values: dict) -> str:
     declared = [p for p in inspect.signature(type(config).__init__).parameters if p not in ("self", "kwargs")]
-    values = config.to_dict()
     return "\n".join(f"| `{name}` | `{json.dumps(values.get(name))}` |" for name in declared)
 
 
@@ -83,23 +66,27 @@ def _lora_targets(model: Any) -> list[str]:
     ]
 
 
-def _card(model: Any, repo_id: str | None, source: str | None, out_name: str) -> str:
-    config = model.config
+def model_card(model: Any, config: dict, *, title: str, repo_id: str | None = None, source: str | None = None) -> str:
+    """The filled model card of ``model`` whose saved ``config.json`` holds ``config``.
+
+    ``repo_id`` is where the card says to load it from (default ``path/to/<title>``); ``source`` is the
+    provenance (default: the config's ``converted_from``, else "a mnemo checkpoint").
+    """
     if source is None:
-        converted = getattr(config, "converted_from", None)
+        converted = getattr(model.config, "converted_from", None)
         source = f"converted from {converted}" if converted else f"a mnemo {_package_version()} checkpoint"
     fields = {
-        "title": repo_id.rsplit("/", 1)[-1] if repo_id else out_name,
-        "repo_id": repo_id or f"path/to/{out_name}",
+        "title": title,
+        "repo_id": repo_id or f"path/to/{title}",
         "version": _package_version(),
-        "model_type": config.model_type,
-        "architecture": type(model).__name__,
+        "model_type": model.config.model_type,
+        "architecture": defining_class(model).__name__,
         "parameters": f"{sum(p.numel() for p in model.parameters()):,}",
         "source": source,
         "lora_targets": json.dumps(_lora_targets(model)),
-        "config_table": _config_table(config),
+        "config_table": _config_table(model.config, config),
     }
-    return render_card(config.model_type, fields)
+    return render_card(model.config.model_type, fields)
 
 
 def export_hub_folder(
@@ -111,6 +98,8 @@ def export_hub_folder(
     source: str | None = None,
 ) -> Path:
     """Write a folder that loads with ``trust_remote_code=True`` where mnemo is not installed.
+
+    What ``save_pretrained`` writes, into a new folder, with the tokenizer and the provenance.
 
     Args:
         model_or_path: A mnemo ``*ForCausalLM`` model, or a checkpoint folder or Hub id
@@ -126,21 +115,12 @@ def export_hub_folder(
     """
     model = _load(model_or_path)
     _check_model(model)
-    modules = hub_modules(model)
     with staged_output(out_dir) as staging:
-        model.save_pretrained(staging)
-        config_path = staging / "config.json"
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-        config["auto_map"] = _auto_map(model)
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        for module in modules:
-            (staging / f"{module.name}.py").write_text(module.source, encoding="utf-8")
+        model.save_pretrained(staging, repo_id=repo_id, model_card_source=source)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         elif isinstance(model_or_path, (str, os.PathLike)) and Path(model_or_path).is_dir():
             copy_tokenizer_files(model_or_path, staging)
-        card = _card(model, repo_id, source, Path(out_dir).name)
-        (staging / "README.md").write_text(card, encoding="utf-8")
     return Path(out_dir)
 
 
@@ -151,11 +131,15 @@ def push_to_hub(
     token: str | None = None,
     private: bool = False,
     commit_message: str = "Upload mnemo model",
+    revision: str | None = None,
+    create_pr: bool = False,
 ) -> str:
     """Upload an exported folder to ``repo_id`` (created if missing); returns the commit URL.
 
     The token comes from ``token``, else from the usual places (``HF_TOKEN``, the
-    stored login).
+    stored login). ``revision`` names the branch to commit to (it is created from
+    the default branch when missing); ``create_pr`` opens a pull request instead of
+    committing to the branch, as ``huggingface_hub`` does.
     """
     folder = Path(folder)
     config_path = folder / "config.json"
@@ -165,5 +149,8 @@ def push_to_hub(
 
     api = HfApi(token=token)
     api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
-    commit = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message=commit_message)
+    if revision is not None and not create_pr:
+        api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
+    commit = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                               commit_message=commit_message, revision=revision, create_pr=create_pr)
     return str(getattr(commit, "commit_url", commit))

@@ -108,6 +108,7 @@ def convert_to_memory_caching(
     from ..modeling.modeling_atlas import AtlasForCausalLM
     from ..modeling.modeling_mc_titans import MCTitansForCausalLM
     from ..modeling.modeling_mom import MoMForCausalLM
+    from ..modeling.mom_layer import legacy_memory_key
 
     if not isinstance(segment_size, int) or isinstance(segment_size, bool) or segment_size < 1:
         raise ConversionError(f"segment_size must be an integer >= 1, got {segment_size!r}")
@@ -117,6 +118,8 @@ def convert_to_memory_caching(
         raise ConversionError(f"segmentation {segmentation!r} is only available for Titans; MoM and Atlas "
                               "segments are constant")
     state = load_state_dict(src_dir, allow_pickle=allow_pickle)
+    if isinstance(config, MoMConfig):  # saved MoM checkpoints name each memory's projections as fla does
+        state = {legacy_memory_key(name): tensor for name, tensor in state.items()}
     model_cls = {MCTitansConfig: MCTitansForCausalLM, MoMConfig: MoMForCausalLM, AtlasConfig: AtlasForCausalLM}
     model = model_cls[type(config)](config)
     expected = model.state_dict()

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import GenerationMixin
 
-from .cache import MnemoCache
+from .cache import MnemoCache, as_mnemo_cache
 from .cuda_graph import DecodeGraph, check_decode_graph_support
 from .outputs import CACHE_NAME, resolve_cache_kwarg
 
@@ -66,11 +66,10 @@ class MnemoGenerationMixin(GenerationMixin):
             raise ValueError("cuda_graph=True decodes greedily or by sampling: beam search reorders the cache "
                              "every step, which a captured step cannot follow")
         cache = resolve_cache_kwarg(kwargs.pop("cache", None), kwargs.pop("past_key_values", None))
+        cache = as_mnemo_cache(cache, self.config.num_hidden_layers)
         if cache is None:
             cache = MnemoCache(self.config.num_hidden_layers)
         kwargs[CACHE_NAME] = cache
-        if not isinstance(cache, MnemoCache):
-            raise ValueError(f"cuda_graph=True needs a MnemoCache, got {type(cache).__name__}")
         cache.decode_graphs = True
         try:
             return super().generate(*args, **kwargs)
@@ -94,7 +93,7 @@ class MnemoGenerationMixin(GenerationMixin):
         **kwargs: Any,
     ) -> dict[str, Any]:
         """The model's inputs for the next step, the cache under the name ``generate()`` reads back."""
-        past_key_values = resolve_cache_kwarg(cache, past_key_values)
+        past_key_values = as_mnemo_cache(resolve_cache_kwarg(cache, past_key_values), self.config.num_hidden_layers)
         seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         if seen == 0 and attention_mask is not None:
             check_left_padding(attention_mask)

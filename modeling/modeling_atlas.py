@@ -22,6 +22,7 @@ from .attention import SoftmaxAttention
 from .base import MnemoCausalLMMixin, MnemoDecoderMixin, init_shared_weights
 from .cache import LayerCache
 from .generation import MnemoGenerationMixin
+from .lora_targets import register_peft_defaults
 from .mlp import SwiGLU
 from .normalization import RMSNorm
 
@@ -130,3 +131,6 @@ class AtlasForCausalLM(MnemoCausalLMMixin, MnemoGenerationMixin, AtlasPreTrained
         if config.segment_size is not None:
             return "Memory Caching grows the cache by one memory per segment"
         return ""
+
+
+register_peft_defaults(AtlasConfig.model_type)  # here, so that exported code registers them too

@@ -19,6 +19,7 @@ from .base import MnemoCausalLMMixin, MnemoDecoderMixin, init_shared_weights
 from .generation import MnemoGenerationMixin
 from .cache import LayerCache
 from .deep_attention_layer import DeepAttentionLayer
+from .lora_targets import register_peft_defaults
 from .mlp import SwiGLU
 from .normalization import RMSNorm
 
@@ -71,3 +72,6 @@ class DeepTransformerForCausalLM(MnemoCausalLMMixin, MnemoGenerationMixin, DeepT
     """DeepTransformer / Dot language model; ``generate()`` runs on its KV-and-memory cache."""
 
     base_model_class = DeepTransformerModel
+
+
+register_peft_defaults(DeepTransformerConfig.model_type)  # here, so that exported code registers them too

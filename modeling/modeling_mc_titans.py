@@ -18,6 +18,7 @@ from .base import MnemoCausalLMMixin, MnemoDecoderMixin, init_shared_weights
 from .generation import MnemoGenerationMixin
 from .cache import LayerCache
 from .mc_titans_layer import MCTitansLayer
+from .lora_targets import register_peft_defaults
 from .mlp import SwiGLU
 from .normalization import RMSNorm
 
@@ -75,3 +76,6 @@ class MCTitansForCausalLM(MnemoCausalLMMixin, MnemoGenerationMixin, MCTitansPreT
         if config.segment_size is not None or config.segmentation == "logarithmic":
             return "Memory Caching grows the cache by one memory per segment (segment_size=None is plain Titans)"
         return ""
+
+
+register_peft_defaults(MCTitansConfig.model_type)  # here, so that exported code registers them too

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import WeightRenaming
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..configuration.configuration_mom import MoMConfig
@@ -19,8 +21,9 @@ from .attention import SoftmaxAttention
 from .base import MnemoCausalLMMixin, MnemoDecoderMixin, init_shared_weights
 from .generation import MnemoGenerationMixin
 from .cache import LayerCache
+from .lora_targets import register_peft_defaults
 from .mlp import SwiGLU
-from .mom_layer import MoMLayer
+from .mom_layer import MEMORY_PROJECTIONS, MoMLayer
 from .normalization import RMSNorm
 
 
@@ -71,6 +74,15 @@ class MoMPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
 
     def _init_weights(self, module: nn.Module) -> None:
+        # A MoM layer's submodules are drawn in the layer's order (``MoMLayer.init_order``), all at once
+        # when its router is visited.
+        layer_order = getattr(module, "_init_layer_order", None)
+        if layer_order is not None:
+            for sub in layer_order():
+                init_shared_weights(sub, self.config.initializer_range)
+            return
+        if getattr(module, "_init_by_layer", False):
+            return
         if init_shared_weights(module, self.config.initializer_range):
             return
         if isinstance(module, MoMLayer) and module.gated:
@@ -98,3 +110,17 @@ class MoMForCausalLM(MnemoCausalLMMixin, MnemoGenerationMixin, MoMPreTrainedMode
         if config.segment_size is not None:
             return "Memory Caching grows the cache by one snapshot per segment"
         return ""
+
+
+# Checkpoints of fla's layout (mnemo's before ``memories``) load through transformers' key renaming:
+# ``attn.k_proj.<m>.weight`` -> ``attn.memories.<m>.k_proj.weight`` (see ``mom_layer.legacy_memory_key``).
+# Re-registering replaces the same list (a remote-code copy of this module may be imported beside it).
+register_checkpoint_conversion_mapping(
+    MoMConfig.model_type,
+    [WeightRenaming(source_patterns=rf"\.{name}\.(\d+)\.weight", target_patterns=rf".memories.\1.{name}.weight")
+     for name in MEMORY_PROJECTIONS],
+    overwrite=True,
+)
+
+
+register_peft_defaults(MoMConfig.model_type)  # here, so that exported code registers them too

@@ -5,13 +5,18 @@ a shared memory every token updates). Each memory runs over its own subsequence:
 its projections, its short-conv windows and its state see only the tokens routed
 to it. The recurrence itself is the kernel API's (``chunk_gated_delta`` for
 sequences, ``step_gated_delta`` when every memory receives at most one token).
-Parameter names follow flash-linear-attention's ``MomAttention`` so that its
-checkpoints map one to one.
+Parameter names follow flash-linear-attention's ``MomAttention``, except that each
+routed memory's projections are a named module, ``memories.<m>.k_proj`` where fla
+(and mnemo before) wrote ``k_proj.<m>``: PEFT then targets them as ``k_proj`` and
+``v_proj``, as in every other family. Checkpoints with the older names still load
+(:func:`legacy_memory_key`, here for ``load_state_dict`` and registered with
+transformers for ``from_pretrained``).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import torch
@@ -29,8 +34,32 @@ from .routing import balance_loss, route, top_memories
 from .short_conv import ConvWindows, ShortConvolution
 
 
-def _memory_projections(num: int, hidden: int, out: int) -> nn.ModuleList:
-    return nn.ModuleList(nn.Linear(hidden, out, bias=False) for _ in range(num))
+# The projections every routed memory has (``a_proj``, the decay, only for the gated delta rule).
+MEMORY_PROJECTIONS = ("k_proj", "v_proj", "b_proj", "a_proj")
+_LEGACY_MEMORY_KEY = re.compile(rf"(^|\.)({'|'.join(MEMORY_PROJECTIONS)})\.(\d+)\.(weight)$")
+
+
+def legacy_memory_key(key: str) -> str:
+    """A state-dict key in the current layout: ``...k_proj.<m>.weight`` (fla's and older mnemo checkpoints'
+    per-memory lists) becomes ``...memories.<m>.k_proj.weight``; any other key is returned as it is."""
+    return _LEGACY_MEMORY_KEY.sub(r"\1memories.\3.\2.\4", key)
+
+
+class MemoryProjections(nn.Module):
+    """One routed memory's projections of the layer input: keys, values, write strength ``beta`` and, for
+    the gated delta rule, the decay logits."""
+
+    def __init__(self, k_proj: nn.Linear, v_proj: nn.Linear, b_proj: nn.Linear, a_proj: nn.Linear | None) -> None:
+        super().__init__()
+        self.k_proj, self.v_proj, self.b_proj, self.a_proj = k_proj, v_proj, b_proj, a_proj
+
+
+def _rename_legacy_keys(module, state_dict, prefix, *args) -> None:  # noqa: ARG001  (torch's hook signature)
+    """``load_state_dict`` pre-hook: a MoM layer's old per-memory keys renamed in place."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        new = prefix + legacy_memory_key(key[len(prefix):])
+        if new != key:
+            state_dict[new] = state_dict.pop(key)
 
 
 def _grouped_product_covers(x: torch.Tensor) -> bool:
@@ -84,19 +113,25 @@ class MoMLayer(nn.Module):
 
         self.gate = nn.Linear(hidden, E, bias=False)  # the router
         self.q_proj = nn.Linear(hidden, self.key_dim, bias=False)
-        self.k_proj = _memory_projections(E, hidden, self.key_dim)
-        self.v_proj = _memory_projections(E, hidden, self.value_dim)
-        self.b_proj = _memory_projections(E, hidden, H)
+        # Built (and initialised: ``init_order``) in the order of the per-memory lists that ``memories``
+        # replaced (every k_proj, every v_proj, every b_proj, the shared ones, then the decays), so that a
+        # seed still gives the weights it gave before.
+        linear = lambda width: nn.Linear(hidden, width, bias=False)  # noqa: E731
+        keys = [linear(self.key_dim) for _ in range(E)]
+        values = [linear(self.value_dim) for _ in range(E)]
+        betas = [linear(H) for _ in range(E)]
         if self.shared_memory:
-            self.shared_k = nn.Linear(hidden, self.key_dim, bias=False)
-            self.shared_v = nn.Linear(hidden, self.value_dim, bias=False)
-            self.shared_b = nn.Linear(hidden, H, bias=False)
+            self.shared_k = linear(self.key_dim)
+            self.shared_v = linear(self.value_dim)
+            self.shared_b = linear(H)
+        decays = [None] * E
         if self.gated:  # ``deltanet`` has no decay, hence no decay parameters
-            self.a_proj = _memory_projections(E, hidden, H)
+            decays = [linear(H) for _ in range(E)]
             if self.shared_memory:
-                self.shared_a = nn.Linear(hidden, H, bias=False)
+                self.shared_a = linear(H)
             self.A_log = nn.Parameter(torch.zeros(H))
             self.dt_bias = nn.Parameter(torch.zeros(H))
+        self.memories = nn.ModuleList(MemoryProjections(*p) for p in zip(keys, values, betas, decays))
         self.q_conv1d = ShortConvolution(self.key_dim, self.conv_size)
         self.k_conv1d = ShortConvolution(self.key_dim, self.conv_size)
         self.v_conv1d = ShortConvolution(self.value_dim, self.conv_size)
@@ -107,6 +142,26 @@ class MoMLayer(nn.Module):
         self.g_proj = nn.Linear(hidden, self.value_dim, bias=False)
         self.o_norm = GatedRMSNorm(self.head_v_dim, eps=config.norm_eps)
         self.o_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.register_load_state_dict_pre_hook(_rename_legacy_keys)
+        # transformers initialises submodules first and skips those without parameters of their own, so
+        # the router, visited first, draws the whole layer in ``init_order`` and the others are left alone.
+        for module in self.init_order():
+            module._init_by_layer = True
+        self.gate._init_layer_order = self.init_order
+
+    def init_order(self) -> list[nn.Module]:
+        """The layer's submodules in the order their weights are drawn at initialisation (see ``__init__``)."""
+        order = [self.gate, self.q_proj]
+        for name in ("k_proj", "v_proj", "b_proj"):
+            order += [getattr(memory, name) for memory in self.memories]
+        if self.shared_memory:
+            order += [self.shared_k, self.shared_v, self.shared_b]
+        if self.gated:
+            order += [memory.a_proj for memory in self.memories]
+            order += [self.shared_a] if self.shared_memory else []
+        placed = {id(m) for m in order}
+        return order + [m for m in self.modules() if m is not self and id(m) not in placed
+                        and not isinstance(m, (nn.ModuleList, MemoryProjections))]
 
     @property
     def num_states(self) -> int:
@@ -124,7 +179,8 @@ class MoMLayer(nn.Module):
         """Projections ``k, v, beta, decay`` of memory ``m`` (``m == num_memories``: the shared one)."""
         if m == self.num_memories:
             return self.shared_k, self.shared_v, self.shared_b, self.shared_a if self.gated else None
-        return self.k_proj[m], self.v_proj[m], self.b_proj[m], self.a_proj[m] if self.gated else None
+        memory = self.memories[m]
+        return memory.k_proj, memory.v_proj, memory.b_proj, memory.a_proj
 
     def _memory_modules(self) -> list[list[nn.Linear]]:
         """Every memory's projections ``k, v, beta`` (and decay when gated), the shared memory last."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
 from .cache import MnemoCache
@@ -32,9 +33,20 @@ class LayerOutput(NamedTuple):
     aux_loss: torch.Tensor | None = None
 
 
+def _placeholder(cache: Any) -> bool:
+    """An empty transformers cache of another kind (``DynamicCache()``): the model starts its own instead."""
+    return isinstance(cache, Cache) and not isinstance(cache, MnemoCache) and cache.get_seq_length() == 0
+
+
 def resolve_cache_kwarg(cache: Any, past_key_values: Any) -> Any:
-    """The cache passed to a ``forward`` as ``cache=`` or ``past_key_values=`` (both: the same object)."""
+    """The cache passed to a ``forward`` as ``cache=`` or ``past_key_values=`` (both: the same object).
+
+    An empty placeholder under one name yields to the cache under the other: transformers before 5.24
+    keeps a ``generate(cache=DynamicCache())`` argument beside the ``past_key_values`` it updates.
+    """
     if cache is not None and past_key_values is not None and cache is not past_key_values:
+        if _placeholder(cache) != _placeholder(past_key_values):
+            return past_key_values if _placeholder(cache) else cache
         raise ValueError("pass the cache once, as cache= or as past_key_values=, not two different caches")
     return cache if cache is not None else past_key_values
 

@@ -2,8 +2,10 @@
 
 Usage: ``python hub_loader.py JOB.json RESULT.pt``. The job lists models to load
 (a folder path, or a Hub id resolved from the offline cache), inputs to run, and
-optionally a LoRA adapter to put on top or a pipeline to build. Importing mnemo is
-made impossible first, so everything must come from the folders' own files.
+optionally a LoRA adapter to put on top, a pipeline to build, PEFT's default LoRA
+targets to apply (``lora_defaults``: an adapter folder to save them to) or a folder to
+save the loaded model to and load again (``resave``). Importing mnemo is made
+impossible first, so everything must come from the folders' own files.
 """
 
 from __future__ import annotations
@@ -57,6 +59,19 @@ def main(job_path: str, result_path: str) -> None:
                     input_ids=ids, attention_mask=mask, max_new_tokens=entry["max_new_tokens"], do_sample=False,
                     cuda_graph=True,
                 )
+        if entry.get("resave"):  # a model of the exported classes writes a folder that loads the same way
+            model.save_pretrained(entry["resave"])
+            again = AutoModelForCausalLM.from_pretrained(entry["resave"], trust_remote_code=True).eval()
+            with torch.no_grad():
+                out["resaved_logits"] = again(input_ids=ids, attention_mask=mask).logits
+        if entry.get("lora_defaults"):  # no target_modules: the exported code registered the family's
+            from peft import LoraConfig, get_peft_model
+
+            lora = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=2))
+            lora.save_pretrained(entry["lora_defaults"])
+            out["lora_modules"] = sorted({name for name, module in lora.named_modules() if hasattr(module, "lora_A")})
+            with torch.no_grad():
+                out["lora_logits"] = lora(input_ids=ids, attention_mask=mask).logits
         if entry.get("pipeline_prompt"):
             from transformers import pipeline
 

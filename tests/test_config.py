@@ -56,3 +56,21 @@ def test_defaults_are_the_papers_340m_model_and_round_trip(tmp_path):
 def test_block_types():
     config = tiny_mom_config(num_hidden_layers=4, attention_layers=[3], num_attention_heads=4)
     assert config.block_types == ["mom", "mom", "mom", "attention"]
+
+
+def test_widths_that_do_not_divide_are_refused_unless_head_dim_is_given():
+    """A width derived as ``hidden_size // heads`` must divide exactly in every family (it used to floor: 65 over
+    2 heads built heads of 32); an explicit ``head_dim`` chooses another width. MC-Titans derives none: its
+    ``head_dim`` is always explicit."""
+    from mnemo import AtlasConfig, DeepTransformerConfig
+
+    with pytest.raises(ValueError, match="num_heads=2: must divide hidden_size \\(65\\), or give head_dim"):
+        AtlasConfig(hidden_size=65, num_heads=2)
+    with pytest.raises(ValueError, match="num_heads"):
+        AtlasConfig.preset("dla", hidden_size=65, num_heads=2)
+    assert AtlasConfig(hidden_size=65, num_heads=2, head_dim=32).head_dim == 32
+    assert AtlasConfig(hidden_size=64, num_heads=2).head_dim == 32
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        DeepTransformerConfig(hidden_size=65, num_attention_heads=2)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        MoMConfig(hidden_size=65, attention_layers=[0], num_attention_heads=2)

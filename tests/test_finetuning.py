@@ -70,7 +70,7 @@ def test_gradient_checkpointing_gives_identical_gradients(family):
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain = grads()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     out = model(ids, labels=ids, use_cache=True)
     assert out.past_key_values is None, "use_cache is forced off under gradient checkpointing"
     checkpointed = grads()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mnemo import MnemoCache
+from mnemo.modeling.outputs import CACHE_NAME
 
 from conftest import left_pad, tiny_mom
 
@@ -80,9 +81,8 @@ def test_generation_continues_from_a_returned_cache(make_model):
     model = make_model()
     prompt = torch.randint(1, 97, (1, 8))
     out = model.generate(prompt, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
-    more = model.generate(
-        out.sequences, past_key_values=out.past_key_values, max_new_tokens=4, do_sample=False
-    )
+    # generate()'s output names the cache as the installed transformers does (cache since 5.24)
+    more = model.generate(out.sequences, cache=getattr(out, CACHE_NAME), max_new_tokens=4, do_sample=False)
     direct = model.generate(prompt, max_new_tokens=9, do_sample=False)
     assert torch.equal(more, direct)
 
@@ -127,3 +127,27 @@ def test_the_cache_answers_to_both_names():
     assert torch.equal(by_new_name, by_old_name)
     generated = model.generate(ids, max_new_tokens=3, do_sample=False, cache=MnemoCache(model.config.num_hidden_layers))
     assert torch.equal(generated, model.generate(ids, max_new_tokens=3, do_sample=False))
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # the name of the report
+def test_a_transformers_cache_passed_in_starts_a_mnemo_cache():
+    """``generate(..., past_key_values=DynamicCache())`` (what transformers' examples pass) decodes on a fresh
+    MnemoCache; a transformers cache that already holds tokens is refused, saying what to pass."""
+    from transformers import DynamicCache
+
+    model = tiny_mom()
+    prompt = torch.randint(1, 97, (2, 6))
+    expected = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(prompt, past_key_values=DynamicCache(), max_new_tokens=4, do_sample=False),
+                       expected)
+    assert torch.equal(model.generate(prompt, cache=DynamicCache(), max_new_tokens=4, do_sample=False), expected)
+    assert torch.equal(model.generate(prompt, cache=DynamicCache(), max_new_tokens=4, do_sample=False,
+                                      cuda_graph=True), expected)
+    out = model(prompt, past_key_values=DynamicCache(), use_cache=True)
+    assert isinstance(out.cache, MnemoCache) and out.cache.get_seq_length() == 6
+    torch.testing.assert_close(out.logits, model(prompt).logits, rtol=0, atol=0)
+
+    used = DynamicCache()
+    used.update(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), layer_idx=0)
+    with pytest.raises(ValueError, match="MnemoCache"):
+        model(prompt, cache=used, use_cache=True)

@@ -150,7 +150,7 @@ def test_graphed_models_train_alike_with_gradient_checkpointing(build):
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain = grads()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     checkpointed = grads()
     assert plain.keys() == checkpointed.keys()
     for name, g in plain.items():

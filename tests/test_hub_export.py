@@ -3,9 +3,11 @@
 The exported folders are loaded from a path and from an offline Hub cache in one
 fresh interpreter (``hub_loader.py``) that cannot import mnemo; logits and greedy
 tokens must equal the in-package model's exactly (same code, same weights, same
-thread count). Also: the flat files are the package's source, the model card is
-filled, LoRA adapters load onto a remote-code base, pipelines work, and pushing
-calls the Hub client as it should.
+thread count). So do a plain ``save_pretrained`` folder, saved again there by the
+classes it loaded, and what ``model.push_to_hub`` uploads. Also: the flat files are
+the package's source, the model card is filled, LoRA adapters load onto a
+remote-code base and PEFT's default targets come with the code, pipelines work, and
+pushing calls the Hub client as it should.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import mnemo
-from conftest import MODEL_VARIANTS, tiny_atlas, tiny_mc_titans, tiny_mom
+from conftest import MODEL_VARIANTS, MOM_VARIANTS, tiny_atlas, tiny_mc_titans, tiny_mom
 from mnemo.cli import main as cli_main
 from mnemo.conversion.checkpoint_io import ConversionError
 from mnemo.conversion.flatten import unflatten
@@ -73,6 +75,28 @@ def _install_in_offline_cache(folder: Path, hub_home: Path, repo_id: str) -> Non
     (repo / "refs" / "main").write_text(SNAPSHOT)  # no trailing newline, as the Hub client writes it
 
 
+class _HubOfCache:
+    """``huggingface_hub.HfApi`` for ``model.push_to_hub``: an upload lands in an offline Hub cache."""
+
+    hub_home: Path
+    calls: list = []
+
+    def __init__(self, token=None):
+        self.calls.append(("init", token))
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+        return type("RepoUrl", (), {"repo_id": repo_id})()
+
+    def file_exists(self, repo_id, filename, **kwargs):  # noqa: ARG002
+        return False  # a new repository: no card of its own
+
+    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        self.calls.append(("upload_folder", repo_id, sorted(p.name for p in Path(folder_path).iterdir()), kwargs))
+        _install_in_offline_cache(Path(folder_path), self.hub_home, repo_id)
+        return type("CommitInfo", (), {"commit_url": f"https://hub.test/{repo_id}/commit/1"})()
+
+
 def _run_loader(job: dict, tmp: Path) -> dict:
     job_path, result_path = tmp / "job.json", tmp / "result.pt"
     job_path.write_text(json.dumps(job))
@@ -108,6 +132,24 @@ def exported(tmp_path_factory):
     entries.append({**entries[0], "name": "with-tokenizer", "source": str(folder), "pipeline_prompt": "w5 w9 w17",
                     "cuda_graph": False})
 
+    # What users save and push themselves: a plain save_pretrained folder (with a tokenizer, so that a pipeline
+    # builds from it), saved again by the exported classes and given PEFT's default targets there; and a
+    # push_to_hub upload, loaded by its Hub id.
+    models["saved"] = tiny_mom(seed=6, **MOM_VARIANTS["hybrid"])
+    models["saved"].save_pretrained(tmp / "folders" / "saved")
+    tokenizer.save_pretrained(tmp / "folders" / "saved")
+    entries.append({**entries[0], "name": "saved", "source": str(tmp / "folders" / "saved"),
+                    "pipeline_prompt": "w5 w9 w17", "cuda_graph": False, "resave": str(tmp / "resaved"),
+                    "lora_defaults": str(tmp / "default-adapter")})
+    models["pushed"] = tiny_atlas(seed=7, preset="dla")
+    with pytest.MonkeyPatch.context() as patch:
+        import huggingface_hub
+
+        patch.setattr(huggingface_hub, "HfApi", _HubOfCache)
+        _HubOfCache.hub_home, _HubOfCache.calls = tmp / "hf", []
+        models["pushed"].push_to_hub("org/tiny-pushed", token="t0k")
+    entries.append({**entries[0], "name": "pushed", "source": "org/tiny-pushed", "cuda_graph": False})
+
     lora = get_peft_model(tiny_mc_titans(seed=4), LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8))
     with torch.no_grad():
         for param_name, p in lora.named_parameters():
@@ -122,7 +164,7 @@ def exported(tmp_path_factory):
 
     results = _run_loader({"threads": torch.get_num_threads(), "models": entries}, tmp)
     return {"tmp": tmp, "models": models, "entries": {e["name"]: e for e in entries}, "results": results,
-            "tokenizer": tokenizer}
+            "tokenizer": tokenizer, "push_calls": list(_HubOfCache.calls)}
 
 
 def _expected(model, entry):
@@ -175,6 +217,56 @@ def test_lora_adapter_loads_onto_a_remote_code_base(exported):
     assert torch.equal(got["generated"], generated)
 
 
+def test_a_saved_folder_loads_without_mnemo(exported):
+    """A plain ``save_pretrained`` folder loads, generates and builds a pipeline where mnemo is absent; the
+    classes loaded there save it again, and that folder loads the same model too."""
+    from transformers import pipeline
+
+    model, entry = exported["models"]["saved"], exported["entries"]["saved"]
+    logits, generated = _expected(model, entry)
+    got = exported["results"]["saved"]
+    assert got["class_module"].startswith("transformers_modules.")
+    assert torch.equal(got["logits"], logits) and torch.equal(got["generated"], generated)
+    assert torch.equal(got["resaved_logits"], logits)
+    local = pipeline("text-generation", model=model, tokenizer=exported["tokenizer"])
+    expected_text = local(entry["pipeline_prompt"], max_new_tokens=MAX_NEW, do_sample=False)[0]["generated_text"]
+    assert got["pipeline_text"] == expected_text
+    saved, resaved = exported["tmp"] / "folders" / "saved", exported["tmp"] / "resaved"
+    code = sorted(p.name for p in saved.glob("*.py"))
+    assert code == sorted(f"{m.name}.py" for m in hub_modules(model)) == sorted(p.name for p in resaved.glob("*.py"))
+    assert all((saved / name).read_text() == (resaved / name).read_text() for name in code)
+    assert json.loads((resaved / "config.json").read_text())["auto_map"] == \
+        json.loads((saved / "config.json").read_text())["auto_map"]
+
+
+def test_push_to_hub_uploads_a_folder_that_loads_without_mnemo(exported):
+    model, entry = exported["models"]["pushed"], exported["entries"]["pushed"]
+    logits, generated = _expected(model, entry)
+    got = exported["results"]["pushed"]
+    assert torch.equal(got["logits"], logits) and torch.equal(got["generated"], generated)
+    calls = exported["push_calls"]
+    assert calls[0] == ("init", "t0k") and calls[1][:2] == ("create_repo", "org/tiny-pushed")
+    _, repo_id, files, _ = calls[-1]
+    assert repo_id == "org/tiny-pushed"
+    assert {"config.json", "model.safetensors", "modeling_atlas.py", "README.md"} <= set(files)
+    card = next((exported["tmp"] / "hf" / "hub").glob("models--org--tiny-pushed/snapshots/*/README.md")).read_text()
+    assert "org/tiny-pushed" in card and "Atlas" in card
+
+
+def test_peft_defaults_come_with_the_exported_code(exported):
+    """``get_peft_model(model, LoraConfig(task_type="CAUSAL_LM"))`` without ``target_modules`` adapts, where
+    mnemo is absent, what it adapts in the package, and its adapter config names modules."""
+    from mnemo.integrations import LORA_TARGET_MODULES
+
+    got = exported["results"]["saved"]
+    local = get_peft_model(tiny_mom(seed=6, **MOM_VARIANTS["hybrid"]), LoraConfig(task_type="CAUSAL_LM", r=2))
+    assert got["lora_modules"] == sorted({n for n, m in local.named_modules() if hasattr(m, "lora_A")})
+    assert any(".memories.0.k_proj" in n for n in got["lora_modules"])
+    assert "base_model.model.model.layers.1.attn.k_proj" in got["lora_modules"]  # the hybrid's attention layer
+    config = json.loads((exported["tmp"] / "default-adapter" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == sorted(LORA_TARGET_MODULES["mnemo_mom"])
+
+
 def test_flat_files_are_the_package_source(exported):
     folder = exported["tmp"] / "folders" / "atlas-mag-dla"
     modules = hub_modules(exported["models"]["atlas-mag-dla"])
@@ -215,7 +307,8 @@ def test_config_and_card(exported):
     model = exported["models"]["mom-hybrid"]
     assert "{{" not in card and "org/tiny-mom" in card and "Mixture-of-Memories" in card
     assert f"{sum(p.numel() for p in model.parameters()):,} parameters" in card
-    assert "| `attention_layers` | `[1]` |" in card and '"k_proj.3"' in card and '"k_proj.4"' not in card
+    assert "| `attention_layers` | `[1]` |" in card and "| `use_cache` | `true` |" in card
+    assert '"k_proj", "v_proj"' in card and "k_proj.0" not in card
     for name, folder_name in [("MC", "mc-grm"), ("Atlas", "atlas-dla"), ("DeepTransformer", "deep-hebbian")]:
         assert name in (exported["tmp"] / "folders" / folder_name / "README.md").read_text()
 
@@ -275,6 +368,6 @@ def test_push_uploads_through_the_hub_client(tmp_path, monkeypatch):
     assert cli_main(["push", str(folder), "me/other"]) == 0
     assert _FakeApi.calls[0] == ("init", None) and _FakeApi.calls[2][1]["repo_id"] == "me/other"
     (tmp_path / "plain").mkdir()
-    tiny_mom().save_pretrained(tmp_path / "plain")
+    (tmp_path / "plain" / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ConversionError, match="not an exported"):
         push_to_hub(tmp_path / "plain", "me/mom")

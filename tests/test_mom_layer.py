@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from mnemo import MoMForCausalLM
 from mnemo.kernels import l2_normalize
 from mnemo.modeling.cache import LayerCache
 from mnemo.modeling.mom_layer import MoMLayer
@@ -227,3 +228,20 @@ def test_grouped_projections_equal_the_per_memory_products(shared, monkeypatch):
         # bf16 on CUDA: other kernels, other summation orders (sums over rows cancel: scaled tolerance)
         scale = b.abs().max().item()
         torch.testing.assert_close(a, b, rtol=0, atol=(1e-2 if dtype == torch.bfloat16 else 1e-5) * scale)
+
+
+@pytest.mark.parametrize("update", ["gated_deltanet", "deltanet"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_initialisation_draws_every_projection_once_in_the_layers_order(update, shared):
+    """The router's visit draws the whole layer (``MoMLayer.init_order``): every submodule with weights once,
+    and a layer without parameters of its own (``deltanet``), which transformers does not visit, too."""
+    torch.manual_seed(0)
+    model = MoMForCausalLM(tiny_mom_config(memory_update=update, shared_memory=shared, initializer_range=0.5))
+    layer = model.model.layers[0].attn
+    order = layer.init_order()
+    assert len({id(m) for m in order}) == len(order)
+    owned = {id(p) for m in order for p in m.parameters(recurse=False)}
+    own = {id(p) for p in layer.parameters(recurse=False)}  # the decays, drawn by the layer's own visit
+    assert owned | own == {id(p) for p in layer.parameters()}
+    for memory in layer.memories:  # drawn at the configured scale, not left at nn.Linear's default
+        assert 0.3 < memory.k_proj.weight.std().item() < 0.7

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -211,3 +213,57 @@ def test_gated_generation_with_the_cache_equals_recomputation():
                                                 early_stopping=False)):
         cached = model.generate(prompt, max_new_tokens=9, **kwargs)
         assert torch.equal(cached, model.generate(prompt, max_new_tokens=9, use_cache=False, **kwargs))
+
+
+def _old_names(state: dict) -> dict:
+    """A state dict in fla's layout, which mnemo's MoM used before its memories were modules."""
+    import re
+
+    return {re.sub(r"\.memories\.(\d+)\.(\w+)\.weight$", r".\2.\1.weight", name): t for name, t in state.items()}
+
+
+def test_checkpoints_with_the_old_per_memory_names_still_load(tmp_path):
+    """``k_proj.<m>`` (fla's and older mnemo checkpoints) loads as ``memories.<m>.k_proj`` through
+    ``load_state_dict`` and ``from_pretrained``; saved checkpoints keep that layout (transformers writes the
+    names back), so older readers and fla's tools read them too."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_mom(num_hidden_layers=3, attention_layers=[1], num_attention_heads=4)
+    old = _old_names(model.state_dict())
+    assert "model.layers.0.attn.k_proj.3.weight" in old and "model.layers.1.attn.k_proj.weight" in old
+    fresh = tiny_mom(seed=9, num_hidden_layers=3, attention_layers=[1], num_attention_heads=4)
+    fresh.load_state_dict(old)
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+
+    model.save_pretrained(tmp_path / "ckpt")
+    saved = load_file(tmp_path / "ckpt" / "model.safetensors")
+    assert "model.layers.0.attn.k_proj.3.weight" in saved and not any(".memories." in n for n in saved)
+    save_file({n: t.contiguous() for n, t in old.items()}, tmp_path / "ckpt" / "model.safetensors",
+              metadata={"format": "pt"})
+    for load in (MoMForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        reloaded = load(tmp_path / "ckpt")
+        for (name, a), b in zip(model.state_dict().items(), reloaded.state_dict().values()):
+            assert torch.equal(a, b), name
+
+
+def test_lora_adapter_config_names_modules(tmp_path):
+    """With the default targets, the saved adapter config lists module names (PEFT used to shorten MoM's
+    ``k_proj.4`` ... ``k_proj.63`` to bare '4' ... '63'), and every memory's and attention layer's key and value
+    projections are adapted."""
+    from peft import LoraConfig, get_peft_model
+
+    from mnemo.integrations import LORA_TARGET_MODULES
+
+    model = get_peft_model(tiny_mom(num_hidden_layers=3, attention_layers=[1], num_attention_heads=4),
+                           LoraConfig(task_type="CAUSAL_LM"))
+    model.save_pretrained(tmp_path / "adapter")
+    targets = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert sorted(targets) == sorted(LORA_TARGET_MODULES["mnemo_mom"])
+    assert all(t.isidentifier() for t in targets), targets
+    adapted = {name for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    for memory in range(4):
+        assert f"base_model.model.model.layers.0.attn.memories.{memory}.k_proj" in adapted
+        assert f"base_model.model.model.layers.0.attn.memories.{memory}.v_proj" in adapted
+    assert {"base_model.model.model.layers.1.attn.k_proj", "base_model.model.model.layers.1.attn.v_proj"} <= adapted
