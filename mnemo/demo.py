@@ -314,10 +314,35 @@ def train_family(name: str, model: PreTrainedModel, settings: DemoSettings, prog
     )
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, as under ``taskset`` or a container's CPU set)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(device: str, workers: int) -> int | None:
+    """The torch threads each process that trains a family uses (``None``: torch's default, left alone).
+
+    On a CPU, one. The demo's models are so small (hidden 64, batches of 32 x 33 tokens) that a second
+    intra-op thread shortens a step little (107 to 87 ms on two idle cores), while every operator then ends
+    in a barrier where the threads wait for each other: when other processes share the cores, a descheduled
+    thread holds the other up (beside two busy loops a step took 370 ms with two threads, 232 ms with one;
+    docs/demo.md). One thread per worker is steady under load, leaves the cores to ``--workers``, and gives
+    the same numbers on every machine whatever its core count. On a GPU the host threads only launch
+    kernels: each worker gets its share of the cores, as before.
+    """
+    if torch.device(device).type == "cpu":
+        return 1
+    return max(1, usable_cores() // workers) if workers > 1 else None
+
+
 def _train_in_worker(name: str, settings: DemoSettings, progress: bool, position: int,
-                     threads: int) -> tuple[FamilyResult, bytes, dict]:
+                     threads: int | None) -> tuple[FamilyResult, bytes, dict]:
     """One family trained in a worker process: its result, its weights (serialised) and the task it learnt."""
-    torch.set_num_threads(threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     model = build_model(name, settings)
     result = train_family(name, model, settings, progress=progress, bar_position=position)
     buffer = io.BytesIO()
@@ -325,26 +350,35 @@ def _train_in_worker(name: str, settings: DemoSettings, progress: bool, position
     return result, buffer.getvalue(), model.config.mqar_task
 
 
-def run_demo(settings: DemoSettings, progress: bool = True,
-             workers: int = 1) -> tuple[list[FamilyResult], dict[str, PreTrainedModel]]:
+def run_demo(settings: DemoSettings, progress: bool = True, workers: int = 1,
+             threads: int | None = None) -> tuple[list[FamilyResult], dict[str, PreTrainedModel]]:
     """Build and train every family of ``settings``; returns the results and the trained models by family.
 
-    ``workers > 1`` trains that many families at once, each in its own process (on a CPU, with the cores
-    shared out between them; on a GPU, all of them on the same device). Every family is seeded on its own,
-    so the results are those of a sequential run on a GPU; on a CPU they are those of a sequential run with
-    as many threads as each worker gets.
+    ``workers > 1`` trains that many families at once, each in its own process (on a GPU, all of them on the
+    same device). ``threads`` is the torch thread count of each process that trains (default:
+    :func:`threads_per_worker`, one on a CPU); a sequential run sets it for its duration and restores the
+    caller's. Every family is seeded on its own, so with the same thread count the results are those of a
+    sequential run.
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    workers = max(1, min(workers, len(settings.families)))
+    threads = threads if threads is not None else threads_per_worker(settings.device, workers)
     results, models = [], {}
-    if workers == 1 or len(settings.families) == 1:
-        for name in settings.families:
-            model = build_model(name, settings)
-            results.append(train_family(name, model, settings, progress=progress))
-            models[name] = model
+    if workers == 1:
+        caller_threads = torch.get_num_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        try:
+            for name in settings.families:
+                model = build_model(name, settings)
+                results.append(train_family(name, model, settings, progress=progress))
+                models[name] = model
+        finally:
+            torch.set_num_threads(caller_threads)
         return results, models
-    workers = min(workers, len(settings.families))
-    threads = max(1, (os.cpu_count() or 1) // workers)
     # Spawned, not forked: a forked child of a process that has touched CUDA or OpenMP threads can hang.
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(_train_in_worker, name, settings, progress, position, threads)

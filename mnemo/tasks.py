@@ -13,6 +13,8 @@ gives the same data on every machine:
 - **Perplexity** of a text under a model with a tokenizer, over sliding windows:
   :func:`perplexity`.
 
+The scoring loops take ``progress=True`` for a tqdm bar on stderr (:func:`progress_bar`).
+
 Labels follow the transformers causal-LM convention: ``labels`` is aligned with
 ``input_ids`` (``labels[t]`` is the token at ``t``, or ``-100`` where no loss is
 taken) and the model shifts them internally, predicting ``labels[t]`` from the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -36,6 +39,13 @@ SEPARATOR_ID = 1  # MQAR: ends the context; passkey: starts the question
 FILLER_ID = 2  # MQAR: the gaps between queries
 NEEDLE_ID = 3  # passkey: marks the needle, before and after its digits
 NUM_RESERVED = 4
+
+
+def progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    """A tqdm bar over ``total`` units on stderr (a no-op one when not ``enabled``); it vanishes once done."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, dynamic_ncols=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -144,25 +154,32 @@ def mqar_batch(
 
 @torch.no_grad()
 def answer_accuracy(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                    batch_size: int = 64) -> float:
+                    batch_size: int = 64, progress: bool = False, desc: str = "sequences") -> float:
     """Fraction of labelled positions whose token the model predicts exactly (argmax of the previous position)."""
     correct, total = 0, 0
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
-        for start in range(0, input_ids.shape[0], batch_size):
-            ids = input_ids[start:start + batch_size].to(device)
-            lab = labels[start:start + batch_size].to(device)
-            logits = model(ids, use_cache=False).logits
-            predicted = logits[:, :-1].argmax(dim=-1)
-            target = lab[:, 1:]
-            mask = target != IGNORE_INDEX
-            correct += int((predicted.eq(target) & mask).sum())
-            total += int(mask.sum())
+        with progress_bar(input_ids.shape[0], desc, progress) as bar:
+            for start in range(0, input_ids.shape[0], batch_size):
+                correct_here, total_here = _batch_hits(model, input_ids[start:start + batch_size],
+                                                       labels[start:start + batch_size], device)
+                correct, total = correct + correct_here, total + total_here
+                bar.update(min(batch_size, input_ids.shape[0] - start))
     finally:
         model.train(was_training)
     return correct / max(total, 1)
+
+
+def _batch_hits(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                device: torch.device) -> tuple[int, int]:
+    """Correctly predicted labelled positions of one batch, and how many positions are labelled."""
+    ids, lab = input_ids.to(device), labels.to(device)
+    predicted = model(ids, use_cache=False).logits[:, :-1].argmax(dim=-1)
+    target = lab[:, 1:]
+    mask = target != IGNORE_INDEX
+    return int((predicted.eq(target) & mask).sum()), int(mask.sum())
 
 
 def mqar_accuracy(
@@ -175,6 +192,7 @@ def mqar_accuracy(
     seed: int = 0,
     batch_size: int = 64,
     distinct_queries: bool = True,
+    progress: bool = False,
 ) -> float:
     """MQAR accuracy of ``model`` on ``num_samples`` fresh sequences: the fraction of query values it predicts
     exactly (greedy, teacher-forced). ``vocab_size`` defaults to the model's."""
@@ -182,7 +200,7 @@ def mqar_accuracy(
     generator = torch.Generator().manual_seed(seed)
     input_ids, labels = mqar_batch(num_samples, num_pairs, num_queries, vocab_size, generator, seq_len,
                                    distinct_queries)
-    return answer_accuracy(model, input_ids, labels, batch_size)
+    return answer_accuracy(model, input_ids, labels, batch_size, progress=progress, desc="mqar")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -352,7 +370,7 @@ def passkey_text_accuracy(model: torch.nn.Module, tokenizer, samples: list[Passk
 
 @torch.no_grad()
 def perplexity(model: torch.nn.Module, tokenizer, text: str, context_length: int = 1024,
-               stride: int | None = None) -> dict:
+               stride: int | None = None, progress: bool = False) -> dict:
     """Perplexity of ``text`` under ``model`` over sliding windows.
 
     The first window scores its first ``context_length`` tokens; each next window moves
@@ -377,14 +395,16 @@ def perplexity(model: torch.nn.Module, tokenizer, text: str, context_length: int
     model.eval()
     nll_sum, count = 0.0, 0
     first, end = 1, min(context_length, ids.numel())  # targets [first, end) of this window
-    while first < ids.numel():
-        begin = max(0, end - context_length)
-        window = ids[begin:end][None].to(device)
-        logits = model(window, use_cache=False).logits[0].float()
-        # position p of the window predicts token begin + p + 1
-        nll_sum += float(F.cross_entropy(logits[first - 1 - begin:end - 1 - begin], ids[first:end].to(device),
-                                         reduction="sum"))
-        count += end - first
-        first, end = end, min(end + stride, ids.numel())
+    with progress_bar(ids.numel() - 1, "ppl (tokens)", progress) as bar:
+        while first < ids.numel():
+            begin = max(0, end - context_length)
+            window = ids[begin:end][None].to(device)
+            logits = model(window, use_cache=False).logits[0].float()
+            # position p of the window predicts token begin + p + 1
+            nll_sum += float(F.cross_entropy(logits[first - 1 - begin:end - 1 - begin], ids[first:end].to(device),
+                                             reduction="sum"))
+            count += end - first
+            bar.update(end - first)
+            first, end = end, min(end + stride, ids.numel())
     nll = nll_sum / count
     return {"perplexity": math.exp(nll), "nll": nll, "tokens": count}

@@ -90,16 +90,10 @@ def test_head_dim_narrows_every_state_bound_memory():
 
 
 def test_parallel_workers_give_the_sequential_results():
-    """Families trained in worker processes come back with the results and weights of a sequential run."""
-    import os
-
+    """Families trained in worker processes come back with the results and weights of a sequential run
+    (on a CPU, every process that trains uses one thread)."""
     settings = tiny_settings(families=("MoM", BASELINE), steps=3)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # what each of the two workers gets
-    try:
-        sequential, seq_models = run_demo(settings, progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    sequential, seq_models = run_demo(settings, progress=False)
     parallel, par_models = run_demo(settings, progress=False, workers=2)
     assert [r.family for r in parallel] == list(settings.families)
     for a, b in zip(sequential, parallel):
@@ -215,8 +209,13 @@ def test_cli_demo_end_to_end_exports_and_reloads_without_mnemo(tmp_path, capsys)
     assert (out / "accuracy.png").read_bytes().startswith(b"\x89PNG")
     assert {"results.json", "results.csv", "best-model"} <= {p.name for p in out.iterdir()}
     assert (out / "best-model" / "model.safetensors").is_file()
-    # A second run into the same folder works (its results are rewritten).
-    assert main(["demo", "--quick", "--steps", "1", "--output", str(out), "--no-progress", "--no-export"]) == 0
+    # A second run into the same folder is refused before training, unless --overwrite says to replace them.
+    second = ["demo", "--quick", "--steps", "1", "--output", str(out), "--no-progress"]
+    before = (out / "results.json").read_text()
+    assert main(second) == 2 and "--overwrite" in capsys.readouterr().err
+    assert (out / "results.json").read_text() == before
+    assert main([*second, "--overwrite", "--no-export"]) == 0
+    assert json.loads((out / "results.json").read_text())["results"][0]["steps"] == 1
 
 
 @pytest.mark.parametrize("argv", [["--workers", "0"], ["--steps", "-3"]])

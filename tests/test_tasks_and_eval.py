@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from conftest import tiny_atlas, tiny_deep_transformer, tiny_mc_titans, tiny_mom
+from mnemo.cli import UsageError
 from mnemo.evaluation import add_eval_parser, evaluate, format_results, parse_depths, parse_length, parse_lengths
 from mnemo.tasks import (
     FILLER_ID,
@@ -350,7 +351,7 @@ def test_eval_task_as_an_option(tmp_path, capsys):
     for argv, problem in ((["eval", str(tmp_path / "atlas")], "name the task"),
                           (["eval", str(tmp_path / "atlas"), "mqar", "--task", "ppl"], "two different tasks")):
         args = _parser().parse_args(argv)
-        with pytest.raises(SystemExit, match=problem):
+        with pytest.raises(UsageError, match=problem):
             args.func(args)
 
 
