@@ -296,8 +296,13 @@ def _plural(count: int, word: str) -> str:
 def _demo(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    if args.conversion:
+        from mnemo.conversion_demo import main_from_args
+
+        return main_from_args(args)
     from mnemo.demo import DemoSettings, plot_results, results_table, run_demo, write_results
 
+    args.output = args.output or "mnemo-demo"
     settings = DemoSettings.quick() if args.quick else DemoSettings.default()
     overrides = {"device": args.device, "steps": args.steps}
     settings = replace(settings, seed=args.seed, **{k: v for k, v in overrides.items() if v is not None})
@@ -462,8 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train tiny models of every family on associative recall and compare them")
     demo.add_argument("--quick", action="store_true", help="a few minutes on a laptop CPU")
-    demo.add_argument("--output", default="mnemo-demo",
-                      help="folder for results.json/csv, the plot and the export (default: mnemo-demo)")
+    demo.add_argument("--output", default=None,
+                      help="folder for results.json/csv, the plot and the export (default: mnemo-demo; with "
+                           "--conversion: mnemo-conversion-demo)")
     demo.add_argument("--overwrite", action="store_true",
                       help="replace the results of an earlier run in --output (refused without it)")
     demo.add_argument("--device", default=None, help="default: cuda when available (quick mode: cpu)")
@@ -477,6 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "shared; use --workers to use more cores)")
     _add_no_progress(demo)
     demo.add_argument("--no-export", action="store_true", help="skip exporting and reloading the best model")
+    demo.add_argument("--conversion", action="store_true",
+                      help="instead: train recurrent models at length L, convert them to Memory Caching (every L "
+                           "tokens) and score every variant from L to 16L (docs/demo.md)")
+    demo.add_argument("--seeds", type=_positive_int, default=1,
+                      help="with --conversion: independent runs, seeds SEED, SEED+1, ...; the table gives their "
+                           "mean and standard deviation (default 1)")
     demo.set_defaults(func=_demo)
     from mnemo.evaluation import add_eval_parser
 
