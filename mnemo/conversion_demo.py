@@ -50,7 +50,6 @@ from .tasks import IGNORE_INDEX, answer_accuracy, mqar_batch, mqar_min_length, p
 
 FAMILIES = (BASELINE, "MoM", "Titans", "Atlas")
 AGGREGATIONS = ("mean", "residual", "grm", "ssc")
-TRAINING_FREE = ("mean", "residual")
 TASKS = ("passkey", "mqar")
 SOURCE = "source"
 RESULT_FILES = ("results.json", "results.md", "accuracy.png")
@@ -444,8 +443,8 @@ def check_output_dir(output_dir: str | Path, overwrite: bool = False) -> Path:
         raise FileExistsError(f"{output_dir} exists and is not a folder")
     existing = [name for name in RESULT_FILES if (output_dir / name).exists()]
     if existing and not overwrite:
-        raise FileExistsError(f"{output_dir} already holds {', '.join(existing)}: pass overwrite=True "
-                              "(--overwrite) to replace them, or choose another folder")
+        raise FileExistsError(f"{output_dir} already holds {', '.join(existing)}: use --overwrite "
+                              "(overwrite=True) to replace them, or another folder")
     return output_dir
 
 
@@ -669,19 +668,22 @@ def plot_results(rows: list[dict], path: str | Path, title: str | None = None) -
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--conversion`` and ``--seeds`` to the ``mnemo demo`` parser, and ``--overwrite`` when it has none.
+    """Add ``--conversion``, ``--seeds`` and ``--overwrite`` to the ``mnemo demo`` parser, each unless it has it.
 
     The conversion demo also reads the main demo's ``--quick``, ``--output``, ``--device``, ``--seed``,
-    ``--steps`` (training steps per source), ``--workers``, ``--threads`` and ``--no-progress`` where the
+    ``--steps`` (the sources' step limit), ``--workers``, ``--threads`` and ``--no-progress`` where the
     parser has them."""
+    present = parser._option_string_actions
     group = parser.add_argument_group("Memory Caching conversion")
-    group.add_argument("--conversion", action="store_true",
-                       help="train recurrent models at length L, convert them to Memory Caching (every L tokens) and "
-                            "score every variant from L to 16L (docs/demo.md)")
-    group.add_argument("--seeds", type=int, default=1,
-                       help="with --conversion: independent runs, seeds SEED, SEED+1, ...; the table gives their mean "
-                            "and standard deviation (default 1)")
-    if "--overwrite" not in parser._option_string_actions:
+    if "--conversion" not in present:
+        group.add_argument("--conversion", action="store_true",
+                           help="train recurrent models at length L, convert them to Memory Caching (every L "
+                                "tokens) and score every variant from L to 16L (docs/demo.md)")
+    if "--seeds" not in present:
+        group.add_argument("--seeds", type=int, default=1,
+                           help="with --conversion: independent runs, seeds SEED, SEED+1, ...; the table gives "
+                                "their mean and standard deviation (default 1)")
+    if "--overwrite" not in present:
         group.add_argument("--overwrite", action="store_true", help="replace the results already in --output")
 
 

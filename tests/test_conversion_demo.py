@@ -234,3 +234,16 @@ def test_the_command_line_runs_the_conversion_demo_and_checks_its_output_first(t
     assert cli.main(["demo", "--conversion", "--quick", "--output", str(taken)]) == 2
     assert "mnemo demo --conversion: error:" in capsys.readouterr().err
     assert taken.read_text() == "keep me"
+
+
+def test_the_command_line_has_the_conversion_options():
+    """``mnemo demo`` parses the options the conversion demo reads; adding them again changes nothing."""
+    from mnemo.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["demo", "--conversion", "--quick", "--seeds", "2", "--seed", "1", "--steps", "7"])
+    assert args.conversion and args.output is None
+    settings = settings_from_args(args)
+    assert (settings.seeds, settings.steps, settings.tasks) == ((1, 2), 7, ("passkey",))
+    demo = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["demo"]
+    add_arguments(demo)  # already there: no conflict
