@@ -26,10 +26,6 @@ __all__ = ["rms_norm"]
 _ROWS = 16  # rows per program
 
 
-def _inverse_root(s: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + eps)
-
-
 @triton.jit
 def _forward_kernel(X, R, S, W, Y, RSTD, N, D, eps, HAS_RESIDUAL: tl.constexpr, BR: tl.constexpr,
                     BD: tl.constexpr):
@@ -139,10 +135,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                          f"{None if residual is None else tuple(residual.shape)} do not match")
     covered = x.dtype != torch.float64 and x.shape[-1] <= 8192 and x.numel() > 0
     use_triton = resolve_backend(x, has_triton_impl=covered) == "triton"
-    if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad or
-                                           (residual is not None and residual.requires_grad)):
-        if not use_triton:  # nothing to keep for a backward: the plain expression
-            s = x if residual is None else (x + residual).to(torch.promote_types(x.dtype, residual.dtype))
-            y = (s.float() * _inverse_root(s, eps) * weight.float()).to(s.dtype)
-            return y if residual is None else (y, s)
     return _RMSNorm.apply(x, residual, weight, eps, use_triton)

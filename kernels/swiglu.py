@@ -84,9 +84,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
                          "must have one shape and dtype")
     covered = gate.dtype != torch.float64 and gate.numel() > 0
     use_triton = resolve_backend(gate, has_triton_impl=covered) == "triton"
-    if not torch.is_grad_enabled() or not (gate.requires_grad or up.requires_grad):
-        if not use_triton:
-            return _torch_forward(gate, up)
     return _SiluMul.apply(gate, up, use_triton)
 
 
