@@ -13,10 +13,12 @@ rows one after another in one process:
   ``LlamaForCausalLM`` (SDPA).
 
 ``--fsdp`` shards every row with FSDP2 (``fully_shard`` on each block, then the model)
-when run under ``torchrun --nproc-per-node N``: each process takes ``--batch`` rows, the
-table gives the tokens/s of all processes together, and the first step's loss on one
-fixed global batch, which a one-process run of the same global batch (``--batch`` times
-N) must give within bf16 rounding.
+when run under ``torchrun --nproc-per-node N``; ``--accelerate`` lets accelerate shard it
+as a user's script would, under ``accelerate launch --config_file accelerate_fsdp2.yaml``.
+Either way each process takes ``--batch`` rows, the table gives the tokens/s of all
+processes together, and the first step's loss on one fixed global batch, which a
+one-process run of the same global batch (``--batch`` times N) must give within bf16
+rounding.
 
 Run: ``python benchmarks/models.py [--only gdn,llama] [--layers 24] [--batch 8 --length 2048]``.
 """
@@ -109,14 +111,16 @@ def _shard(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def measure(name: str, args: argparse.Namespace, rank: int, world: int) -> dict:
+def measure(name: str, args: argparse.Namespace, rank: int, world: int, accelerator=None) -> dict:
     """Tokens/s (all processes), peak GiB (this process) and the first step's loss of one model."""
     torch.manual_seed(0)
     model = MODELS[name](args.layers).cuda()
     params = sum(p.numel() for p in model.parameters())
-    if world > 1:
+    if world > 1 and accelerator is None:
         model = _shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if accelerator is not None:  # the config file's FSDP2, applied by accelerate's own preparation
+        model, optimizer = accelerator.prepare(model, optimizer)
     g = torch.Generator(device="cuda").manual_seed(1234)
     fixed = torch.randint(0, VOCAB, (args.batch * world, args.length), device="cuda", generator=g)
     ids = fixed[rank * args.batch:(rank + 1) * args.batch]
@@ -145,7 +149,8 @@ def measure(name: str, args: argparse.Namespace, rank: int, world: int) -> dict:
         torch.distributed.all_reduce(first)
         first /= world
     return {"model": name, "params_M": round(params / 1e6, 1), "batch": args.batch * world, "length": args.length,
-            "processes": world, "tok_per_s": round(args.batch * world * args.length / seconds),
+            "processes": world, "sharded_by": "accelerate" if accelerator is not None else "fully_shard" if world > 1
+            else "", "tok_per_s": round(args.batch * world * args.length / seconds),
             "ms_per_step": round(1e3 * seconds, 1), "peak_gib": round(peak_gib(), 2),
             "first_loss": round(float(first), 5)}
 
@@ -160,10 +165,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (run under torchrun)")
+    parser.add_argument("--accelerate", action="store_true",
+                        help="shard as accelerate's config says (run under accelerate launch --config_file ...)")
     parser.add_argument("--out", help="folder of models.json (default: $OUT, else the current folder)")
     args = parser.parse_args(argv)
-    rank, world = 0, 1
-    if args.fsdp:
+    rank, world, accelerator = 0, 1, None
+    if args.accelerate:
+        from accelerate import Accelerator
+
+        accelerator = Accelerator()
+        rank, world = accelerator.process_index, accelerator.num_processes
+    elif args.fsdp:
         torch.distributed.init_process_group("nccl")
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -173,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         if not picked(name, names(args.only)):
             continue
         try:
-            row = measure(name, args, rank, world)
+            row = measure(name, args, rank, world, accelerator)
         except Exception as error:  # noqa: BLE001  (one broken row must not lose the others)
             traceback.print_exc()
             row = {"model": name, "error": f"{type(error).__name__}: {error}"[:200]}
@@ -181,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             recorder.record(**row)
     if rank == 0:
-        recorder.table(["model", "params_M", "batch", "length", "processes", "tok_per_s", "ms_per_step", "peak_gib",
+        recorder.table(["model", "params_M", "batch", "length", "processes", "sharded_by", "tok_per_s", "ms_per_step", "peak_gib",
                         "first_loss"])
-        recorder.write(out_dir(args.out) / ("models_fsdp.json" if args.fsdp else "models.json"))
-    if args.fsdp:
+        sharded = args.fsdp or args.accelerate
+        recorder.write(out_dir(args.out) / ("models_fsdp.json" if sharded else "models.json"))
+    if args.fsdp or (accelerator is not None and world > 1):
         torch.distributed.destroy_process_group()
     return 0
 

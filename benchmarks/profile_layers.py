@@ -7,6 +7,8 @@ Targets (``--layer``, comma-separated substrings of their names; ``--list`` prin
 - ``kernel_chunk_titans_4x256``: ``chunk_titans`` alone at the Titans layer's shape (``bench_kernels.py
   titans-chunk``'s inputs); ``kernel_gated_delta_4x256``: MoM's recurrence alone (``bench_kernels.py
   gated-delta``'s inputs; ``--tokens 49152`` for MoM's 48K token-memory pairs at T=2048);
+- ``model_<row>``: a whole model of ``models.py`` (``--model-layers`` blocks), forward with the loss from
+  labels under bf16 autocast and backward, no optimizer;
 - with ``--mode decode``, the models of ``bench_decode.py``: one eager decode step after a prompt of
   ``--prompt`` tokens, per batch of ``--batches``.
 
@@ -43,8 +45,29 @@ KERNEL_TARGETS = ("kernel_chunk_titans_4x256", "kernel_gated_delta_4x256")
 
 def training_targets() -> list[str]:
     from bench_layers import LAYERS
+    from models import MODELS
 
-    return [*LAYERS, *KERNEL_TARGETS]
+    return [*LAYERS, *KERNEL_TARGETS, *(f"model_{name}" for name in MODELS)]
+
+
+def model_step(name: str, B: int, T: int, layers: int) -> tuple[Callable[[], None], torch.nn.Module]:
+    """A whole model's forward (loss from labels) and backward, as ``models.py`` trains it (no optimizer)."""
+    from models import MODELS
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = MODELS[name](layers).to(DEVICE)
+    ids = torch.randint(0, VOCAB, (B, T), device=DEVICE)
+
+    def step() -> None:
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+
+    return step, model
+
+
+# Blocks of the whole-model targets (``--model-layers``).
+MODEL_LAYERS = [24]
 
 
 def training_step(name: str, B: int, T: int) -> tuple[Callable[[], None], object]:
@@ -53,6 +76,8 @@ def training_step(name: str, B: int, T: int) -> tuple[Callable[[], None], object
         from bench_kernels import titans_chunk_target
 
         return titans_chunk_target(B, T), None
+    if name.startswith("model_"):
+        return model_step(name.removeprefix("model_"), B, T, MODEL_LAYERS[0])
     if name == "kernel_gated_delta_4x256":
         from bench_kernels import gated_delta_target
 
@@ -251,6 +276,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gaps", action="store_true", help="time: the longest idle stretches of the GPU")
     parser.add_argument("--cpu", action="store_true", help="time: the host's calls by their own time")
     parser.add_argument("--min-mb", type=float, default=4, help="memory: smallest allocation site shown (MB)")
+    parser.add_argument("--model-layers", type=int, default=24,
+                        help="blocks of the whole-model targets model_* (default %(default)s)")
     parser.add_argument("--batches", default="1,16", help="decode: batch sizes (default %(default)s)")
     parser.add_argument("--prompt", type=int, default=1024, help="decode: prompt length (default %(default)s)")
     args = parser.parse_args(argv)
@@ -272,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.tf32:
         torch.set_float32_matmul_precision("high")
+    MODEL_LAYERS[0] = args.model_layers
     for name in targets:
         if args.mode == "decode":
             for B in ints(args.batches):

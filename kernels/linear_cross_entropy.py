@@ -4,12 +4,23 @@ A causal LM's loss needs ``B x T x V`` logits, upcast to float32 by transformers
 ``ForCausalLMLoss``: at a 131K vocabulary and 2,048 tokens that is 1 GiB, held from
 the forward to the backward, several times the activations of the model itself.
 :func:`linear_cross_entropy` computes the same loss over blocks of rows of the hidden
-states: each block's logits are made, reduced to the block's loss, and dropped; the
-backward makes them again, block by block (``torch.utils.checkpoint``), so at any
-time at most one block's logits exist. The head is called as a module, so whatever
-wraps it (PEFT's LoRA, ``modules_to_save``, autocast) is respected, and every row's
-loss is computed by the same operations as transformers' (float32 logits,
-``F.cross_entropy``); only the order of the sum over rows differs.
+states: each block's logits are made, reduced to the block's loss, and dropped, so at
+any time at most one block's logits exist. Every row's loss is computed by the same
+operations as transformers' (float32 logits, ``F.cross_entropy``); only the order of
+the sum over rows differs.
+
+Two ways to the gradients:
+
+- A plain ``nn.Linear`` head (the usual case): each block's gradients with respect to
+  its hidden rows and to the head's weight are made in the forward, from the block's
+  logits while they exist (``softmax - onehot``, three products per block instead of the
+  four of a recomputation), and the backward only scales them by the incoming gradient.
+  The head's weight is read only while the forward runs, so sharding that gathers the
+  weight for the forward and frees it after the backward of the unit holding it
+  (FSDP2, which accelerate's FSDP2 groups with the final norm) sees the usual pattern.
+- Any other head (PEFT's LoRA, ``modules_to_save``, a function): the head is called as a
+  module, so whatever wraps it is respected, and the backward makes each block's logits
+  again (``torch.utils.checkpoint``).
 
 :func:`chunked_cross_entropy` is the same loss from logits that are already there
 (evaluation, where the caller wants them): it upcasts one block at a time.
@@ -56,19 +67,72 @@ def causal_targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | Non
     return shift_labels.reshape(-1)
 
 
-def _reduce(total: torch.Tensor, targets: torch.Tensor, num_items_in_batch, ignore_index: int) -> torch.Tensor:
+def _divisor(targets: torch.Tensor, num_items_in_batch, ignore_index: int) -> torch.Tensor | int:
     # transformers: reduction "mean" over the kept positions, or "sum" / num_items_in_batch.
     if num_items_in_batch is None:
-        return total / (targets != ignore_index).sum()
+        return (targets != ignore_index).sum()
     if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+        return num_items_in_batch.to(targets.device)
+    return num_items_in_batch
 
 
 def _block_loss(head: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, targets: torch.Tensor,
                 ignore_index: int) -> torch.Tensor:
     logits = head(rows).float()
     return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The reduced loss of a plain linear head over blocks of rows, its gradients made in the forward."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                ignore_index: int, chunk_rows: int, divisor: torch.Tensor | int) -> torch.Tensor:
+        want_rows, want_weight, want_bias = ctx.needs_input_grad[:3]
+        total = rows.new_zeros((), dtype=torch.float32)
+        # d loss / d (a kept row's loss) in float32, as autograd forms it from the division below.
+        scale = torch.ones((), dtype=torch.float32, device=rows.device) / divisor
+        grad_rows = torch.empty_like(rows) if want_rows else None
+        # Sums over blocks in float32 at least, as the weight's gradient accumulates in its own dtype.
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_weight = torch.zeros_like(weight, dtype=acc) if want_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=acc) if want_bias else None
+        for start in range(0, rows.shape[0], chunk_rows):
+            block, block_targets = rows[start:start + chunk_rows], targets[start:start + chunk_rows]
+            # The products run in the ambient autocast dtype, as the module call's would, and the gradient of
+            # the logits goes back into their dtype before its products, as autograd's would.
+            logits = F.linear(block, weight, bias)
+            # The gradient of the block's float32 logits by the very operations autograd would run on them
+            # (a graph of the block alone), so with an incoming gradient of one every bit is the same.
+            with torch.enable_grad():
+                logits32 = logits.detach().float().requires_grad_()
+                block_loss = F.cross_entropy(logits32, block_targets, ignore_index=ignore_index, reduction="sum")
+                (grad,) = torch.autograd.grad(block_loss, logits32, grad_outputs=scale)
+            total = total + block_loss.detach()
+            grad = grad.to(logits.dtype)
+            del logits, logits32
+            if want_rows:
+                grad_rows[start:start + chunk_rows] = grad @ weight.to(grad.dtype)
+            if want_weight:
+                grad_weight += (grad.t() @ block.to(grad.dtype)).to(acc)
+            if want_bias:
+                grad_bias += grad.sum(0).to(acc)
+        ctx.save_for_backward(*(g for g in (grad_rows, grad_weight, grad_bias) if g is not None))
+        ctx.present = (want_rows, want_weight, want_bias)
+        ctx.dtypes = (rows.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return total / divisor
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        saved = iter(ctx.saved_tensors)
+        grads = [(next(saved) * grad_loss).to(dtype) if present else None
+                 for present, dtype in zip(ctx.present, ctx.dtypes)]
+        return (*grads, None, None, None, None)
+
+
+def _plain_linear(head) -> bool:
+    # Exactly nn.Linear: a subclass or a wrapper may change what the call computes.
+    return type(head) is nn.Linear
 
 
 def linear_cross_entropy(
@@ -102,6 +166,9 @@ def linear_cross_entropy(
         chunk_rows = rows_per_chunk(int(width), rows.device)
     params = head.parameters() if isinstance(head, nn.Module) else ()
     needs_grad = torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in params))
+    if needs_grad and _plain_linear(head):
+        return _LinearCrossEntropy.apply(rows, head.weight, head.bias, targets, ignore_index, chunk_rows,
+                                         _divisor(targets, num_items_in_batch, ignore_index))
     total = rows.new_zeros((), dtype=torch.float32)
     for start in range(0, rows.shape[0], chunk_rows):
         block, block_targets = rows[start:start + chunk_rows], targets[start:start + chunk_rows]
@@ -110,7 +177,7 @@ def linear_cross_entropy(
             total = total + checkpoint(_block_loss, head, block, block_targets, ignore_index, use_reentrant=False)
         else:
             total = total + _block_loss(head, block, block_targets, ignore_index)
-    return _reduce(total, targets, num_items_in_batch, ignore_index)
+    return total / _divisor(targets, num_items_in_batch, ignore_index)
 
 
 def chunked_cross_entropy(

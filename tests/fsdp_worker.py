@@ -36,6 +36,11 @@ def main(family: str, result_path: str) -> None:
     accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
                                   mixed_precision="no", is_main_process=rank == 0, device=torch.device("cpu"))
     model = fsdp2_prepare_model(accelerator, BUILDERS[family]().train())
+    # Blocks of 16 rows, so each process's loss takes several blocks of its 24 rows: accelerate gives the final
+    # norm and the head a unit of their own, whose weights are freed after the first backward through them.
+    from mnemo.kernels import linear_cross_entropy
+
+    linear_cross_entropy.CHUNK_BYTES["cpu"] = 16 * 4 * model.config.vocab_size
 
     blocks = [type(m).__name__ for m in model.model.layers if isinstance(m, FSDPModule)]
     placements = {name: repr(p.placements) if isinstance(p, DTensor) else type(p).__name__
