@@ -21,8 +21,10 @@ mixes with another one, so the state of one program is a ``(BV, d_k)`` tile
 in registers for the whole sequence, and sequences of any lengths (the routed
 subsequences of MoM) share the launch through per-sequence chunk offsets. For
 training the scan only carries the state: it saves the state entering each
-chunk and ``D``, and the outputs come from a kernel parallel over chunks. The
-backward is split the same way: ``P^T dO`` and ``dP`` in parallel over chunks,
+chunk and ``D``, and the outputs come from a kernel parallel over chunks. By
+default the forward of training keeps neither (:data:`KEEP_CHUNK_STATES`): it runs
+as the forward without gradients, and the backward runs the intra-chunk forward
+and the scan again for them. The backward is split the same way: ``P^T dO`` and ``dP`` in parallel over chunks,
 a reverse scan for ``dD`` and the state gradients, then the products of each
 chunk's state with its rows (``dW`` and the gradients of ``q, k`` through
 ``Qd, Kd``, ``dgamma``) in parallel again, and last the intra-chunk backward,
@@ -722,6 +724,15 @@ _W_BK, _W_WARPS = 128, 4  # faster than 64 x 4 warps, 128 x 8 or 256 x 8 (benchm
 _INTRA_WARPS, _INTRA_STAGES = (4, 8, 8), (1, 1, 1)
 
 
+# Whether the forward of training keeps the states entering every chunk and ``D`` for the backward (True), or
+# the backward makes them again (False, the default). The states are a (d_k x d_v) matrix per chunk and head:
+# at head size 256 they outweigh the layer's other saved activations several times over, most of all in MoM,
+# whose tokens visit several memories. Making them again costs one intra-chunk forward and one scan per
+# backward, a few percent of a whole model's step; keeping them trades that for peak memory
+# (benchmarks/RESULTS.md has both).
+KEEP_CHUNK_STATES = False
+
+
 def _stored_dtype(low_precision: bool) -> torch.dtype:
     """The dtype of the per-chunk tensors that pass between kernels through memory once computed: the
     states entering each chunk and ``D`` (saved by the forward), and the gradients ``dD``, ``dW`` and of
@@ -764,7 +775,9 @@ def _intra_forward(q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, 
 
 
 def _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, order, chunk_start, chunk_len, out_dtype, save: bool,
-                  low_precision: bool):
+                  low_precision: bool, outputs: bool = True):
+    """The outputs ``O``, final states and, when ``save``, ``D`` and the states entering every chunk;
+    ``outputs=False`` (with ``save``) skips ``O``, for a backward that makes the saved tensors again."""
     n_chunks, H, C, V = U.shape
     K = W.shape[-1]
     N = offsets.numel() - 1
@@ -779,7 +792,7 @@ def _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, order, chunk_start, c
         chunk_len, H, K, V, NV, C=C, BK=BK, BV=BV, HAS_S0=S0 is not None, SAVE=save, PRECISION=precision,
         num_warps=_SCAN_FWD_WARPS, num_stages=1,
     )
-    if save:  # the outputs, from the saved states, in parallel over chunks
+    if save and outputs:  # the outputs, from the saved states, in parallel over chunks
         BV = min(_OUT_BV, _block(V))
         _output_kernel[(n_chunks, H, triton.cdiv(V, BV))](
             q, rows, P, D, states, O, chunk_start, chunk_len, H, K, V, C=C, BK=BK, BV=BV, PRECISION=precision,
@@ -904,9 +917,10 @@ def _released(t: torch.Tensor) -> bool:
 class _ChunkedGatedDelta(torch.autograd.Function):
     """The chunked gated delta rule over a flat chunk layout: intra-chunk terms, then the scan.
 
-    The forward saves ``(I + A)^-1``, ``P``, the row factors, the states entering each chunk and ``D``;
-    the backward recomputes ``W`` and frees the states and ``D`` as soon as the state-gradient kernel
-    has read them, so that they are not held beside the intra-chunk backward's buffers."""
+    The forward saves ``(I + A)^-1``, ``P``, the row factors and, with :data:`KEEP_CHUNK_STATES`, the
+    states entering each chunk and ``D``; else the backward makes those again. The backward recomputes
+    ``W`` and frees the states and ``D`` as soon as the state-gradient kernel has read them, so that they
+    are not held beside the intra-chunk backward's buffers."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, S0, offsets, chunk_start, chunk_len, config):
@@ -917,7 +931,7 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         # the scans take the sequences longest first (see _sequence)
         order = torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True)
         O, SF, D, states = _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, order, chunk_start, chunk_len,
-                                         out_dtype, save, low_precision)
+                                         out_dtype, save and KEEP_CHUNK_STATES, low_precision)
         if save:
             ctx.save_for_backward(q, k, v, g, beta, S0, T, P, rows, gamma, D, states, offsets, order, chunk_start,
                                   chunk_len)
@@ -928,11 +942,11 @@ class _ChunkedGatedDelta(torch.autograd.Function):
     def backward(ctx, dO, dSF):
         q, k, v, g, beta, S0, T, P, rows, gamma, D, states, offsets, order, chunk_start, chunk_len = ctx.saved_tensors
         chunk_size, scale, use_qk_l2norm, eps, out_dtype, low_precision = ctx.config
-        if _released(states):  # a second backward through the same graph: the forward's scan again
+        if states.numel() == 0 or _released(states):  # not kept, or a second backward: the forward's scan again
             U, W, *_ = _intra_forward(q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale, use_qk_l2norm,
                                       eps, low_precision, save_t=False)
             _, _, D, states = _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, order, chunk_start,
-                                            chunk_len, out_dtype, True, low_precision)
+                                            chunk_len, out_dtype, True, low_precision, outputs=False)
             del U, W
         dO = D.new_zeros(q.shape[0], D.shape[1], D.shape[-1]) if dO is None else dO.contiguous()
         dU, dW, dP, dgamma, dS0, state_path = _scan_backward(

@@ -11,7 +11,7 @@ the sum over rows differs.
 
 Two ways to the gradients:
 
-- A plain ``nn.Linear`` head (the usual case): each block's gradients with respect to
+- A plain ``nn.Linear`` head (the usual case, :func:`fuses_head`): each block's gradients with respect to
   its hidden rows and to the head's weight are made in the forward, from the block's
   logits while they exist (``softmax - onehot``, three products per block instead of the
   four of a recomputation), and the backward only scales them by the incoming gradient.
@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["causal_targets", "chunked_cross_entropy", "linear_cross_entropy", "rows_per_chunk"]
+__all__ = ["causal_targets", "chunked_cross_entropy", "fuses_head", "linear_cross_entropy", "rows_per_chunk"]
 
 # Rows per block are chosen so that one block's float32 logits take about this many bytes: small beside
 # the model's own activations, large enough that the per-block work (a few launches, the checkpoint's
@@ -130,9 +130,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-def _plain_linear(head) -> bool:
-    # Exactly nn.Linear: a subclass or a wrapper may change what the call computes.
-    return type(head) is nn.Linear
+def fuses_head(head) -> bool:
+    """Whether :func:`linear_cross_entropy` makes this head's gradients in the forward: a linear layer whose
+    call is ``nn.Linear``'s own (FSDP2's sharded class is; PEFT's LoRA layers and quantised layers, which
+    compute something else, are not) with its weight gathered (not an FSDP2 shard) when the loss runs."""
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        return False
+    # FSDP2 holds a shard as a DTensor outside its unit's forward and backward; the gathered weight is plain.
+    return not hasattr(head.weight, "placements")
 
 
 def linear_cross_entropy(
@@ -166,7 +171,7 @@ def linear_cross_entropy(
         chunk_rows = rows_per_chunk(int(width), rows.device)
     params = head.parameters() if isinstance(head, nn.Module) else ()
     needs_grad = torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in params))
-    if needs_grad and _plain_linear(head):
+    if needs_grad and fuses_head(head):
         return _LinearCrossEntropy.apply(rows, head.weight, head.bias, targets, ignore_index, chunk_rows,
                                          _divisor(targets, num_items_in_batch, ignore_index))
     total = rows.new_zeros((), dtype=torch.float32)

@@ -41,6 +41,8 @@ def main(family: str, result_path: str) -> None:
     from mnemo.kernels import linear_cross_entropy
 
     linear_cross_entropy.CHUNK_BYTES["cpu"] = 16 * 4 * model.config.vocab_size
+    fused, decide = [], linear_cross_entropy.fuses_head
+    linear_cross_entropy.fuses_head = lambda head: fused.append(decide(head)) or fused[-1]
 
     blocks = [type(m).__name__ for m in model.model.layers if isinstance(m, FSDPModule)]
     placements = {name: repr(p.placements) if isinstance(p, DTensor) else type(p).__name__
@@ -62,7 +64,7 @@ def main(family: str, result_path: str) -> None:
     model.save_pretrained(saved, state_dict=state, is_main_process=rank == 0)
     if rank == 0:
         result = {"fsdp_version": plugin.fsdp_version, "blocks": blocks, "root": isinstance(model, FSDPModule),
-                  "placements": placements, "losses": losses, "shard": repr(Shard(0)), "saved": saved}
+                  "placements": placements, "fused_head": bool(fused) and all(fused), "losses": losses, "shard": repr(Shard(0)), "saved": saved}
         with open(result_path, "w", encoding="utf-8") as f:
             json.dump(result, f)
     dist.destroy_process_group()

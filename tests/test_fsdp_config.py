@@ -47,6 +47,8 @@ def test_accelerate_config_shards_every_block(family, tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     got = json.loads(result.read_text())
     assert got["fsdp_version"] == 2 and got["root"]
+    # the loss makes the sharded head's gradients in the forward, never reading its weight in the backward
+    assert got["fused_head"]
     layers = reference.BUILDERS[family]().config.num_hidden_layers
     assert got["blocks"] == [f"FSDP{BLOCKS[family]}"] * layers  # fully_shard renames the class
     assert got["placements"] and all(p == f"({got['shard']},)" for p in got["placements"].values()), got["placements"]

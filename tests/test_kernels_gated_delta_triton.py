@@ -253,3 +253,31 @@ def test_a_second_backward_recomputes_what_the_first_freed(dtype):
     second = torch.autograd.grad(loss, [*leaves, S0])
     for name, a, b in zip("q k v g beta S0".split(), first, second):
         assert torch.equal(a, b), f"gradient of {name} differs on the second backward"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_states_made_again_in_the_backward_give_the_kept_states_gradients(dtype, monkeypatch):
+    """By default the forward of training keeps neither the chunks' states nor ``D`` and the backward runs
+    the forward's kernels again for them: the gradients are those of keeping them, bit for bit, and the
+    outputs agree with the kept path's (which reads them from the kept states, in another order)."""
+    from mnemo.kernels import gated_delta_triton
+
+    inputs = [x.to(DEVICE, dtype if i < 3 else torch.float32) for i, x in enumerate(make_inputs(2, 45, 2, 8, 12,
+                                                                                                seed=4))]
+    S0 = torch.randn(2, 2, 8, 12, device=DEVICE)
+    w_o, w_s = torch.randn(2, 45, 2, 12, device=DEVICE), torch.randn_like(S0)
+    results = {}
+    for keep in (True, False):
+        monkeypatch.setattr(gated_delta_triton, "KEEP_CHUNK_STATES", keep)
+        leaves = [x.detach().clone().requires_grad_() for x in (*inputs, S0)]
+        with use_backend("triton"):
+            o, s = chunk_gated_delta(*leaves[:5], initial_state=leaves[5], chunk_size=16)
+        # a loss linear in the outputs, so that both backwards start from the same gradients
+        ((o.float() * w_o).sum() + (s * w_s).sum()).backward()
+        results[keep] = (o.detach(), s.detach(), [x.grad for x in leaves])
+    (o_keep, s_keep, g_keep), (o_new, s_new, g_new) = results[True], results[False]
+    torch.testing.assert_close(o_new.float(), o_keep.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert torch.equal(s_new, s_keep)
+    for name, a, b in zip("q k v g beta S0".split(), g_new, g_keep):
+        assert torch.equal(a, b), f"gradient of {name} differs when the states are made again"
