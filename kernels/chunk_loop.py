@@ -85,9 +85,11 @@ def _stretch(n: int, checkpoint_every: int | None) -> int:
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         return checkpoint_every
-    # About sqrt(n), a divisor of n where one is near: each stretch length is a graph capture of its own
+    # The forward keeps n / r carries until the backward, which holds about r of one stretch at a time; with
+    # L loops kept at once (a model's memory layers: loop_options(layers=L)) that is L n / r + r carries, least
+    # at r = sqrt(L n). A divisor of n where one is near: each stretch length is a graph capture of its own
     # (and the memory its backward holds), so equal stretches take one.
-    r = max(1, math.ceil(math.sqrt(n)))
+    r = min(n, max(1, math.ceil(math.sqrt(n * _options[-1].layers))))
     return next((d for d in range(r, max(2, r // 2) - 1, -1) if n % d == 0), r)
 
 
@@ -95,16 +97,21 @@ def _stretch(n: int, checkpoint_every: int | None) -> int:
 class LoopOptions:
     """The chunk loops' settings where their callers leave them open: ``graphs=False`` runs the steps
     uncaptured, ``recompute`` forces the backward's recompute on or off, ``checkpoint_every`` is the
-    carry's spacing in chunks (``None``: about the square root of their number)."""
+    carry's spacing in chunks (``None``: about the square root of their number times ``layers``), and
+    ``layers`` how many loops keep their carries until the backward at once (a model sets its number of
+    memory layers, so that the spacing minimises what all of them hold together)."""
 
     graphs: bool = True
     recompute: bool | None = None
     checkpoint_every: int | None = None
+    layers: int = 1
 
     def __post_init__(self) -> None:
         every = self.checkpoint_every
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"checkpoint_every must be a whole number of chunks >= 1, got {every!r}")
+        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
+            raise ValueError(f"layers must be a whole number >= 1, got {self.layers!r}")
 
 
 _options: list[LoopOptions] = [LoopOptions()]
@@ -112,11 +119,11 @@ _options: list[LoopOptions] = [LoopOptions()]
 
 @contextlib.contextmanager
 def loop_options(*, graphs: bool | None = None, recompute: bool | None = None,
-                 checkpoint_every: int | None = None) -> Iterator[None]:
+                 checkpoint_every: int | None = None, layers: int | None = None) -> Iterator[None]:
     """Set the enclosed chunk loops' :class:`LoopOptions` (the arguments left ``None`` keep theirs),
     e.g. ``with loop_options(checkpoint_every=8): trainer.train()``. An argument a caller of
     :func:`run_chunks` passes itself wins over these."""
-    asked = dict(graphs=graphs, recompute=recompute, checkpoint_every=checkpoint_every)
+    asked = dict(graphs=graphs, recompute=recompute, checkpoint_every=checkpoint_every, layers=layers)
     _options.append(replace(_options[-1], **{k: v for k, v in asked.items() if v is not None}))
     try:
         yield

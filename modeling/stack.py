@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.chunk_loop import loop_options
 from ..kernels.linear_cross_entropy import causal_targets, chunked_cross_entropy, linear_cross_entropy
 from .cache import MnemoCache, as_mnemo_cache
 from .generation import check_attention_mask
@@ -108,18 +109,20 @@ def decoder_forward(
     hidden_states = inputs_embeds
     all_hidden = (hidden_states,) if output_hidden_states else None
     aux_losses = []
-    for i, block in enumerate(model.layers):
-        hidden_states, aux = block(
-            hidden_states,
-            attention_mask=new_mask,
-            key_valid=attention_mask,
-            positions=position_ids,
-            past_key_values=cache[i] if cache is not None else None,
-        )
-        if aux is not None:
-            aux_losses.append(aux)
-        if output_hidden_states:
-            all_hidden += (hidden_states,)
+    # Every block's chunk loop keeps its carries until the backward: their spacing is chosen for all of them.
+    with loop_options(layers=len(model.layers)):
+        for i, block in enumerate(model.layers):
+            hidden_states, aux = block(
+                hidden_states,
+                attention_mask=new_mask,
+                key_valid=attention_mask,
+                positions=position_ids,
+                past_key_values=cache[i] if cache is not None else None,
+            )
+            if aux is not None:
+                aux_losses.append(aux)
+            if output_hidden_states:
+                all_hidden += (hidden_states,)
     hidden_states = model.norm(hidden_states)
     if output_hidden_states:
         all_hidden = all_hidden[:-1] + (hidden_states,)

@@ -184,6 +184,32 @@ def test_bad_inputs_are_named():
         run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=0)
 
 
+def test_spacing_minimises_the_carries_all_layers_keep(monkeypatch):
+    """A model's ``L`` memory layers keep ``n / r`` carries each until the backward, which holds about ``r``
+    of one stretch: the default spacing is about ``sqrt(L n)`` (a near divisor of ``n``, at most ``n``), and a
+    model's forward announces its layers."""
+    from mnemo.kernels import chunk_loop
+
+    assert chunk_loop._stretch(32, None) == 4  # sqrt(32) rounded up is 6; 4 is the nearest divisor below
+    with loop_options(layers=24):
+        assert chunk_loop._stretch(32, None) == 16  # sqrt(768) -> 28 -> the divisor 16
+        assert chunk_loop._stretch(8, None) == 8  # never past the loop's own length
+        assert chunk_loop._stretch(32, 2) == 2  # the caller's spacing wins
+    with pytest.raises(ValueError, match="layers"):
+        with loop_options(layers=0):
+            pass
+    from conftest import tiny_mc_titans
+
+    model = tiny_mc_titans().train()
+    seen = []
+    real = chunk_loop._stretch
+    monkeypatch.setattr(chunk_loop, "_stretch", lambda n, every: seen.append(chunk_loop._options[-1].layers)
+                        or real(n, every))
+    ids = torch.randint(1, 97, (2, 12))
+    model(ids, labels=ids).loss.backward()
+    assert seen and set(seen) == {model.config.num_hidden_layers}
+
+
 # --- Titans: the chunked path's gradients equal the token-by-token reference's ------------------------------
 # Every kernel test below runs three times: through the recompute (the CUDA default), under plain autograd
 # (the default where the steps are not captured), and through the graphed path's copies with the graphs
