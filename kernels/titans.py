@@ -53,6 +53,8 @@ from .mlp_memory import (
 from .norms import l2_normalize
 from .titans_chunk import chunk_memory
 from .titans_chunk import wanted as fused_chunks
+from .titans_persistent_triton import titans_chunks as persistent_chunks
+from .titans_persistent_triton import wanted as persistent_wanted
 
 __all__ = [
     "TitansState",
@@ -334,10 +336,6 @@ def chunk_titans(
     starts = torch.arange(n, device=q.device)[:, None] * C
     stops = (end[None] > starts) & (end[None] < starts + C)  # (n, B): rows whose last token is inside
     chunks = TitansChunk(**per_token, live=live_chunks, stops=stops)
-    xs = list(chunks)
-    fused = fused_chunks(spec)
-    if fused:
-        xs += titans_coefficients(chunks.retention, chunks.momentum, chunks.lr, chunks.live)
     names = list(spec.shapes)
     # Only rows that stop inside a chunk change their chunk-start weights; with none (whole chunks,
     # the training case) the carry leaves them out.
@@ -346,9 +344,19 @@ def chunk_titans(
     stored = tuple(state.chunk_start[n_].to(dtype) for n_ in names)
     if track_start:
         carry += stored
-    step = partial(_titans_step, spec, track_start, fused)
-    o, carry = run_resumable_chunks(lambda _with_stored: step, carry, xs, (), state.position > 0, stored,
-                                    checkpoint_every=checkpoint_every, tf32=tf32_wanted(v))
+    if persistent_wanted(spec, C, state.position, [q, k, v, retention, momentum, lr, *carry], track_start):
+        # On Triton without gradients (with them only where the module asks): every chunk in one launch.
+        coefficients = titans_coefficients(chunks.retention, chunks.momentum, chunks.lr, chunks.live)
+        o, carry = persistent_chunks(spec, carry, chunks.q, chunks.k, chunks.v, coefficients, stops, track_start,
+                                     tf32_wanted(v), checkpoint_every)
+    else:
+        xs = list(chunks)
+        fused = fused_chunks(spec)
+        if fused:
+            xs += titans_coefficients(chunks.retention, chunks.momentum, chunks.lr, chunks.live)
+        step = partial(_titans_step, spec, track_start, fused)
+        o, carry = run_resumable_chunks(lambda _with_stored: step, carry, xs, (), state.position > 0, stored,
+                                        checkpoint_every=checkpoint_every, tf32=tf32_wanted(v))
     o = chunks_last(o).transpose(1, 2)  # (B, total, H, d_v)
     m = len(names)
     W, S = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))

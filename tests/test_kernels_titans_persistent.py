@@ -1,0 +1,325 @@
+"""The persistent Titans forward (:mod:`mnemo.kernels.titans_persistent_triton`, one launch for all the chunks)
+against the PyTorch chunk loop and the token-by-token reference: Triton's interpreter on the CPU, tiny shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mnemo.kernels.backend import use_backend
+from mnemo.kernels.mlp_memory import ChunkOperator, MLPMemorySpec, grad_factors, memory_apply
+from mnemo.kernels.titans import TitansState, chunk_titans, reference_titans, titans_coefficients
+from mnemo.kernels.titans_chunk import chunk_memory
+
+pytest.importorskip("triton")
+import mnemo.kernels.titans_persistent_triton as persistent  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+SPECS = {
+    "l2": MLPMemorySpec(depth=2, d_k=16, d_v=16, expansion=4),
+    "dot": MLPMemorySpec(depth=2, d_k=16, d_v=16, expansion=4, objective="dot"),
+    # binds on some tokens only (their gradients' norms at the first chunk are about 10 to 24)
+    "clip": MLPMemorySpec(depth=2, d_k=16, d_v=16, expansion=4, grad_clip=15.0),
+    # a width that is not a power of two, a hidden layer of one whole slice of 32 and a partial one
+    "l2_masked": MLPMemorySpec(depth=2, d_k=24, d_v=24, expansion=2),
+}
+
+
+def _error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def _chunk_problem(spec, momentum: bool, n: int, G: int, C: int, seed: int = 0):
+    """Chunk-first inputs ``(n, G, C, d)``, the chunks' coefficients (the last chunk half padding) and a
+    state, float32 on the test device."""
+    gen = torch.Generator().manual_seed(seed)
+    d, F = spec.d_k, spec.hidden
+    r = lambda *s, scale=1.0: torch.randn(*s, generator=gen) * scale  # noqa: E731
+    q, k = (torch.nn.functional.normalize(r(n, G, C, d), dim=-1) for _ in range(2))
+    v = r(n, G, C, d)
+    retention = torch.rand(n, G, 1, C, generator=gen) * 0.5 + 0.5
+    eta = torch.rand(n, G, 1, C, generator=gen)
+    lr = torch.rand(n, G, 1, C, generator=gen) * 0.1
+    live = torch.ones(n, G, C, dtype=torch.bool)
+    live[-1, :, C // 2:] = False
+    a, b, c, sa, sc = (x[:, :, 0] for x in titans_coefficients(retention, eta, lr, live))
+    W = {"w1": r(G, d, F, scale=0.3), "w2": r(G, F, d, scale=0.3)}
+    S = {"w1": r(G, d, F, scale=0.05), "w2": r(G, F, d, scale=0.05)} if momentum else None
+    if not momentum:  # the chunk takes a and c only (any values: both paths are given the same)
+        b = sa = sc = None
+    to = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
+    return ({n_: to(w) for n_, w in W.items()}, None if S is None else {n_: to(w) for n_, w in S.items()},
+            *map(to, (q, k, v, a, b, c, sa, sc)))
+
+
+def _torch_loop(spec, W, S, q, k, v, a, b, c, sa, sc, every):
+    """The chunks one at a time through the PyTorch chunk (float64): outputs, final state, and the state
+    entering every ``every``-th chunk."""
+    wide = lambda x: None if x is None else x.double()[:, None]  # noqa: E731  (G, 1, ...): one head a row
+    W = {n_: wide(w) for n_, w in W.items()}
+    S = None if S is None else {n_: wide(w) for n_, w in S.items()}
+    ys, kept = [], []
+    with use_backend("torch"):
+        for i in range(q.shape[0]):
+            if i % every == 0:
+                kept.append((W, S))
+            per = [None if x is None else wide(x[i]) for x in (q, k, v, a, b, c, sa, sc)]
+            y, W, S = chunk_memory(spec, W, S, *per)
+            ys.append(y[:, 0])
+    return torch.stack(ys), W, S, kept
+
+
+@pytest.mark.parametrize("name, slice_, C, momentum", [
+    ("l2", 16, 16, True), ("l2", 16, 16, False), ("l2", 64, 16, True), ("dot", 32, 16, True), ("dot", 32, 16, False),
+    ("clip", 16, 16, True), ("clip", 16, 16, False), ("l2_masked", 32, 12, True)])
+def test_persistent_forward_equals_the_torch_chunk_loop(name, slice_, C, momentum, monkeypatch):
+    """Outputs, final weights and momenta, and the checkpoints every two chunks (of five), against the
+    PyTorch chunk run chunk by chunk in float64; float32 with IEEE products here."""
+    monkeypatch.setitem(persistent.BLOCKS, "slice", slice_)
+    spec = SPECS[name]
+    W, S, q, k, v, a, b, c, sa, sc = _chunk_problem(spec, momentum, n=5, G=2, C=C)
+    res = persistent.persistent_forward(spec, W, S, q, k, v, a, b, c, sa, sc, checkpoint_every=2)
+    y, W_end, S_end, kept = _torch_loop(spec, W, S, q, k, v, a, b, c, sa, sc, every=2)
+    assert _error(res.y, y) < 1e-5
+    for n_ in W:
+        assert _error(res.weights[n_], W_end[n_][:, 0]) < 1e-5, n_
+        if momentum:
+            assert _error(res.momentum[n_], S_end[n_][:, 0]) < 1e-5, n_
+    assert (res.momentum is None) == (not momentum)
+    ck_W, ck_S = res.checkpoints
+    assert ck_W["w1"].shape[0] == len(kept) == 3
+    for j, (W_j, S_j) in enumerate(kept):
+        for n_ in W:
+            assert _error(ck_W[n_][j], W_j[n_][:, 0]) < 1e-5, (j, n_)
+            if momentum:
+                assert _error(ck_S[n_][j], S_j[n_][:, 0]) < 1e-5, (j, n_)
+    for n_ in W:  # the carried state is left as it was
+        assert not torch.equal(res.weights[n_], W[n_])
+
+
+def test_the_clip_binds_on_some_tokens_only():
+    spec = SPECS["clip"]
+    W, _, _, k, v, *_ = _chunk_problem(spec, True, n=5, G=3, C=16)
+    factors = grad_factors(SPECS["l2"], {n_: w[:, None] for n_, w in W.items()}, k[0][:, None], v[0][:, None])
+    norms = sum(A.pow(2).sum(-1) * B.pow(2).sum(-1) for A, B in factors.values()).sqrt()
+    assert (norms > spec.grad_clip).any() and (norms < spec.grad_clip).any()
+
+
+B, H, T, C_TITANS = 2, 2, 40, 16
+
+
+def _titans_problem(spec, momentum: bool, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    d = spec.d_k
+    init = {n_: torch.randn(H, *s, generator=gen) * 0.3 for n_, s in spec.shapes.items()}
+    q, k, v = (torch.randn(B, T, H, d, generator=gen) for _ in range(3))
+    retention = torch.rand(B, T, H, generator=gen) * 0.5 + 0.5
+    eta = torch.rand(B, T, H, generator=gen) if momentum else torch.zeros(B, T, H)
+    lr = torch.rand(B, T, H, generator=gen) * 0.1
+    return init, q, k, v, retention, eta, lr
+
+
+@pytest.fixture
+def persistent_calls(monkeypatch):
+    """Slices of 32 (two at hidden 64) and a list that records each launch of the persistent forward."""
+    monkeypatch.setitem(persistent.BLOCKS, "slice", 32)
+    calls = []
+    real = persistent.persistent_forward
+    monkeypatch.setattr(persistent, "persistent_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def _state_error(got: TitansState, want: TitansState) -> float:
+    assert torch.equal(got.position, want.position)
+    return max(_error(getattr(got, group)[n_], getattr(want, group)[n_])
+               for group in ("weights", "momentum", "chunk_start") for n_ in got.weights)
+
+
+def _rows_from(x: torch.Tensor, start: torch.Tensor, width: int) -> torch.Tensor:
+    """Tokens ``start_b .. start_b + width`` of each row (clamped at the end)."""
+    idx = (start[:, None] + torch.arange(width)[None]).clamp(max=x.shape[1] - 1).to(x.device)
+    return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
+
+
+@pytest.mark.parametrize("momentum", [True, False], ids=["momentum", "no_momentum"])
+def test_chunk_titans_without_gradients_takes_the_persistent_kernel(momentum, persistent_calls):
+    """B=2, H=2, d=16, hidden 64, chunk 16, rows of 40 and 29 tokens in two calls: the first call (25 and
+    12 tokens) ends inside the second and the first chunk; on the Triton backend without gradients it is
+    one persistent launch with the PyTorch path's outputs and state (chunk-start weights included). The
+    second call resumes mid-chunk from that state, which the chunked path takes (no second launch), and
+    both calls together equal the float64 reference."""
+    spec = SPECS["l2"]
+    init, q, k, v, retention, eta, lr = _titans_problem(spec, momentum)
+    lengths, takes = torch.tensor([T, 29]), torch.tensor([25, 12])
+    args = [x.to(DEVICE) for x in (q, k, v, retention, eta, lr)]
+    first = [x[:, :25] for x in args]
+    rest = [_rows_from(x, takes, 17) for x in args]
+    outs, states = {}, {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend), torch.no_grad():
+            state = TitansState.initial({n_: w.to(DEVICE) for n_, w in init.items()}, B)
+            o1, state = chunk_titans(spec, *first, state, chunk_size=C_TITANS, lengths=takes)
+            states[backend, 1] = state
+            o2, state = chunk_titans(spec, *rest, state, chunk_size=C_TITANS, lengths=lengths - takes)
+            states[backend, 2] = state
+            outs[backend] = [torch.cat([o1[b, :takes[b]], o2[b, :lengths[b] - takes[b]]]).cpu() for b in range(B)]
+        if backend == "triton":
+            assert persistent_calls == [1]
+    assert _state_error(states["triton", 1], states["torch", 1]) < 1e-5
+    assert _state_error(states["triton", 2], states["torch", 2]) < 1e-5
+    ref = reference_titans(spec, *(x.double() for x in (q, k, v, retention, eta, lr)),
+                           {n_: w.double() for n_, w in init.items()}, chunk_size=C_TITANS, lengths=lengths)
+    for backend in ("torch", "triton"):
+        for b in range(B):
+            assert _error(outs[backend][b], ref[b, :lengths[b]]) < 1e-5, (backend, b)
+
+
+def test_a_whole_call_equals_the_torch_path_and_the_reference(persistent_calls):
+    """The plain prefill: every row from the initial state over T=40 tokens (two whole chunks and a tail)."""
+    spec = SPECS["clip"]
+    init, q, k, v, retention, eta, lr = _titans_problem(spec, True, seed=2)
+    args = [x.to(DEVICE) for x in (q, k, v, retention, eta, lr)]
+    got = {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend), torch.no_grad():
+            state = TitansState.initial({n_: w.to(DEVICE) for n_, w in init.items()}, B)
+            got[backend] = chunk_titans(spec, *args, state, chunk_size=C_TITANS)
+    assert persistent_calls == [1]
+    assert _error(got["triton"][0], got["torch"][0]) < 1e-5
+    assert _state_error(got["triton"][1], got["torch"][1]) < 1e-5
+    ref = reference_titans(spec, *(x.double() for x in (q, k, v, retention, eta, lr)),
+                           {n_: w.double() for n_, w in init.items()}, chunk_size=C_TITANS)
+    assert _error(got["triton"][0].cpu(), ref) < 1e-5
+
+
+def test_the_persistent_kernel_is_left_where_it_does_not_apply(persistent_calls, monkeypatch):
+    """With gradients recorded, or ``ENABLED`` off, ``chunk_titans`` keeps the chunked path; gated memories
+    and chunks past 64 are not covered."""
+    spec = SPECS["l2"]
+    init, q, k, v, retention, eta, lr = _titans_problem(spec, True)
+    args = [x[:, :8].to(DEVICE) for x in (q, k, v, retention, eta, lr)]
+    state = TitansState.initial({n_: w.to(DEVICE) for n_, w in init.items()}, B)
+    with use_backend("triton"):
+        leaf = args[0].clone().requires_grad_()
+        chunk_titans(spec, leaf, *args[1:], state, chunk_size=C_TITANS)[0].sum().backward()
+        assert leaf.grad is not None
+    assert persistent_calls == []
+    monkeypatch.setattr(persistent, "ENABLED", False)
+    with use_backend("triton"), torch.no_grad():
+        chunk_titans(spec, *args, state, chunk_size=C_TITANS)
+    assert persistent_calls == []
+    assert not persistent.covers(MLPMemorySpec(depth=2, gated=True, d_k=16, d_v=16), C_TITANS)
+    assert not persistent.covers(MLPMemorySpec(depth=2, d_k=16, d_v=8), C_TITANS)
+    assert not persistent.covers(spec, 128)
+
+
+# --------------------------------------------------------------------------- the backward
+
+
+def _by_operator(spec, W, S, q, k, v, a, b, c, sa_last, sc_last):
+    """One chunk as :class:`ChunkOperator` with the given coefficients: the readable definition, for autograd."""
+    op = ChunkOperator.__new__(ChunkOperator)
+    op.a, op.b, op.c = a, b, c
+    op.sa, op.sc = sa_last[..., None], sc_last[..., None, :]  # read by final() with or without momentum
+    op.W0, op.S0, op.factors = W, S, grad_factors(spec, W, k, v)
+    y = memory_apply(spec, op, q)
+    W_new, S_new = op.final()
+    return y, W_new, (S_new if S is not None else None)
+
+
+def _operator_loop(spec, W, S, q, k, v, a, b, c, sa, sc):
+    W = {n_: w[:, None] for n_, w in W.items()}
+    S = None if S is None else {n_: w[:, None] for n_, w in S.items()}
+    ys = []
+    for i in range(q.shape[0]):
+        y, W, S = _by_operator(spec, W, S, *(None if x is None else x[i][:, None] for x in (q, k, v, a, b, c, sa, sc)))
+        ys.append(y[:, 0])
+    return [torch.stack(ys), *(w[:, 0] for w in W.values()), *(() if S is None else (w[:, 0] for w in S.values()))]
+
+
+@pytest.mark.parametrize("name, momentum, slice_, C, every", [
+    ("l2", True, 16, 16, 2), ("dot", False, 32, 16, 3), ("l2_masked", True, 32, 12, 1)])
+def test_persistent_backward_equals_autograd_over_the_operator(name, momentum, slice_, C, every, monkeypatch):
+    """Values and the gradients of the initial weights and momenta, q, k, v, the chunks' coefficients and,
+    through :func:`titans_coefficients`, the three gates (four chunks, the last half padding, recomputed in
+    stretches of ``every``): against autograd over the operator chunk by chunk in float64. The gates'
+    gradients are held to 1e-5 or, where the coefficients' logs and exponentials lose more in float32
+    (momentum gates near zero), to four times what the float32 PyTorch path loses."""
+    monkeypatch.setitem(persistent.BLOCKS, "slice", slice_)
+    spec = SPECS[name]
+    n, G = 4, 2
+    gen = torch.Generator().manual_seed(3)
+    d, F = spec.d_k, spec.hidden
+    r = lambda *s, scale=1.0: torch.randn(*s, generator=gen) * scale  # noqa: E731
+    q, k = (torch.nn.functional.normalize(r(n, G, C, d), dim=-1) for _ in range(2))
+    gates = (torch.rand(n, G, 1, C, generator=gen) * 0.5 + 0.5, torch.rand(n, G, 1, C, generator=gen),
+             torch.rand(n, G, 1, C, generator=gen) * 0.1)
+    live = torch.ones(n, G, C, dtype=torch.bool)
+    live[-1, :, C // 2:] = False
+    base = [r(G, d, F, scale=0.3), r(G, F, d, scale=0.3), r(G, d, F, scale=0.05), r(G, F, d, scale=0.05), q, k,
+            r(n, G, C, d), *gates]
+    if not momentum:
+        base = base[:2] + base[4:]
+    cotangents, got = None, {}
+    for run, dtype in (("triton", torch.float32), ("torch32", torch.float32), ("exact", torch.float64)):
+        leaves = [x.to(DEVICE, dtype).requires_grad_() for x in base]
+        W = dict(zip(("w1", "w2"), leaves[:2]))
+        S = dict(zip(("w1", "w2"), leaves[2:4])) if momentum else None
+        q_, k_, v_, *g_ = leaves[-6:]
+        coefficients = [x[:, :, 0] for x in titans_coefficients(*g_, live.to(DEVICE))]
+        a, b, c, sa, sc = coefficients
+        if run == "triton":
+            y, W_new, S_new = persistent.persistent_memory(spec, W, S, q_, k_, v_, a, *(
+                (b, c, sa, sc) if momentum else (None, c, None, None)), checkpoint_every=every)
+            outputs = [y, *W_new.values(), *(S_new.values() if momentum else ())]
+        else:
+            outputs = _operator_loop(spec, W, S, q_, k_, v_, a, b, c, sa, sc)
+        if cotangents is None:
+            cot_gen = torch.Generator().manual_seed(4)
+            cotangents = [torch.randn(t.shape, generator=cot_gen) for t in outputs]
+        inputs = leaves + ([a, b, c, sa, sc] if momentum else [a, c])
+        grads = torch.autograd.grad(outputs, inputs, [t.to(DEVICE, dtype) for t in cotangents])
+        got[run] = (outputs, grads)
+    for x, y in zip(got["triton"][0], got["exact"][0]):
+        assert _error(x, y) < 1e-5
+    n_gates = 3
+    for i, (x, x32, y) in enumerate(zip(got["triton"][1], got["torch32"][1], got["exact"][1])):
+        is_gate = len(base) - n_gates <= i < len(base)
+        bound = max(1e-5, 4 * _error(x32, y)) if is_gate else 1e-5
+        assert _error(x, y) < bound, f"gradient {i}: {_error(x, y):.2e} (float32 PyTorch path {_error(x32, y):.2e})"
+
+
+def test_chunk_titans_with_gradients_takes_the_persistent_backward_when_asked(monkeypatch):
+    """``TRAINING`` on: a call that records gradients (whole chunks: two of 16) runs through
+    :func:`persistent_memory`, with the outputs and the gradients of q, k, v, the gates and the learned
+    initial weights of the PyTorch path, each held to float64 (the gates as in the test above); off (the
+    default), it keeps the chunked path."""
+    monkeypatch.setitem(persistent.BLOCKS, "slice", 32)
+    calls = []
+    real = persistent.persistent_memory
+    monkeypatch.setattr(persistent, "persistent_memory", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    spec = SPECS["l2"]
+    init, q, k, v, retention, eta, lr = _titans_problem(spec, True, seed=5)
+    base = [x[:, :32] for x in (q, k, v, retention, eta, lr)] + [init["w1"], init["w2"]]
+    results = {}
+    runs = (("exact", "torch", False, torch.float64), ("torch", "torch", False, torch.float32),
+            ("off", "triton", False, torch.float32), ("on", "triton", True, torch.float32))
+    for run, backend, training, dtype in runs:
+        monkeypatch.setattr(persistent, "TRAINING", training)
+        leaves = [x.to(DEVICE, dtype).requires_grad_() for x in base]
+        with use_backend(backend):
+            o, state = chunk_titans(spec, *leaves[:6], TitansState.initial(dict(zip(("w1", "w2"), leaves[6:])), B),
+                                    chunk_size=C_TITANS)
+        outputs = [o, *state.weights.values(), *state.momentum.values()]
+        gen = torch.Generator().manual_seed(8)
+        cotangents = [torch.randn(t.shape, generator=gen).to(DEVICE, dtype) for t in outputs]
+        results[run] = (outputs, torch.autograd.grad(outputs, leaves, cotangents))
+        assert calls == ([1] if training else [])
+    exact_out, exact_grads = results["exact"]
+    for run in ("off", "on"):
+        for x, y in zip(results[run][0], exact_out):
+            assert _error(x, y) < 1e-5, run
+        for i, (x, x32, y) in enumerate(zip(results[run][1], results["torch"][1], exact_grads)):
+            bound = max(1e-5, 4 * _error(x32, y)) if 3 <= i < 6 else 1e-5
+            assert _error(x, y) < bound, (run, i, _error(x, y), _error(x32, y))
