@@ -355,22 +355,6 @@ def step_mc_titans(
 # --------------------------------------------------------------------------- chunked
 
 
-def _cache_in_buckets(valid: torch.Tensor, summary: torch.Tensor, weights: list[torch.Tensor]):
-    """The cache padded with empty slots to a power of two: ``(valid, summary, *weights)``.
-
-    The cache grows by a memory per segment, and its size is part of the chunk step's shapes: padded,
-    a sequence of ``n`` segments runs ``log2 n`` shapes of the step (CUDA graph captures) instead of ``n``.
-    Empty slots are invalid, so every aggregation reads them with weight zero.
-    """
-    N = valid.shape[1]
-    extra = (1 << (N - 1).bit_length()) - N if N else 0
-    if extra:
-        valid = with_extra_slots(valid, 1, extra)
-        summary = with_extra_slots(summary, 1, extra)
-        weights = [with_extra_slots(w, 1, extra) for w in weights]
-    return (valid, summary, *weights)
-
-
 def _segment_chunks(x: torch.Tensor, width: int) -> torch.Tensor:
     """``(B, H, n * width, ...)`` -> ``(n, B, H, width, ...)``: chunks first, for :func:`run_chunks`."""
     B, H, L = x.shape[:3]
@@ -389,7 +373,8 @@ def _mc_chunk_step(spec: MLPMemorySpec, options: MCOptions, track_start: bool, w
     then the online segment's ``key_sum, key_count``. ``x``: the chunk's ``q, k, v, u`` and gates
     ``(B, H, C, .)``, ``live (B, C)``, ``stops (B,)`` (rows whose last token is inside),
     ``use_stored (B,)`` (resumed rows whose first token is inside). ``consts``: the cache
-    (``valid``, summaries, weights), then (``with_stored``) the stored chunk-start weights.
+    (:meth:`_SegmentCache.consts`: ``valid``, summaries, the weights in pieces), then
+    (``with_stored``) the stored chunk-start weights.
     """
     names = list(spec.shapes)
     m = len(names)
@@ -399,43 +384,126 @@ def _mc_chunk_step(spec: MLPMemorySpec, options: MCOptions, track_start: bool, w
     run_sum = key_sum[:, :, None] + (k * lv[:, None, :, None]).cumsum(2)
     run_count = key_count[:, None] + lv.to(k.dtype).cumsum(1)
     cached_valid, cached_summary = consts[0], consts[1]
-    cached = dict(zip(names, consts[2:2 + m]))
-    grad_w = resumed_grad_weights(W, use_stored, consts[2 + m:]) if with_stored else W
+    # Per name the state's weights, then one piece per later slot (none: the state's cache alone).
+    per_name = 1 + cached_valid.shape[1] - consts[2].shape[1]
+    weights = consts[2:2 + m * per_name]
+    cached = {n: weights[i * per_name] if per_name == 1 else weights[i * per_name:(i + 1) * per_name]
+              for i, n in enumerate(names)}
+    grad_w = resumed_grad_weights(W, use_stored, consts[2 + m * per_name:]) if with_stored else W
     online = titans_chunk_operator(spec, W, M, grad_w, k, v, retention, momentum, lr, lv)
     W_new, M_new = online.final()
     summary = run_sum / run_count.clamp(min=1)[:, None, :, None]
     y = mc_read(spec, options.aggregation, options.ssc_topk, q, u, online, summary, cached, cached_summary,
-                cached_valid)
+                cached_valid, recompute=True)
     new_carry = tuple(W_new[n] for n in names) + tuple(M_new[n] for n in names)
     if track_start:
         new_carry += next_chunk_start(stops, grad_w, carry[2 * m:3 * m])
     return (y,), new_carry + (run_sum[:, :, -1], run_count[:, -1])
 
 
-def _read_segment(spec: MLPMemorySpec, options: MCOptions, q, u, k, lv, key_sum, key_count, online, state,
-                  tf32: bool):
+@dataclass
+class _SegmentCache:
+    """The cached memories the segments of one call of :func:`chunk_mc_titans` read, kept as the tensors they
+    are made of rather than as the state's stacked cache: the state's cache at the call's start
+    (``weights (B, N0, H, d_out, d_in)`` per name, ``summary (B, N0, H, d_k)``, ``valid (B, N0)``) and, per
+    segment closed since, the online memory's weights at its end (``(B, H, d_out, d_in)`` per name, tensors
+    the chunk loop holds anyway), its summary ``(B, H, d_k)`` and the rows that closed it ``(B,)``.
+
+    The state stacks a new copy of its whole cache at every segment's close; a segment's read that kept its
+    copy for the backward held ``N`` memories at the ``N``-th segment, ``N^2 / 2`` memories over a sequence
+    (about 15 GiB per layer at 512 tokens in segments of 16 for 4 rows of 4 heads x 256). Read from these
+    pieces (:func:`~.memory_caching.mc_read`), every segment's read keeps the same tensors for its backward:
+    the call holds each memory once."""
+
+    weights: dict[str, torch.Tensor]
+    summary: torch.Tensor
+    valid: torch.Tensor
+    fresh: list[tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def of(cls, state: MCState, dtype: torch.dtype) -> "_SegmentCache":
+        return cls({n: w.to(dtype) for n, w in state.cached.items()}, state.cached_summary().to(dtype),
+                   state.cached_valid, [])
+
+    def close(self, weights: dict[str, torch.Tensor], summary: torch.Tensor, rows: torch.Tensor) -> None:
+        """Add the memory that ``rows`` cache at a segment's end (none if no row does, as in :meth:`MCState.push`)."""
+        if bool(rows.any()):
+            self.fresh.append((weights, summary, rows))
+
+    def __len__(self) -> int:
+        return self.valid.shape[1] + len(self.fresh)
+
+    def tensors(self, names: list[str]) -> tuple[torch.Tensor, ...]:
+        """What the read differentiates: the summaries, then the weights name by name (the state's, then
+        each fresh memory's)."""
+        return (self.summary, *(s for _, s, _ in self.fresh),
+                *(t for n in names for t in (self.weights[n], *(w[n] for w, _, _ in self.fresh))))
+
+    def consts(self, names: list[str]) -> tuple[torch.Tensor, ...]:
+        """The cache as :func:`_mc_chunk_step` takes it: ``valid (B, P)``, summaries ``(B, P, H, d_k)``, then
+        per name the state's weights and one ``(B, 1, H, d_out, d_in)`` piece per later slot (views of the
+        fresh memories, then one shared zero memory), which the step reads as pieces
+        (:func:`~.memory_caching.mc_read`); without fresh memories, the state's weights padded, one piece.
+        The slots are padded with empty, invalid ones to a power of two ``P``: the cache grows by a memory per
+        segment and its size is part of the step's shapes, so a sequence of ``n`` segments runs ``log2 n``
+        shapes of the step (CUDA graph captures) instead of ``n``; every aggregation reads an empty slot with
+        weight zero."""
+        N0, k = self.valid.shape[1], len(self.fresh)
+        N = N0 + k
+        pad = ((1 << (N - 1).bit_length()) if N else 0) - N
+        B = self.valid.shape[0]
+        valid = torch.cat([self.valid, *(rows[:, None] for _, _, rows in self.fresh),
+                           self.valid.new_zeros(B, pad)], 1)
+        summary = torch.cat([self.summary, *(s[:, None] for _, s, _ in self.fresh),
+                             self.summary.new_zeros(B, pad, *self.summary.shape[2:])], 1)
+        if not k:  # the state's cache alone: one piece, padded
+            return (valid, summary, *(with_extra_slots(self.weights[n], 1, pad) if pad else self.weights[n]
+                                      for n in names))
+        pieces = []
+        for n in names:
+            base = self.weights[n]
+            empty = base.new_zeros(B, 1, *base.shape[2:]) if pad else None
+            pieces += [base, *(w[n][:, None] for w, _, _ in self.fresh), *(empty,) * pad]
+        return (valid, summary, *pieces)
+
+    def read_inputs(self, names: list[str], tensors: tuple[torch.Tensor, ...]):
+        """The cache as :func:`~.memory_caching.mc_read` takes it, from :meth:`tensors` (or leaves made of them):
+        ``(weights, summary, valid)``, the state's memories first, then the fresh ones in order; the weights
+        stay in pieces (the state's cache, then one ``(B, 1, H, d_out, d_in)`` view per fresh memory)."""
+        k = len(self.fresh)
+        summary = torch.cat([tensors[0], *(s[:, None] for s in tensors[1:1 + k])], 1)
+        valid = torch.cat([self.valid, *(rows[:, None] for _, _, rows in self.fresh)], 1)
+        per_name = tensors[1 + k:]
+        weights = {n: (per_name[i * (k + 1)], *(w[:, None] for w in per_name[i * (k + 1) + 1:(i + 1) * (k + 1)]))
+                   for i, n in enumerate(names)}
+        return weights, summary, valid
+
+
+def _read_segment(spec: MLPMemorySpec, options: MCOptions, q, u, k, lv, key_sum, key_count, online,
+                  cache: _SegmentCache, tf32: bool):
     """The reads of a run of chunks inside one segment (``(B, H, L, .)``, ``lv (B, L)``) from the online
     memory's reads ``online`` and the cache: the cache is constant inside a segment, so every chunk's
     read of it is one batch of matmuls here instead of a per-chunk read inside the loop. Recomputed in
-    the backward (its hidden layers are a cached memory's worth per token), with TF32 products for
-    low-precision problems (``tf32``) as inside the loop. Without cached memories every aggregation
-    weighs the online read by exactly 1 (a softmax over one score; the mean over one memory), so the read
-    is the online one, without the segment's running key means: plain Titans, and an MC layer before its
-    first segment closes."""
-    if state.cached_valid.shape[1] == 0:
+    the backward (its hidden layers are a cached memory's worth per token), from the memories of
+    :class:`_SegmentCache` that every segment's read shares, with TF32 products for low-precision problems
+    (``tf32``) as inside the loop. Without cached memories every aggregation weighs the online read by
+    exactly 1 (a softmax over one score; the mean over one memory), so the read is the online one, without
+    the segment's running key means: plain Titans, and an MC layer before its first segment closes."""
+    if not len(cache):
         return online
     run_sum = key_sum[:, :, None] + (k * lv[:, None, :, None]).cumsum(2)
     run_count = key_count[:, None] + lv.to(k.dtype).cumsum(1)
     summary = run_sum / run_count.clamp(min=1)[:, None, :, None]
     names = list(spec.shapes)
-    cached = [state.cached[n].to(online.dtype) for n in names]
-    valid = state.cached_valid  # the state moves on (the segment's close) before the backward runs
+    # A copy of the list: the cache grows (the segment's close) before the backward runs.
+    cache = replace(cache, fresh=list(cache.fresh))
 
-    def read(q, u, online, summary, cached_summary, *cached):
-        return mc_read(spec, options.aggregation, options.ssc_topk, q, u, online, summary, dict(zip(names, cached)),
+    def read(q, u, online, summary, *pieces):
+        cached, cached_summary, valid = cache.read_inputs(names, pieces)
+        return mc_read(spec, options.aggregation, options.ssc_topk, q, u, online, summary, cached,
                        cached_summary, valid)
 
-    return recompute_in_backward(read, (q, u, online, summary, state.cached_summary(), *cached), tf32=tf32)
+    return recompute_in_backward(read, (q, u, online, summary, *cache.tensors(names)), tf32=tf32)
 
 
 # Elements of the hidden layers of one batch of cached reads (256 MiB in float32): consecutive memories
@@ -817,6 +885,12 @@ def chunk_mc_titans(
         segments = ()
     else:
         segments = range(0, total, seg)
+    # Training reads the memories as the pieces they are made of, so that each is kept once for the backward
+    # (:class:`_SegmentCache`); without a backward the reads take the state's stacked cache, one batch each.
+    segment_cache = _SegmentCache.of(state, dtype)
+    pieces = torch.is_grad_enabled() and any(
+        x.requires_grad for x in (*bufs.values(), *W.values(), *M.values(), *segment_cache.weights.values()))
+    reads = (lambda: segment_cache) if pieces else (lambda: _SegmentCache.of(state, dtype))
     for s0 in segments:
         if options.cache_mode == "independent" and S_seg:
             starts = live[:, s0] & (state.seen + (s0 - shift) > 0)
@@ -851,7 +925,7 @@ def chunk_mc_titans(
                                        tf32=tf32_wanted(v))
                 seg_of = lambda name: bufs[name][:, :, c0:c1]  # noqa: E731
                 y = _read_segment(spec, options, seg_of("q"), seg_of("u"), seg_of("k"), live[:, c0:c1], key_sum,
-                                  key_count, chunks_last(ys[0]), state, tf32_wanted(v))
+                                  key_count, chunks_last(ys[0]), reads(), tf32_wanted(v))
                 ys = (_segment_chunks(y, width),)
                 lv = live[:, c0:c1].to(dtype)
                 key_sum = key_sum + (seg_of("k") * lv[:, None, :, None]).sum(2)
@@ -859,8 +933,7 @@ def chunk_mc_titans(
             else:
                 carry = (*(W[n] for n in names), *(M[n] for n in names), *start_carry, key_sum, key_count)
                 step = partial(_mc_chunk_step, spec, options, track_start, with_stored)
-                cache = _cache_in_buckets(state.cached_valid, state.cached_summary(),
-                                          [state.cached[n] for n in names])
+                cache = reads().consts(names)
                 ys, carry = run_chunks(step, carry, xs, cache + (stored if with_stored else ()),
                                        tf32=tf32_wanted(v))
                 key_sum, key_count = carry[-2], carry[-1]
@@ -871,6 +944,8 @@ def chunk_mc_titans(
         state.key_sum, state.key_count = key_sum, key_count
         if S_seg:
             closes = live[:, s1 - 1]
+            if pieces:
+                segment_cache.close(W, key_mean(key_sum, key_count), closes)
             state.push(closes, W)
             key_sum, key_count = state.key_sum, state.key_count
     outputs = torch.cat([y.movedim(0, 2).flatten(2, 3) for y in outputs], dim=2)  # (B, H, total, d_v)
