@@ -97,6 +97,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_weight = torch.zeros_like(weight, dtype=acc) if want_weight else None
         grad_bias = torch.zeros_like(bias, dtype=acc) if want_bias else None
+        weight_cast = None  # the weight in the logits' dtype, cast once for every block's input gradient
         for start in range(0, rows.shape[0], chunk_rows):
             block, block_targets = rows[start:start + chunk_rows], targets[start:start + chunk_rows]
             # The products run in the ambient autocast dtype, as the module call's would, and the gradient of
@@ -112,7 +113,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad = grad.to(logits.dtype)
             del logits, logits32
             if want_rows:
-                grad_rows[start:start + chunk_rows] = grad @ weight.to(grad.dtype)
+                if weight_cast is None:
+                    weight_cast = weight.to(grad.dtype)
+                grad_rows[start:start + chunk_rows] = grad @ weight_cast
             if want_weight:
                 grad_weight += (grad.t() @ block.to(grad.dtype)).to(acc)
             if want_bias:
