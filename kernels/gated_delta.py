@@ -24,6 +24,8 @@ entry per sequence.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .backend import resolve_backend
@@ -323,6 +325,23 @@ def _chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int, tokens: int):
     return offsets, torch.where(owned, chunk_start, 0), torch.where(owned, chunk_len, 0).to(torch.int32)
 
 
+def _rows_layout(batch: int, length: int, chunk_size: int, device: torch.device):
+    """:func:`_chunk_layout` of ``batch`` rows of ``length`` tokens, and the order in which the scans take
+    them (all equally long: as they come). Every layer of a model asks for the same one at each step: it is
+    made once per shape and device and shared (its tensors are never written)."""
+    if torch.compiler.is_compiling():
+        return _make_rows_layout(batch, length, chunk_size, device)
+    return _shared_rows_layout(batch, length, chunk_size, torch.device(device))
+
+
+def _make_rows_layout(batch: int, length: int, chunk_size: int, device: torch.device):
+    cu = torch.arange(batch + 1, device=device) * length
+    return (*_chunk_layout(cu, chunk_size, batch * length), torch.arange(batch, device=device))
+
+
+_shared_rows_layout = functools.lru_cache(maxsize=16)(_make_rows_layout)
+
+
 def _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size):
     """The chunked form over the flat chunk layout, every part in Triton: the intra-chunk terms
     read from the packed tokens, then the state scan."""
@@ -333,16 +352,19 @@ def _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2n
     low_precision = out_dtype in (torch.bfloat16, torch.float16)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    cu = torch.arange(B + 1, device=q.device) * T if cu_seqlens is None else cu_seqlens.to(q.device)
     S0 = None if initial_state is None else initial_state.float()
     if n == 0 or B * T == 0:
         return v.new_zeros(B, T, H, V), q.new_zeros(n, H, K, V, dtype=torch.float32) if S0 is None else S0
-    offsets, chunk_start, chunk_len = _chunk_layout(cu, chunk_size, B * T)
+    if cu_seqlens is None:
+        offsets, chunk_start, chunk_len, order = _rows_layout(B, T, chunk_size, q.device)
+    else:
+        offsets, chunk_start, chunk_len = _chunk_layout(cu_seqlens.to(q.device), chunk_size, B * T)
+        order = None
 
     o, S = chunk_packed(
         *(None if x is None else x.reshape((B * T,) + x.shape[2:]) for x in (q, k, v, g, beta)), S0,
         offsets, chunk_start, chunk_len, chunk_size, K**-0.5 if scale is None else scale, use_qk_l2norm, L2_EPS,
-        out_dtype, low_precision,
+        out_dtype, low_precision, order=order,
     )
     return o.view(B, T, H, V), S
 

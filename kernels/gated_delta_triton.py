@@ -923,13 +923,13 @@ class _ChunkedGatedDelta(torch.autograd.Function):
     are not held beside the intra-chunk backward's buffers."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, S0, offsets, chunk_start, chunk_len, config):
+    def forward(ctx, q, k, v, g, beta, S0, offsets, chunk_start, chunk_len, order, config):
         chunk_size, scale, use_qk_l2norm, eps, out_dtype, low_precision = config
         save = any(ctx.needs_input_grad[:6])
         U, W, P, rows, gamma, T = _intra_forward(q, k, v, g, beta, chunk_start, chunk_len, chunk_size, scale,
                                                  use_qk_l2norm, eps, low_precision, save_t=save)
-        # the scans take the sequences longest first (see _sequence)
-        order = torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True)
+        if order is None:  # the scans take the sequences longest first (see _sequence)
+            order = torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True)
         O, SF, D, states = _scan_forward(U, W, P, q, k, rows, gamma, S0, offsets, order, chunk_start, chunk_len,
                                          out_dtype, save and KEEP_CHUNK_STATES, low_precision)
         if save:
@@ -957,25 +957,26 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         del states, D
         grads = _intra_backward(q, k, v, g, beta, chunk_start, chunk_len, T, dU, dW, dP, dgamma, state_path,
                                 chunk_size, scale, use_qk_l2norm, eps, low_precision)
-        return (*grads, dS0 if S0 is not None else None, None, None, None, None)
+        return (*grads, dS0 if S0 is not None else None, None, None, None, None, None)
 
 
 def chunk_packed(q, k, v, g, beta, S0, offsets: torch.Tensor, chunk_start: torch.Tensor, chunk_len: torch.Tensor,
                  chunk_size: int, scale: float, use_qk_l2norm: bool, eps: float, out_dtype: torch.dtype,
-                 low_precision: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 low_precision: bool = False, order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked gated delta rule over packed tokens, with its backward.
 
     ``q, k`` ``(P, H, d_k)``, ``v`` ``(P, H, d_v)``, ``g`` (or ``None``) and ``beta`` ``(P, H)`` as
     given (L2 norm and ``scale`` are applied here); ``S0`` ``(N, H, d_k, d_v)`` or ``None``. Sequence
     ``i`` owns chunks ``offsets[i]:offsets[i + 1]`` and chunk ``c`` holds tokens ``chunk_start[c] ...``
-    (``chunk_len[c]`` of them). Returns the outputs ``(P, H, d_v)`` (``out_dtype``) and the final
-    states (float32).
+    (``chunk_len[c]`` of them). ``order``: the sequences in the order the scans take them, longest first
+    (made here when not given). Returns the outputs ``(P, H, d_v)`` (``out_dtype``) and the final states
+    (float32).
     """
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     g = None if g is None else g.contiguous()
     S0 = None if S0 is None else S0.contiguous()
     config = (chunk_size, scale, use_qk_l2norm, eps, out_dtype, low_precision)
-    return _ChunkedGatedDelta.apply(q, k, v, g, beta, S0, offsets, chunk_start, chunk_len, config)
+    return _ChunkedGatedDelta.apply(q, k, v, g, beta, S0, offsets, chunk_start, chunk_len, order, config)
 
 
 def step(q, k, v, g, beta, state, scale: float, use_qk_l2norm: bool, eps: float, slots=None):

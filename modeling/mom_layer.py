@@ -420,7 +420,58 @@ class MoMLayer(nn.Module):
         # residual do (their results stay those of the packed path).
         if decoding and (self.segment_size is None or (self.gated_aggregation and cache.seen_tokens > 0)):
             return self._decode_step(hidden_states, attention_mask, cache)
+        if self._single_memory and attention_mask is None and hidden_states.shape[1] > 1:
+            return self._single_memory_forward(hidden_states, cache)
         return self._packed_forward(hidden_states, attention_mask, cache)
+
+    @property
+    def _single_memory(self) -> bool:
+        """One memory that every token visits (a Gated DeltaNet layer), without Memory Caching."""
+        return self.num_memories == 1 and not self.shared_memory and self.segment_size is None
+
+    def _single_memory_forward(self, hidden_states: torch.Tensor, cache: LayerCache | None) -> LayerOutput:
+        """The packed path's result for one memory and no padding, without its routing.
+
+        Every token visits the one memory, in order, so the batch rows are the packed
+        sequences: no plan, gathers or slot sums, and the projections are the memory's own
+        modules (adapters included). The router still runs: its weight (exactly 1) scales
+        the output and its load-balancing loss (exactly 1) is reported, as on the packed
+        path, so the router's parameter gets its (zero) gradient there too and a
+        distributed wrapper finds every parameter used.
+        """
+        B, T, _ = hidden_states.shape
+        H = self.num_heads
+        x = hidden_states.reshape(B * T, -1)
+        probs, weight, memory = top_memories(self.gate(hidden_states), 1)
+        aux_loss = balance_loss(probs, memory, torch.ones(B, T, dtype=torch.bool, device=x.device))
+        state, win_q, win_k, win_v = self._cached_states(cache, B)
+        windows = ConvWindows.rows(B, T, self.conv_size, x.device)
+        k_proj, v_proj, b_proj, a_proj = self._memory(0)
+        with RecomputedSaves() as saves:
+            # the keys and values are made again from x in the backward rather than kept for the convolutions
+            q = self.q_proj(x)
+            k, v = k_proj(x), v_proj(x)
+            if self._projections_recompute_exactly():
+                for projected, proj in ((k, k_proj), (v, v_proj)):
+                    saves.register(projected, lambda start, stop, w=proj.weight: F.linear(
+                        x if start is None else x[start:stop], w))
+            q, win_q = self.q_conv1d(q, windows, win_q)
+            k, win_k = self.k_conv1d(k, windows, win_k)
+            v, win_v = self.v_conv1d(v, windows, win_v)
+        beta = b_proj(x).float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a_proj(x).float() + self.dt_bias.float()) if self.gated else None
+        o, state = chunk_gated_delta(
+            q.view(B, T, H, self.head_k_dim), k.view(B, T, H, self.head_k_dim), v.view(B, T, H, self.head_v_dim),
+            None if g is None else g.view(B, T, H), beta.view(B, T, H), initial_state=state,
+            chunk_size=self.chunk_size,
+        )
+        if cache is not None:
+            cache.update(recurrent=state.float()[:, None], conv_q=win_q[:, None], conv_k=win_k[:, None],
+                         conv_v=win_v[:, None])
+        mixed = o * weight.view(B, T, 1, 1).to(o.dtype)
+        gate = self.g_proj(hidden_states).view(B, T, H, self.head_v_dim)
+        out = self.o_norm(mixed.to(hidden_states.dtype), gate)
+        return LayerOutput(self.o_proj(out.reshape(B, T, self.value_dim)), aux_loss)
 
     def _packed_forward(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, cache: LayerCache | None

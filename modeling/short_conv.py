@@ -54,8 +54,7 @@ def convolve_qkv(layer: nn.Module, x: torch.Tensor, valid: torch.Tensor | None, 
         return _step_qkv(layer, x, live, cache, heads, head_dim)
     kernel_size = layer.q_conv1d.kernel_size[0]
     if valid is None:
-        windows = ConvWindows.build(torch.arange(B + 1, device=x.device) * T, kernel_size,
-                                    token_sequence=torch.arange(B, device=x.device).repeat_interleave(T))
+        windows = ConvWindows.rows(B, T, kernel_size, x.device)
     else:
         lengths = valid.sum(1)
         windows = ConvWindows.build(F.pad(lengths.cumsum(0), (1, 0)), kernel_size)

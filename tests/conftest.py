@@ -125,6 +125,7 @@ MOM_VARIANTS = {
     "deltanet-no-shared": {"memory_update": "deltanet", "shared_memory": False},
     "top1-expand-v": {"topk": 1, "num_memories": 3, "expand_v": 2.0, "conv_size": 2},
     "memory-caching": {"segment_size": 5, "topk": 1, "num_memories": 3},
+    "single-memory": {"num_memories": 1, "topk": 1, "shared_memory": False},  # a Gated DeltaNet
 }
 
 

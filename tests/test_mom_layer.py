@@ -200,6 +200,55 @@ def test_gated_decode_step_equals_packed_path(variant):
     assert cache["mc_count"].tolist() == [v // config.segment_size for v in cache["mc_seen"].tolist()]
 
 
+@pytest.mark.parametrize("update", ["gated_deltanet", "deltanet"])
+def test_single_memory_path_equals_packed_path(update):
+    """One memory and no padding take the path without routing: the packed path's outputs, aux loss, cache
+    and gradients (float64), through a prefill and a continuation."""
+    import mnemo.modeling.mom_layer as mom_layer
+
+    config = tiny_mom_config(num_memories=1, topk=1, shared_memory=False, memory_update=update)
+    torch.manual_seed(5)
+    layer = MoMLayer(config, 0).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(2, 19, config.hidden_size, dtype=torch.float64, requires_grad=True)
+
+    def run(single: bool):
+        layer.zero_grad()
+        x.grad = None
+        cache, outs, aux = LayerCache(), [], []
+        for a, b in ((0, 11), (11, 19)):
+            forward = layer._single_memory_forward if single else (
+                lambda h, c: layer._packed_forward(h, None, c))
+            out, loss = forward(x[:, a:b], cache)
+            outs.append(out)
+            aux.append(loss)
+        out = torch.cat(outs, 1)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads = {name: p.grad for name, p in layer.named_parameters()}
+        return out, torch.stack(aux), dict(cache.states), x.grad.clone(), grads
+
+    calls = []
+    original = mom_layer.MoMLayer._single_memory_forward
+    layer._single_memory_forward = lambda *a: calls.append(1) or original(layer, *a)
+    with torch.no_grad():
+        layer(x[:, :4].detach())
+    assert calls, "a single memory without padding must skip the routing"
+    del layer._single_memory_forward
+    single, packed = run(True), run(False)
+    torch.testing.assert_close(single[0], packed[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(single[1], packed[1], rtol=0, atol=0)
+    for name, expected in packed[2].items():
+        torch.testing.assert_close(single[2][name], expected, rtol=1e-12, atol=1e-12, msg=name)
+    torch.testing.assert_close(single[3], packed[3], rtol=1e-12, atol=1e-12)
+    for name, expected in packed[4].items():
+        got = single[4][name]
+        assert (got is None) == (expected is None), name
+        if expected is not None:
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12, msg=name)
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_grouped_projections_equal_the_per_memory_products(shared, monkeypatch):
     """All memories' projections as one grouped product (groups bounded on the device, no host read)
