@@ -75,14 +75,15 @@ class _RMSNorm(torch.autograd.Function):
     """Saves the (summed) input and the per-row reciprocal root; the backward makes the rest again."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, use_triton):
+    def forward(ctx, x, residual, weight, eps, use_triton, out_dtype):
         D = x.shape[-1]
         dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+        out_dtype = out_dtype or dtype
         if use_triton:
             x2 = x.reshape(-1, D).contiguous()
             r2 = None if residual is None else residual.reshape(-1, D).contiguous()
             s2 = x2 if residual is None else torch.empty(x2.shape, dtype=dtype, device=x.device)
-            y = torch.empty(x2.shape, dtype=dtype, device=x.device)
+            y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
             rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
             grid, BD = _launch(x2.shape[0], D)
             _forward_kernel[grid](x2, r2 if r2 is not None else x2, s2, weight, y, rstd, x2.shape[0], D, eps,
@@ -92,7 +93,7 @@ class _RMSNorm(torch.autograd.Function):
             s = x if residual is None else (x + residual).to(dtype)
             sf = s.float()
             rstd = torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)
-            y = (sf * rstd * weight.float()).to(dtype)
+            y = (sf * rstd * weight.float()).to(out_dtype)
         ctx.save_for_backward(s, rstd, weight)
         ctx.meta = (use_triton, residual is not None, x.dtype, None if residual is None else residual.dtype)
         if residual is None:
@@ -124,15 +125,17 @@ class _RMSNorm(torch.autograd.Function):
             dw = (dyf * n).reshape(-1, D).sum(0)
         dx = ds.to(x_dtype)
         dr = ds.to(r_dtype) if has_residual else None
-        return dx, dr, dw.to(weight.dtype), None, None
+        return dx, dr, dw.to(weight.dtype), None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None):
     """``RMSNorm(x) * weight`` over the last dimension; with ``residual``, ``(RMSNorm(x + residual) * weight,
-    x + residual)``. Float32 inside; outputs in the (promoted) input dtype."""
+    x + residual)``. Float32 inside; the sum in the (promoted) input dtype, the norm in ``out_dtype`` (default:
+    the same)."""
     if weight.shape != x.shape[-1:] or (residual is not None and residual.shape != x.shape):
         raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)} and residual "
                          f"{None if residual is None else tuple(residual.shape)} do not match")
     covered = x.dtype != torch.float64 and x.shape[-1] <= 8192 and x.numel() > 0
     use_triton = resolve_backend(x, has_triton_impl=covered) == "triton"
-    return _RMSNorm.apply(x, residual, weight, eps, use_triton)
+    return _RMSNorm.apply(x, residual, weight, eps, use_triton, out_dtype)

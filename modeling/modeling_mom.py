@@ -34,7 +34,7 @@ class MoMBlock(GradientCheckpointingLayer):
         super().__init__()
         self.layer_idx = layer_idx
         self.is_attention = layer_idx in config.attention_layers
-        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, autocast_output=True)
         if self.is_attention:
             self.attn = SoftmaxAttention(
                 config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
@@ -42,7 +42,7 @@ class MoMBlock(GradientCheckpointingLayer):
             )
         else:
             self.attn = MoMLayer(config, layer_idx)
-        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, autocast_output=True)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(

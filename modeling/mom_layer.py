@@ -78,7 +78,8 @@ def _grouped_product(x: torch.Tensor, weights: list[torch.Tensor], plan) -> torc
     weight pad it, and the columns returned are the weights' own."""
     width = weights[0].shape[0]
     pad = x.new_zeros(-width % (16 // x.element_size()), x.shape[-1])
-    stacked = torch.stack([torch.cat([w, pad]) if pad.numel() else w for w in weights])
+    # autocast does not cover the grouped product: the weights take the input's dtype, as a linear's would
+    stacked = torch.stack([torch.cat([w.to(x.dtype), pad]) if pad.numel() else w.to(x.dtype) for w in weights])
     out = torch._grouped_mm(x, stacked.transpose(1, 2), offs=plan.memory_ends)
     return out if pad.numel() == 0 else out[:, :width]
 
@@ -435,18 +436,26 @@ class MoMLayer(nn.Module):
         Every token visits the one memory, in order, so the batch rows are the packed
         sequences: no plan, gathers or slot sums, and the projections are the memory's own
         modules (adapters included). The router still runs: its weight (exactly 1) scales
-        the output and its load-balancing loss (exactly 1) is reported, as on the packed
-        path, so the router's parameter gets its (zero) gradient there too and a
-        distributed wrapper finds every parameter used.
+        the output, as on the packed path, so the router's parameter gets its (zero)
+        gradient there too and a distributed wrapper finds every parameter used; the
+        load-balancing loss of one memory is exactly 1.
         """
         B, T, _ = hidden_states.shape
         H = self.num_heads
         x = hidden_states.reshape(B * T, -1)
-        probs, weight, memory = top_memories(self.gate(hidden_states), 1)
-        aux_loss = balance_loss(probs, memory, torch.ones(B, T, dtype=torch.bool, device=x.device))
+        k_proj, v_proj, b_proj, a_proj = self._memory(0)
+        narrow = [p for p in (b_proj, a_proj, self.gate) if p is not None]  # a few columns each
+        if _plain_linears(narrow):  # one product for all: a few launches fewer each way
+            b, *rest = F.linear(x, torch.cat([p.weight for p in narrow])).split([p.out_features for p in narrow], -1)
+            a, router = rest if self.gated else (None, *rest)
+        else:
+            b, a, router = b_proj(x), a_proj(x) if self.gated else None, self.gate(x)
+        # The one memory's routing weight, softmax over one logit, and the load-balancing loss
+        # E * sum_m f_m P_m = 1 * 1 * 1 are exactly 1.
+        weight = F.softmax(router.float(), dim=-1)
+        aux_loss = weight.new_ones(())
         state, win_q, win_k, win_v = self._cached_states(cache, B)
         windows = ConvWindows.rows(B, T, self.conv_size, x.device)
-        k_proj, v_proj, b_proj, a_proj = self._memory(0)
         with RecomputedSaves() as saves:
             # the keys and values are made again from x in the backward rather than kept for the convolutions
             q = self.q_proj(x)
@@ -458,8 +467,8 @@ class MoMLayer(nn.Module):
             q, win_q = self.q_conv1d(q, windows, win_q)
             k, win_k = self.k_conv1d(k, windows, win_k)
             v, win_v = self.v_conv1d(v, windows, win_v)
-        beta = b_proj(x).float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a_proj(x).float() + self.dt_bias.float()) if self.gated else None
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()) if self.gated else None
         o, state = chunk_gated_delta(
             q.view(B, T, H, self.head_k_dim), k.view(B, T, H, self.head_k_dim), v.view(B, T, H, self.head_v_dim),
             None if g is None else g.view(B, T, H), beta.view(B, T, H), initial_state=state,

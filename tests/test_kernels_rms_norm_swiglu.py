@@ -61,6 +61,33 @@ def test_rms_norm_of_a_bf16_branch_on_a_float32_stream():
     torch.testing.assert_close(dw, pdw, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_in_autocast_dtype_is_the_cast_of_the_float32_norm(backend, residual):
+    """A block's norm under autocast comes out in autocast's dtype: exactly the float32 norm cast, as each
+    projection would have cast it; the gradients are those of the float32 norm given the same bf16 gradient."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    x, weight, r = torch.randn(37, 48), torch.randn(48), torch.randn(37, 48)
+    inputs = [x, weight] + ([r] if residual else [])
+    with use_backend(backend):
+        low, low_grads = _outputs_and_grads(lambda x, w, *r: rms_norm(x, w, 1e-6, *r, out_dtype=torch.bfloat16),
+                                            inputs, device=DEVICE)
+        high, high_grads = _outputs_and_grads(
+            lambda x, w, *r: (lambda y: (y[0].to(torch.bfloat16), y[1]) if r else y.to(torch.bfloat16))(
+                rms_norm(x, w, 1e-6, *r)), inputs, device=DEVICE)
+    assert low[0].dtype == torch.bfloat16 and (not residual or low[1].dtype == torch.float32)
+    for a, b in zip(low, high):
+        assert torch.equal(a, b)
+    for a, b in zip(low_grads, high_grads):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    norm = RMSNorm(48, autocast_output=True).to(DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert norm(x.to(DEVICE)).dtype == torch.bfloat16
+    assert norm(x.to(DEVICE)).dtype == torch.float32
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm_triton_equals_torch(dtype, residual):
