@@ -457,13 +457,14 @@ class MoMLayer(nn.Module):
         state, win_q, win_k, win_v = self._cached_states(cache, B)
         windows = ConvWindows.rows(B, T, self.conv_size, x.device)
         with RecomputedSaves() as saves:
-            # the keys and values are made again from x in the backward rather than kept for the convolutions
+            # the keys and values are made again from x in the backward rather than kept for the convolutions;
+            # the backward runs outside autocast, so the recipe casts the weight as autocast did
             q = self.q_proj(x)
             k, v = k_proj(x), v_proj(x)
             if self._projections_recompute_exactly():
                 for projected, proj in ((k, k_proj), (v, v_proj)):
-                    saves.register(projected, lambda start, stop, w=proj.weight: F.linear(
-                        x if start is None else x[start:stop], w))
+                    saves.register(projected, lambda start, stop, w=proj.weight, dtype=projected.dtype: F.linear(
+                        (x if start is None else x[start:stop]).to(dtype), w.to(dtype)))
             q, win_q = self.q_conv1d(q, windows, win_q)
             k, win_k = self.k_conv1d(k, windows, win_k)
             v, win_v = self.v_conv1d(v, windows, win_v)

@@ -249,6 +249,32 @@ def test_single_memory_path_equals_packed_path(update):
             torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def test_single_memory_recomputed_projections_under_autocast_are_exact(monkeypatch):
+    """Under autocast, the keys and values that the backward makes again (the backward runs outside autocast)
+    are the forward's: the gradients equal those of a step that keeps them. The Triton convolution keeps
+    its input (the PyTorch one keeps a copy, and never asks for the recipe)."""
+    pytest.importorskip("triton")
+    from mnemo.kernels.backend import use_backend
+
+    config = tiny_mom_config(num_memories=1, topk=1, shared_memory=False, chunk_size=16)  # a Triton chunk size
+    torch.manual_seed(6)
+    layer = MoMLayer(config, 0)
+    x = torch.randn(2, 16, config.hidden_size).to(torch.bfloat16)
+
+    def grads(recompute: bool):
+        monkeypatch.setattr(MoMLayer, "_projections_recompute_exactly", lambda _self: recompute)
+        layer.zero_grad()
+        with use_backend("triton"), torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = layer(x)
+        out.float().square().sum().backward()
+        return {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+
+    kept, remade = grads(False), grads(True)
+    assert kept.keys() == remade.keys() and kept
+    for name, grad in kept.items():
+        assert torch.equal(remade[name], grad), name
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_grouped_projections_equal_the_per_memory_products(shared, monkeypatch):
     """All memories' projections as one grouped product (groups bounded on the device, no host read)
