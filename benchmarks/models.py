@@ -20,7 +20,8 @@ processes together, and the first step's loss on one fixed global batch, which a
 one-process run of the same global batch (``--batch`` times N) must give within bf16
 rounding.
 
-Run: ``python benchmarks/models.py [--only gdn,llama] [--layers 24] [--batch 8 --length 2048]``.
+Run: ``python benchmarks/models.py [--only gdn,llama | --rows gdn,anchor_fla_gdn] [--layers 24] [--batch 8
+--length 2048]`` (``--only`` takes substrings, so ``gdn`` also picks fla's; ``--rows`` takes exact names).
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", help=f"comma-separated rows (substrings) of: {', '.join(MODELS)}")
+    parser.add_argument("--rows", help="comma-separated rows by their exact names, in that order (instead of --only)")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (per process with --fsdp)")
     parser.add_argument("--length", type=int, default=2048)
@@ -181,9 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     torch.backends.cuda.matmul.allow_tf32 = True
     recorder = Recorder() if rank == 0 else None
-    for name in MODELS:
-        if not picked(name, names(args.only)):
-            continue
+    rows = [name for name in MODELS if picked(name, names(args.only))]
+    if args.rows:
+        rows = names(args.rows)
+        unknown = [name for name in rows if name not in MODELS]
+        if unknown:
+            parser.error(f"--rows: no row named {', '.join(unknown)} (rows: {', '.join(MODELS)})")
+    for name in rows:
         try:
             row = measure(name, args, rank, world, accelerator)
         except Exception as error:  # noqa: BLE001  (one broken row must not lose the others)
