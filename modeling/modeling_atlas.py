@@ -57,17 +57,17 @@ class AtlasBlock(GradientCheckpointingLayer):
     def __init__(self, config: AtlasConfig, layer_idx: int) -> None:
         super().__init__()
         self.hybrid = config.hybrid
-        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, autocast_output=True)
         self.attn = AtlasLayer(config, layer_idx)
         if config.hybrid is not None:
             self.swa = SoftmaxAttention(config.hidden_size, config.num_heads, config.num_heads, config.rope_theta,
                                         layer_idx, sliding_window=config.sliding_window)
             if config.hybrid == "mal":
-                self.swa_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+                self.swa_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, autocast_output=True)
             else:
                 self.swa_out_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
                 self.memory_out_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, autocast_output=True)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(

@@ -27,9 +27,9 @@ from .normalization import RMSNorm
 class DeepTransformerBlock(GradientCheckpointingLayer):
     def __init__(self, config: DeepTransformerConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.norm_eps, autocast_output=True)
         self.self_attn = DeepAttentionLayer(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.norm_eps, autocast_output=True)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(

@@ -26,9 +26,9 @@ from .normalization import RMSNorm
 class MCTitansBlock(GradientCheckpointingLayer):
     def __init__(self, config: MCTitansConfig, layer_idx: int) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, autocast_output=True)
         self.attn = MCTitansLayer(config, layer_idx)
-        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, autocast_output=True)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(
