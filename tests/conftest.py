@@ -14,6 +14,43 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Parameter sets that repeat what a faster sibling of theirs already checks, on the same code path: they run
+# with the long tests (``-m slow``, once in CI) so that the default suite stays short on two cores. Each entry:
+# test name -> the ids of its parameter sets that are slow.
+SLOW_CASES = {
+    # the hidden layer in slices: two sets of slices of 16 and two of 32 stay, across objectives and clips
+    "test_the_sliced_triton_chunk_equals_the_torch_chunk": {
+        f"{name}-{update}-slices{width}" for name in ("l2", "dot", "l2_clip", "dot_clip")
+        for update in ("momentum", "plain") for width in (16, 32)
+    } - {"l2_clip-momentum-slices16", "dot-plain-slices16", "l2-plain-slices32", "dot_clip-momentum-slices32"},
+    "test_the_chunk_loops_through_the_sliced_kernels_equal_the_torch_path": {"atlas_gd", "atlas_momentum"},
+    "test_tiny_model_overfits_a_fixed_batch": {"mom"},
+    "test_triton_newton_schulz_of_near_singular_matrices": {"2", "3"},
+    "test_mc_titans_with_fused_reads_equals_the_reference": {"mean", "residual"},
+    "test_triton_key_pass_equals_the_torch_one": {"150-0.5-reads7-4-16", "150-None-reads6-3-16"},
+    "test_two_processes_match_one": {"atlas-ddp", "deep-transformer-ddp", "mc-titans-ddp", "mom-ddp"},
+    "test_training_peak_grows_like_the_cached_memories": {"soup-independent"},
+    # one variant per family stays
+    "test_autocast_step_shares_one_low_precision_norm_per_block": {
+        "atlas-atlas++-window6", "atlas-dla", "atlas-mag-dla", "atlas-mal", "atlas-memory-caching",
+        "atlas-omeganet-poly-tensor", "atlas-swla-momentum", "deep-attention-only", "deep-dot-window3-gqa",
+        "mc-grm-conv", "mc-log-mean-gated", "mc-plain-titans", "mc-soup-independent", "mc-ssc-linear",
+        "mom-deltanet-no-shared", "mom-hybrid", "mom-memory-caching", "mom-top1-expand-v",
+    },
+    # whole tests: the interpreter runs a model's training steps
+    "test_lora_reaches_the_output_and_trains_on_the_triton_path": {""},
+    "test_atlas_muon_with_triton_newton_schulz": {""},
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before the marker selection of ``addopts`` deselects by ``slow``
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        name, _, params = item.name.partition("[")
+        if params.rstrip("]") in SLOW_CASES.get(name, ()):
+            item.add_marker(pytest.mark.slow)
+
+
 def _fix_triton_interpreter_scalars() -> None:
     """Triton 3.6's interpreter turns a scalar into an index with ``int(array of shape (1,))``,
     an error since NumPy 2.4; every kernel loop with a runtime bound hits it. Read the
