@@ -110,3 +110,16 @@ def test_repo_root_on_sys_path_is_harmless():
 def test_cli_info(capsys):
     assert main(["info"]) == 0
     assert "mnemo_mom" in capsys.readouterr().out
+
+
+def test_every_slow_case_names_a_collected_test():
+    """conftest's SLOW_CASES move parameter sets to the long run: an entry whose test or id was renamed would
+    silently move nothing, and the default run would grow again."""
+    from conftest import SLOW_CASES
+
+    tests = Path(__file__).parent
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "slow", "-p",
+                                "no:cacheprovider", str(tests)], capture_output=True, text=True, cwd=tests.parent)
+    slow = {line.split("::")[-1] for line in collected.stdout.splitlines() if "::" in line}
+    expected = {f"{name}[{case}]" if case else name for name, cases in SLOW_CASES.items() for case in cases}
+    assert expected <= slow, sorted(expected - slow)
