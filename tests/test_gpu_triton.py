@@ -173,14 +173,43 @@ def test_long_prompt_prefill_and_decode_match_torch_path():
     assert torch.equal(tokens["triton"], tokens["torch"])
 
 
-def test_bf16_training_step_is_finite():
-    model = mom().train()
+SINGLE_MEMORY = {"num_memories": 1, "topk": 1, "shared_memory": False}  # a Gated DeltaNet
+
+
+@pytest.mark.parametrize("overrides", [{}, SINGLE_MEMORY], ids=["mom", "single-memory"])
+def test_bf16_training_step_is_finite(overrides):
+    model = mom(**overrides).train()
     ids = torch.randint(1, 512, (4, 512), device="cuda")
     with use_backend("triton"), torch.autocast("cuda", dtype=torch.bfloat16):
         loss = model(ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_single_memory_path_equals_the_routed_path_under_bf16_autocast(monkeypatch):
+    """The Gated DeltaNet's path without routing (bf16 block norms shared by the projections, keys and
+    values made again in the backward by the Triton convolution) against the routed path on the same
+    weights, both under bf16 autocast: the loss and every gradient within bf16 rounding."""
+    from mnemo.modeling.mom_layer import MoMLayer
+
+    model = mom(**SINGLE_MEMORY).train()
+    ids = torch.randint(1, 512, (4, 512), device="cuda")
+
+    def step():
+        model.zero_grad()
+        with use_backend("triton"), torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    single = step()
+    monkeypatch.setattr(MoMLayer, "forward", lambda self, h, mask=None, cache=None: self._packed_forward(h, mask, cache))
+    routed = step()
+    torch.testing.assert_close(single[0], routed[0], rtol=1e-3, atol=0)
+    assert single[1].keys() == routed[1].keys()
+    flat = [torch.cat([g[n].flatten().float() for n in sorted(routed[1])]) for g in (single[1], routed[1])]
+    assert rel_rms(flat[0], flat[1]) < 2e-2
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
