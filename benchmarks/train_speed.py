@@ -20,7 +20,6 @@ folder). Run on a GPU machine with mnemo importable (fla and titans-pytorch wher
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -144,11 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only: no row named {', '.join(unknown)}")
     torch.backends.cuda.matmul.allow_tf32 = True
     recorder = Recorder()
-    steps: list[Callable[[Recorder, argparse.Namespace], None]] = []
-    steps += [] if args.no_layers else [_layers]
-    steps += [] if args.no_models else [_models]
-    for step in steps:
-        step(recorder, args)
+    if not args.no_layers:
+        _layers(recorder, args)
+    if not args.no_models:
+        _models(recorder, args)
     recorder.table(["layer", "model", "T", "B", "batch", "ms", "tok_per_s", "peak_gib", "skipped", "err", "error"])
     targets = []
     for target in _targets():

@@ -21,6 +21,7 @@ import torch
 from torch.nn import functional as F
 
 from .backend import resolve_backend
+from .shared_layouts import shared_per_shape
 
 __all__ = ["ConvWindows", "packed_causal_conv"]
 
@@ -57,19 +58,11 @@ class ConvWindows:
             token_sequence = torch.repeat_interleave(torch.arange(n, device=cu_seqlens.device), lengths)
         return cls(cu_seqlens.to(torch.int32), token_sequence.to(torch.int32), kernel_size)
 
-    @classmethod
-    def rows(cls, batch: int, length: int, kernel_size: int, device: torch.device) -> "ConvWindows":
-        """The layout of ``batch`` rows of ``length`` tokens each, every row one sequence. Every layer of a
-        model asks for the same one at each step: it is made once per shape and device and shared (its
-        tensors are never written), which spares each layer the few small launches of building it."""
-        if torch.compiler.is_compiling():
-            return cls._rows(batch, length, kernel_size, device)
-        return _shared_rows(batch, length, kernel_size, torch.device(device))
-
-    @classmethod
-    def _rows(cls, batch: int, length: int, kernel_size: int, device: torch.device) -> "ConvWindows":
-        return cls.build(torch.arange(batch + 1, device=device) * length, kernel_size,
-                         token_sequence=torch.arange(batch, device=device).repeat_interleave(length))
+    @staticmethod
+    def rows(batch: int, length: int, kernel_size: int, device: torch.device) -> "ConvWindows":
+        """The layout of ``batch`` rows of ``length`` tokens each, every row one sequence, shared by every
+        layer that asks for it (``shared_layouts.py``)."""
+        return _rows_windows(batch, length, kernel_size, device)
 
     @functools.cached_property
     def _extended_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,9 +90,10 @@ class ConvWindows:
         return self._extended_layout[2]
 
 
-@functools.lru_cache(maxsize=16)
-def _shared_rows(batch: int, length: int, kernel_size: int, device: torch.device) -> ConvWindows:
-    return ConvWindows._rows(batch, length, kernel_size, device)
+@shared_per_shape
+def _rows_windows(batch: int, length: int, kernel_size: int, device: torch.device) -> ConvWindows:
+    return ConvWindows.build(torch.arange(batch + 1, device=device) * length, kernel_size,
+                             token_sequence=torch.arange(batch, device=device).repeat_interleave(length))
 
 
 def _torch_packed_conv(x: torch.Tensor, weight: torch.Tensor, windows: ConvWindows, window: torch.Tensor,

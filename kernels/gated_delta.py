@@ -24,12 +24,11 @@ entry per sequence.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .backend import resolve_backend
 from .norms import L2_EPS, l2_normalize
+from .shared_layouts import shared_per_shape
 
 __all__ = ["reference_gated_delta", "chunk_gated_delta", "step_gated_delta", "step_gated_delta_"]
 
@@ -325,21 +324,12 @@ def _chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int, tokens: int):
     return offsets, torch.where(owned, chunk_start, 0), torch.where(owned, chunk_len, 0).to(torch.int32)
 
 
+@shared_per_shape
 def _rows_layout(batch: int, length: int, chunk_size: int, device: torch.device):
     """:func:`_chunk_layout` of ``batch`` rows of ``length`` tokens, and the order in which the scans take
-    them (all equally long: as they come). Every layer of a model asks for the same one at each step: it is
-    made once per shape and device and shared (its tensors are never written)."""
-    if torch.compiler.is_compiling():
-        return _make_rows_layout(batch, length, chunk_size, device)
-    return _shared_rows_layout(batch, length, chunk_size, torch.device(device))
-
-
-def _make_rows_layout(batch: int, length: int, chunk_size: int, device: torch.device):
+    them (all equally long: as they come), shared by every layer that asks for it (``shared_layouts.py``)."""
     cu = torch.arange(batch + 1, device=device) * length
     return (*_chunk_layout(cu, chunk_size, batch * length), torch.arange(batch, device=device))
-
-
-_shared_rows_layout = functools.lru_cache(maxsize=16)(_make_rows_layout)
 
 
 def _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size):

@@ -176,6 +176,10 @@ class MoMLayer(nn.Module):
         dt = dt.clamp(min=1e-4)
         return torch.log(A), dt + torch.log(-torch.expm1(-dt))  # inverse softplus
 
+    def _decay(self, a: torch.Tensor) -> torch.Tensor:
+        """The log-decay ``g = -exp(A_log) softplus(a + dt_bias)`` (float32) of the decay logits ``a``."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+
     def _memory(self, m: int) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear | None]:
         """Projections ``k, v, beta, decay`` of memory ``m`` (``m == num_memories``: the shared one)."""
         if m == self.num_memories:
@@ -284,9 +288,7 @@ class MoMLayer(nn.Module):
                 k = out
             else:
                 v = out
-        g = None
-        if self.gated:
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()) * valid[:, None, None]
+        g = None if a is None else self._decay(a) * valid[:, None, None]
 
         S = memory.shape[1]
         state = cache["recurrent"]
@@ -468,8 +470,7 @@ class MoMLayer(nn.Module):
             q, win_q = self.q_conv1d(q, windows, win_q)
             k, win_k = self.k_conv1d(k, windows, win_k)
             v, win_v = self.v_conv1d(v, windows, win_v)
-        beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()) if self.gated else None
+        beta, g = b.float().sigmoid(), None if a is None else self._decay(a)
         o, state = chunk_gated_delta(
             q.view(B, T, H, self.head_k_dim), k.view(B, T, H, self.head_k_dim), v.view(B, T, H, self.head_v_dim),
             None if g is None else g.view(B, T, H), beta.view(B, T, H), initial_state=state,
@@ -512,10 +513,7 @@ class MoMLayer(nn.Module):
             k, win_k = self.k_conv1d(k, windows, win_k)
             v, win_v = self.v_conv1d(v, windows, win_v)
 
-        beta = b.float().sigmoid()
-        g = None
-        if self.gated:
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        beta, g = b.float().sigmoid(), None if a is None else self._decay(a)
         q, k = q.view(-1, H, self.head_k_dim), k.view(-1, H, self.head_k_dim)
         v = v.view(-1, H, self.head_v_dim)
         if state is None:
