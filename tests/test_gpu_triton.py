@@ -139,8 +139,9 @@ def test_step_equals_torch_step():
 
 def mom(**overrides):
     torch.manual_seed(0)
-    config = MoMConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_heads=2, head_dim=128,
-                       num_memories=4, topk=2, intermediate_size=512, chunk_size=64, **overrides)
+    kwargs = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_heads=2, head_dim=128,
+                  num_memories=4, topk=2, intermediate_size=512, chunk_size=64)
+    config = MoMConfig(**{**kwargs, **overrides})
     return MoMForCausalLM(config).cuda().eval()
 
 
