@@ -102,14 +102,25 @@ MODELS: dict[str, Callable[[int], torch.nn.Module]] = {
 }
 
 
-def _shard(model: torch.nn.Module) -> torch.nn.Module:
-    # float32 parameters under autocast, as the one-process rows: the same numbers, sharded.
-    from torch.distributed.fsdp import fully_shard
+def _shard(model: torch.nn.Module, reshard: bool = True, bf16_params: bool = False) -> torch.nn.Module:
+    """FSDP2: every block its own unit, then the model. By default float32 parameters under autocast, as the
+    one-process rows: the same numbers, sharded. ``reshard=False`` keeps each block's gathered weights from
+    the forward to the backward (one all-gather per block instead of two); ``bf16_params`` gathers bf16
+    weights and reduces float32 gradients (``MixedPrecisionPolicy``), half the bytes of each all-gather."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_params else None
+    options = {"reshard_after_forward": reshard, **({"mp_policy": policy} if policy else {})}
     for block in model.model.layers:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     return model
+
+
+def _sharding(args: argparse.Namespace) -> str:
+    """How ``--fsdp`` sharded the row, for its table."""
+    return "+".join(["fully_shard", *(["no_reshard"] if args.no_reshard else []),
+                     *(["bf16_params"] if args.bf16_params else [])])
 
 
 def measure(name: str, args: argparse.Namespace, rank: int, world: int, accelerator=None) -> dict:
@@ -118,7 +129,7 @@ def measure(name: str, args: argparse.Namespace, rank: int, world: int, accelera
     model = MODELS[name](args.layers).cuda()
     params = sum(p.numel() for p in model.parameters())
     if world > 1 and accelerator is None:
-        model = _shard(model)
+        model = _shard(model, reshard=not args.no_reshard, bf16_params=args.bf16_params)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if accelerator is not None:  # the config file's FSDP2, applied by accelerate's own preparation
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -150,8 +161,7 @@ def measure(name: str, args: argparse.Namespace, rank: int, world: int, accelera
         torch.distributed.all_reduce(first)
         first /= world
     return {"model": name, "params_M": round(params / 1e6, 1), "batch": args.batch * world, "length": args.length,
-            "processes": world, "sharded_by": "accelerate" if accelerator is not None else "fully_shard" if world > 1
-            else "", "tok_per_s": round(args.batch * world * args.length / seconds),
+            "processes": world, "sharded_by": "accelerate" if accelerator is not None else _sharding(args) if world > 1 else "", "tok_per_s": round(args.batch * world * args.length / seconds),
             "ms_per_step": round(1e3 * seconds, 1), "peak_gib": round(peak_gib(), 2),
             "first_loss": round(float(first), 5)}
 
@@ -167,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (run under torchrun)")
+    parser.add_argument("--no-reshard", action="store_true",
+                        help="--fsdp: keep each block's gathered weights from its forward to its backward")
+    parser.add_argument("--bf16-params", action="store_true",
+                        help="--fsdp: gather bf16 weights, reduce float32 gradients (MixedPrecisionPolicy)")
     parser.add_argument("--accelerate", action="store_true",
                         help="shard as accelerate's config says (run under accelerate launch --config_file ...)")
     parser.add_argument("--out", help="folder of models.json (default: $OUT, else the current folder)")
