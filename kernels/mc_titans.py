@@ -64,6 +64,8 @@ from .titans import (
     titans_update,
 )
 from .titans_chunk import wanted as fused_chunks
+from .titans_persistent_triton import titans_chunks as persistent_chunks
+from .titans_persistent_triton import wanted as persistent_wanted
 
 __all__ = ["MCState", "chunk_mc_titans", "reference_mc_titans", "step_mc_titans"]
 
@@ -919,10 +921,18 @@ def chunk_mc_titans(
                 # its backward) per chunk inside the loop.
                 online_only = TitansChunk(chunks.q, chunks.k, chunks.v, chunks.retention, chunks.momentum, chunks.lr,
                                           chunks.live, chunks.stops)
-                xs = [*online_only, *titans_coefficients(chunks.retention, chunks.momentum, chunks.lr, chunks.live)]
+                coefficients = titans_coefficients(chunks.retention, chunks.momentum, chunks.lr, chunks.live)
                 carry = (*(W[n] for n in names), *(M[n] for n in names), *start_carry)
-                ys, carry = run_chunks(partial(_titans_step, spec, track_start, True), carry, xs, (),
-                                       tf32=tf32_wanted(v))
+                # Every row starts this stretch on a chunk boundary (no stored chunk-start weights are read),
+                # so the persistent kernel can walk its chunks in one launch where it applies.
+                if persistent_wanted(spec, width, True, [*online_only[:6], *carry], tf32_wanted(v), B * H,
+                                     track_start):
+                    y, carry = persistent_chunks(spec, carry, chunks.q, chunks.k, chunks.v, coefficients,
+                                                 chunks.stops, track_start, tf32_wanted(v))
+                    ys = (y,)
+                else:
+                    ys, carry = run_chunks(partial(_titans_step, spec, track_start, True), carry,
+                                           [*online_only, *coefficients], (), tf32=tf32_wanted(v))
                 seg_of = lambda name: bufs[name][:, :, c0:c1]  # noqa: E731
                 y = _read_segment(spec, options, seg_of("q"), seg_of("u"), seg_of("k"), live[:, c0:c1], key_sum,
                                   key_count, chunks_last(ys[0]), reads(), tf32_wanted(v))

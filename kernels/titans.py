@@ -344,7 +344,8 @@ def chunk_titans(
     stored = tuple(state.chunk_start[n_].to(dtype) for n_ in names)
     if track_start:
         carry += stored
-    if persistent_wanted(spec, C, state.position, [q, k, v, retention, momentum, lr, *carry], track_start):
+    if persistent_wanted(spec, C, not bool(state.position.any()), [q, k, v, retention, momentum, lr, *carry],
+                         tf32_wanted(v), B * H, track_start):
         # On Triton without gradients (with them only where the module asks): every chunk in one launch.
         coefficients = titans_coefficients(chunks.retention, chunks.momentum, chunks.lr, chunks.live)
         o, carry = persistent_chunks(spec, carry, chunks.q, chunks.k, chunks.v, coefficients, stops, track_start,

@@ -55,9 +55,11 @@ from the last, each program recomputing a chunk's forward from its start state a
 through it slice by slice, with the gradients of the memory (``dW1 .. dS2``) carried in place in global
 memory as the forward carries the memory. It gives the gradients of q, k, v, the chunk coefficients
 (hence the gates, through :func:`~.titans.titans_coefficients` under autograd) and the initial state,
-without the clip. :func:`~.titans.chunk_titans` takes it for training only where :data:`TRAINING` is
-set (off by default): like every backward kernel here it must first be checked against the reference
-on the GPU (docs/kernels.md on Triton 3.4 to 3.7.0).
+without the clip. :func:`~.titans.chunk_titans` and the MC-Titans loop take it for training only where
+:data:`TRAINING` is set. It agrees with the per-chunk backward on the GPU (Triton 3.6, Hopper) but is
+slower than it at the Titans layers' shapes (benchmarks/RESULTS.md), so it is off by default: one
+program a row walks its stretches in sequence, and its scratch of eight ``(C, F)`` tiles a program
+goes through HBM.
 
 Sizing on an H100 at ``d = 64``, ``F = 256``, ``C = 64``: slices of 64; a ``(64, 64)`` float32 tile
 is 16 registers a thread at eight warps. The read (3.) holds five such tiles across its slices (``q``,
@@ -77,7 +79,7 @@ from typing import NamedTuple
 import torch
 
 from .backend import current_paths, resolve_backend, tl, triton
-from .chunk_loop import tf32_products, tf32_wanted
+from .chunk_loop import tf32_products
 from .titans_triton_backward import _gelu_curvature
 from .titans_triton_forward import _gelu, _gelu_slope
 from .titans_triton_update import _precision
@@ -96,6 +98,9 @@ ENABLED = True
 # until its backward has been checked against the reference on the GPU (docs/kernels.md on Triton's
 # miscompiles on Hopper); a benchmark or that check sets it.
 TRAINING = False
+
+# On CUDA the persistent kernel is taken only with at least this many rows (programs) per SM.
+MIN_ROWS_PER_SM = 0.75
 
 MAX_WIDTH = 64
 MAX_CHUNK = 64
@@ -370,15 +375,17 @@ def persistent_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tens
 # --------------------------------------------------------------------------- Titans' chunked forward
 
 
-def wanted(spec, chunk_size: int, position: torch.Tensor, tensors: list[torch.Tensor],
+def wanted(spec, chunk_size: int, on_boundaries: bool, tensors: list[torch.Tensor], tf32: bool, rows: int,
            track_start: bool = False) -> bool:
     """Whether :func:`~.titans.chunk_titans` runs its chunks through :func:`persistent_forward`: on the
     Triton backend, where no gradient is recorded, for the memories and chunks it :func:`covers`, a
-    float32 memory, and calls whose rows all start at a chunk boundary (a resumed row takes its first
-    chunk's gradients at stored weights, which the chunked path handles). With :data:`TRAINING` also
+    float32 memory, and calls whose rows all start at a chunk boundary (``on_boundaries``: a resumed row
+    takes its first chunk's gradients at stored weights, which the chunked path handles). With :data:`TRAINING` also
     where gradients are recorded, through :func:`persistent_memory`, for memories without the clip and
     calls whose rows end at chunk boundaries (no ``track_start``: the training case).
-    ``tensors``: every input and state tensor of the call. ``comparison_paths`` other than the shipped
+    ``tensors``: every input and state tensor of the call; ``tf32``: whether its products run in TF32
+    (:func:`~.chunk_loop.tf32_wanted` of the call's own inputs, before they are widened to float32).
+    ``rows``: the call's ``batch * heads``, one program each. ``comparison_paths`` other than the shipped
     ones keep the per-chunk paths they name."""
     if not ENABLED or not covers(spec, chunk_size):
         return False
@@ -395,9 +402,15 @@ def wanted(spec, chunk_size: int, position: torch.Tensor, tensors: list[torch.Te
         return False
     # float32-exact products spill this kernel's registers, and there the per-chunk launches are faster
     # (benchmarks/RESULTS.md): on CUDA it takes the problems whose products run in TF32.
-    if tensors[0].is_cuda and not tf32_wanted(tensors[0]):
+    if tensors[0].is_cuda and not tf32:
         return False
-    return not bool(position.any())
+    # One program a row walks every chunk of it: with fewer rows than about the GPU's SMs, most SMs idle
+    # while the per-chunk launches, spread over hidden slices too, keep them busy (benchmarks/RESULTS.md).
+    if tensors[0].is_cuda:
+        sms = torch.cuda.get_device_properties(tensors[0].device).multi_processor_count
+        if rows < MIN_ROWS_PER_SM * sms:
+            return False
+    return on_boundaries
 
 
 # Left to run as it is under torch.compile (a graph break), as the chunk loop it replaces is.

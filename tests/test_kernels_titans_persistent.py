@@ -15,6 +15,10 @@ pytest.importorskip("triton")
 import mnemo.kernels.titans_persistent_triton as persistent  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Which path a call takes: on CUDA, float32 problems keep the per-chunk launches (their exact products
+# spill the persistent kernel), so the tests of that choice run on the interpreter; the kernels themselves
+# are checked on either device.
+ROUTING = pytest.mark.skipif(DEVICE == "cuda", reason="float32 problems keep the per-chunk path on CUDA")
 
 SPECS = {
     "l2": MLPMemorySpec(depth=2, d_k=16, d_v=16, expansion=4),
@@ -142,6 +146,7 @@ def _rows_from(x: torch.Tensor, start: torch.Tensor, width: int) -> torch.Tensor
     return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
 
 
+@ROUTING
 @pytest.mark.parametrize("momentum", [True, False], ids=["momentum", "no_momentum"])
 def test_chunk_titans_without_gradients_takes_the_persistent_kernel(momentum, persistent_calls):
     """B=2, H=2, d=16, hidden 64, chunk 16, rows of 40 and 29 tokens in two calls: the first call (25 and
@@ -159,9 +164,9 @@ def test_chunk_titans_without_gradients_takes_the_persistent_kernel(momentum, pe
     for backend in ("torch", "triton"):
         with use_backend(backend), torch.no_grad():
             state = TitansState.initial({n_: w.to(DEVICE) for n_, w in init.items()}, B)
-            o1, state = chunk_titans(spec, *first, state, chunk_size=C_TITANS, lengths=takes)
+            o1, state = chunk_titans(spec, *first, state, chunk_size=C_TITANS, lengths=takes.to(DEVICE))
             states[backend, 1] = state
-            o2, state = chunk_titans(spec, *rest, state, chunk_size=C_TITANS, lengths=lengths - takes)
+            o2, state = chunk_titans(spec, *rest, state, chunk_size=C_TITANS, lengths=(lengths - takes).to(DEVICE))
             states[backend, 2] = state
             outs[backend] = [torch.cat([o1[b, :takes[b]], o2[b, :lengths[b] - takes[b]]]).cpu() for b in range(B)]
         if backend == "triton":
@@ -175,6 +180,7 @@ def test_chunk_titans_without_gradients_takes_the_persistent_kernel(momentum, pe
             assert _error(outs[backend][b], ref[b, :lengths[b]]) < 1e-5, (backend, b)
 
 
+@ROUTING
 def test_a_whole_call_equals_the_torch_path_and_the_reference(persistent_calls):
     """The plain prefill: every row from the initial state over T=40 tokens (two whole chunks and a tail)."""
     spec = SPECS["clip"]
@@ -290,6 +296,7 @@ def test_persistent_backward_equals_autograd_over_the_operator(name, momentum, s
         assert _error(x, y) < bound, f"gradient {i}: {_error(x, y):.2e} (float32 PyTorch path {_error(x32, y):.2e})"
 
 
+@ROUTING
 def test_chunk_titans_with_gradients_takes_the_persistent_backward_when_asked(monkeypatch):
     """``TRAINING`` on: a call that records gradients (whole chunks: two of 16) runs through
     :func:`persistent_memory`, with the outputs and the gradients of q, k, v, the gates and the learned
@@ -323,3 +330,37 @@ def test_chunk_titans_with_gradients_takes_the_persistent_backward_when_asked(mo
         for i, (x, x32, y) in enumerate(zip(results[run][1], results["torch"][1], exact_grads)):
             bound = max(1e-5, 4 * _error(x32, y)) if 3 <= i < 6 else 1e-5
             assert _error(x, y) < bound, (run, i, _error(x, y), _error(x32, y))
+
+
+@ROUTING
+def test_a_titans_model_prefills_through_the_persistent_kernel(persistent_calls):
+    """MC-Titans without segments (the Titans model) on the Triton backend without gradients: each layer's
+    prompt (two whole chunks and half of one) is one persistent launch, with the PyTorch path's logits and
+    cache; a continuation, which starts inside that chunk, and the decode steps keep their own paths, and
+    greedy generation gives the PyTorch path's tokens."""
+    from mnemo import MCTitansConfig, MCTitansForCausalLM
+
+    torch.manual_seed(0)
+    config = MCTitansConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=16,
+                            memory_expansion=4, inner_chunk_size=16, segment_size=None, intermediate_size=64)
+    model = MCTitansForCausalLM(config).eval()
+    ids = torch.randint(1, 64, (2, 40))
+    more = torch.randint(1, 64, (2, 9))
+    got = {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend), torch.no_grad():
+            out = model(ids, use_cache=True)
+            cache = out.past_key_values
+            calls = len(persistent_calls)
+            nxt = model(more, past_key_values=cache, use_cache=True).logits
+            tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+        got[backend] = out.logits, nxt, tokens
+        if backend == "triton":
+            assert calls == config.num_hidden_layers  # one launch a layer for the prompt
+            # the continuation resumes mid-chunk; generate's prompt is one launch a layer again
+            assert len(persistent_calls) == 2 * config.num_hidden_layers
+        else:
+            assert persistent_calls == []
+    assert _error(got["triton"][0], got["torch"][0]) < 1e-5
+    assert _error(got["triton"][1], got["torch"][1]) < 1e-5
+    assert torch.equal(got["triton"][2], got["torch"][2])
