@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from benchlib import (DEVICE, DTYPE, HIDDEN, LENGTHS, TOKENS, Recorder, ints, lift_fla_hopper_guard, median_ms,
-                      names, out_dir, peak_gib, picked, release_chunk_graphs, reset_peak)
+                      names, out_dir, peak_gib, picked, release_chunk_graphs, reset_peak, warm_up_gpu)
 
 
 class SdpaAttention(nn.Module):
@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tf32:
         torch.set_float32_matmul_precision("high")
     recorder = Recorder()
+    warm_up_gpu()
     for T in ints(args.lengths):
         B = max(1, args.tokens // T)
         for block in sweep_values(args.sweep):

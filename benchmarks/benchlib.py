@@ -64,6 +64,18 @@ def median_ms(fn: Callable[[], object], warmup: int = 2, iters: int = 5, repeats
     return sorted(loops)[len(loops) // 2]
 
 
+def warm_up_gpu(seconds: float = 2.0) -> None:
+    """Products on the GPU for ``seconds`` before anything is timed: a process's first timed row otherwise
+    runs while the GPU's clocks are still rising from idle (and pays one-time library set-up)."""
+    a = torch.randn(4096, 4096, device=DEVICE, dtype=DTYPE)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def reset_peak() -> None:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

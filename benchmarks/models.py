@@ -18,7 +18,8 @@ as a user's script would, under ``accelerate launch --config_file accelerate_fsd
 Either way each process takes ``--batch`` rows, the table gives the tokens/s of all
 processes together, and the first step's loss on one fixed global batch, which a
 one-process run of the same global batch (``--batch`` times N) must give within bf16
-rounding.
+rounding. ``host_ms`` is one more step's time until the host has launched all of it: near
+``ms_per_step``, the host, not the GPU, sets the pace.
 
 Run: ``python benchmarks/models.py [--only gdn,llama | --rows gdn,anchor_fla_gdn] [--layers 24] [--batch 8
 --length 2048]`` (``--only`` takes substrings, so ``gdn`` also picks fla's; ``--rows`` takes exact names).
@@ -156,13 +157,19 @@ def measure(name: str, args: argparse.Namespace, rank: int, world: int, accelera
         step()
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / args.iters
+    # The host's share of a step: the time until it has launched everything. Above the step time less a
+    # little, the host sets the pace (launches, hooks, Python), not the GPU.
+    start = time.perf_counter()
+    step()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
     first = losses[0].float()
     if world > 1:
         torch.distributed.all_reduce(first)
         first /= world
     return {"model": name, "params_M": round(params / 1e6, 1), "batch": args.batch * world, "length": args.length,
             "processes": world, "sharded_by": "accelerate" if accelerator is not None else _sharding(args) if world > 1 else "", "tok_per_s": round(args.batch * world * args.length / seconds),
-            "ms_per_step": round(1e3 * seconds, 1), "peak_gib": round(peak_gib(), 2),
+            "ms_per_step": round(1e3 * seconds, 1), "host_ms": round(1e3 * host, 1), "peak_gib": round(peak_gib(), 2),
             "first_loss": round(float(first), 5)}
 
 
@@ -213,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             recorder.record(**row)
     if rank == 0:
-        recorder.table(["model", "params_M", "batch", "length", "processes", "sharded_by", "tok_per_s", "ms_per_step", "peak_gib",
+        recorder.table(["model", "params_M", "batch", "length", "processes", "sharded_by", "tok_per_s", "ms_per_step", "host_ms", "peak_gib",
                         "first_loss"])
         sharded = args.fsdp or args.accelerate
         recorder.write(out_dir(args.out) / ("models_fsdp.json" if sharded else "models.json"))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchlib import Recorder, ints, names, out_dir
+from benchlib import Recorder, ints, names, out_dir, warm_up_gpu
 
 
 # Layer rows timed at every length, and the whole-model rows; the names are bench_layers.py's and models.py's.
@@ -102,6 +102,7 @@ def _layers(recorder: Recorder, args: argparse.Namespace) -> None:
     import bench_layers
 
     layer_args = bench_layers.parse(["--tf32", "--iters", str(args.iters), "--warmup", str(args.warmup)])
+    warm_up_gpu()
     rows = [name for name in LAYER_ROWS if name in names(args.only) or not args.only]
     for T in ints(args.lengths):
         for name in rows:
