@@ -102,6 +102,27 @@ def test_persistent_forward_equals_the_torch_chunk_loop(name, slice_, C, momentu
         assert not torch.equal(res.weights[n_], W[n_])
 
 
+@pytest.mark.parametrize("momentum", [True, False], ids=["momentum", "no_momentum"])
+def test_rows_that_stop_inside_a_chunk_keep_that_chunks_start_weights(momentum, monkeypatch):
+    """``stop_chunk``: a row whose last token falls inside chunk 2 (of four) gets the weights entering
+    chunk 2 as its chunk-start weights, a row that stops nowhere keeps the ones it had; the reads and the
+    final memory are those of the call without it. Runs on either device: on CUDA this is the check that
+    lets calls whose rows stop inside a chunk take the kernel there."""
+    monkeypatch.setitem(persistent.BLOCKS, "slice", 32)
+    spec = SPECS["l2"]
+    W, S, q, k, v, a, b, c, sa, sc = _chunk_problem(spec, momentum, n=4, G=2, C=16, seed=6)
+    before = {n_: torch.randn(w.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE) for n_, w in W.items()}
+    stop = torch.tensor([2, -1], dtype=torch.int32, device=DEVICE)
+    res = persistent.persistent_forward(spec, W, S, q, k, v, a, b, c, sa, sc, stop_chunk=stop, chunk_start=before)
+    plain = persistent.persistent_forward(spec, W, S, q, k, v, a, b, c, sa, sc)
+    _, _, _, kept = _torch_loop(spec, W, S, q, k, v, a, b, c, sa, sc, every=1)
+    for n_ in W:
+        assert _error(res.chunk_start[n_][0], kept[2][0][n_][0, 0]) < 1e-5, n_
+        assert torch.equal(res.chunk_start[n_][1], before[n_][1]), n_
+        assert torch.equal(res.weights[n_], plain.weights[n_]), n_
+    assert torch.equal(res.y, plain.y)
+
+
 def test_the_clip_binds_on_some_tokens_only():
     spec = SPECS["clip"]
     W, _, _, k, v, *_ = _chunk_problem(spec, True, n=5, G=3, C=16)
