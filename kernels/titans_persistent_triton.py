@@ -380,12 +380,13 @@ def persistent_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tens
 
 def wanted(spec, chunk_size: int, on_boundaries: bool, tensors: list[torch.Tensor], tf32: bool, rows: int,
            track_start: bool = False) -> bool:
-    """Whether :func:`~.titans.chunk_titans` runs its chunks through :func:`persistent_forward`: on the
-    Triton backend, where no gradient is recorded, for the memories and chunks it :func:`covers`, a
-    float32 memory, and calls whose rows all start at a chunk boundary (``on_boundaries``: a resumed row
-    takes its first chunk's gradients at stored weights, which the chunked path handles). With :data:`TRAINING` also
-    where gradients are recorded, through :func:`persistent_memory`, for memories without the clip and
-    calls whose rows end at chunk boundaries (no ``track_start``: the training case).
+    """Whether a Titans chunk loop (:func:`~.titans.chunk_titans`, MC-Titans' online memory) runs its chunks
+    through :func:`persistent_forward`: on the Triton backend, where no gradient is recorded, for the
+    memories and chunks it :func:`covers`, a float32 memory, and calls whose rows all start at a chunk
+    boundary (``on_boundaries``: a resumed row takes its first chunk's gradients at stored weights, which
+    the chunked path handles). With :data:`TRAINING` also where gradients are recorded, through
+    :func:`persistent_memory`, for memories without the clip and calls whose rows end at chunk boundaries
+    (no ``track_start``: the training case).
     ``tensors``: every input and state tensor of the call; ``tf32``: whether its products run in TF32
     (:func:`~.chunk_loop.tf32_wanted` of the call's own inputs, before they are widened to float32).
     ``rows``: the call's ``batch * heads``, one program each. ``comparison_paths`` other than the shipped
@@ -407,13 +408,13 @@ def wanted(spec, chunk_size: int, on_boundaries: bool, tensors: list[torch.Tenso
     # (benchmarks/RESULTS.md): on CUDA it takes the problems whose products run in TF32.
     if tensors[0].is_cuda and not tf32:
         return False
-    # One program a row walks every chunk of it: with fewer rows than about the GPU's SMs, most SMs idle
-    # while the per-chunk launches, spread over hidden slices too, keep them busy (benchmarks/RESULTS.md).
     # Calls whose rows stop inside a chunk have the kernel copy that chunk's start weights out; that branch is
     # checked on the interpreter only (test_rows_that_stop_inside_a_chunk_keep_that_chunks_start_weights),
     # so on CUDA such calls keep the per-chunk path until that test has passed on a GPU.
     if track_start and tensors[0].is_cuda and not CHUNK_START_ON_CUDA:
         return False
+    # One program a row walks every chunk of it: with fewer rows than about the GPU's SMs, most SMs idle
+    # while the per-chunk launches, spread over hidden slices too, keep them busy (benchmarks/RESULTS.md).
     if tensors[0].is_cuda:
         sms = torch.cuda.get_device_properties(tensors[0].device).multi_processor_count
         if rows < MIN_ROWS_PER_SM * sms:
