@@ -22,8 +22,11 @@ SLOW_CASES = {
     "test_the_sliced_triton_chunk_equals_the_torch_chunk": {
         f"{name}-{update}-slices{width}" for name in ("l2", "dot", "l2_clip", "dot_clip")
         for update in ("momentum", "plain") for width in (16, 32)
-    } - {"l2_clip-momentum-slices16", "dot-plain-slices16", "l2-plain-slices32", "dot_clip-momentum-slices32"},
-    "test_the_chunk_loops_through_the_sliced_kernels_equal_the_torch_path": {"atlas_gd", "atlas_momentum"},
+    } - {"l2_clip-momentum-slices16", "l2-plain-slices32", "dot_clip-momentum-slices32"},
+    # MC-Titans' loop (mc_grm) stays: it runs the online memory through the same sliced kernels
+    "test_the_chunk_loops_through_the_sliced_kernels_equal_the_torch_path": {"atlas_gd", "atlas_momentum", "titans"},
+    # momentum stays in l2_masked, stretches of several chunks in dot
+    "test_persistent_backward_equals_autograd_over_the_operator": {"l2-True-16-16-2"},
     "test_tiny_model_overfits_a_fixed_batch": {"mom"},
     "test_triton_newton_schulz_of_near_singular_matrices": {"2", "3"},
     "test_mc_titans_with_fused_reads_equals_the_reference": {"mean", "residual"},
@@ -40,6 +43,7 @@ SLOW_CASES = {
     # whole tests: the interpreter runs a model's training steps
     "test_lora_reaches_the_output_and_trains_on_the_triton_path": {""},
     "test_atlas_muon_with_triton_newton_schulz": {""},
+    "test_chunk_titans_with_gradients_takes_the_persistent_backward_when_asked": {""},  # the backward is off
 }
 
 
