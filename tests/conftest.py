@@ -29,7 +29,9 @@ SLOW_CASES = {
     "test_persistent_backward_equals_autograd_over_the_operator": {"l2-True-16-16-2"},
     "test_tiny_model_overfits_a_fixed_batch": {"mom"},
     "test_triton_newton_schulz_of_near_singular_matrices": {"2", "3"},
-    "test_mc_titans_with_fused_reads_equals_the_reference": {"mean", "residual"},
+    "test_mc_titans_with_fused_reads_equals_the_reference": {"mean", "residual", "ssc"},
+    # the PyTorch path's case stays; the Triton one runs the same recompute through the interpreter
+    "test_mom_layer_gradients_are_those_of_keeping_the_activations": {"triton"},
     "test_triton_key_pass_equals_the_torch_one": {"150-0.5-reads7-4-16", "150-None-reads6-3-16"},
     "test_two_processes_match_one": {"atlas-ddp", "deep-transformer-ddp", "mc-titans-ddp", "mom-ddp"},
     "test_training_peak_grows_like_the_cached_memories": {"soup-independent"},
