@@ -103,18 +103,17 @@ MODELS: dict[str, Callable[[int], torch.nn.Module]] = {
 }
 
 
-def _shard(model: torch.nn.Module, reshard: bool = True, bf16_params: bool = False) -> torch.nn.Module:
+def _shard(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
     """FSDP2: every block its own unit, then the model. By default float32 parameters under autocast, as the
-    one-process rows: the same numbers, sharded. ``reshard=False`` keeps each block's gathered weights from
-    the forward to the backward (one all-gather per block instead of two); ``bf16_params`` gathers bf16
-    weights and reduces float32 gradients (``MixedPrecisionPolicy``), half the bytes of each all-gather."""
+    one-process rows: the same numbers, sharded. ``--no-reshard`` keeps each block's gathered weights from
+    the forward to the backward (one all-gather per block instead of two); ``--bf16-params`` gathers bf16
+    weights and reduces float32 gradients, half the bytes of each all-gather."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_params else None
-    options = {"reshard_after_forward": reshard, **({"mp_policy": policy} if policy else {})}
-    for block in model.model.layers:
-        fully_shard(block, **options)
-    fully_shard(model, **options)
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16_params
+              else MixedPrecisionPolicy())
+    for unit in (*model.model.layers, model):
+        fully_shard(unit, reshard_after_forward=not args.no_reshard, mp_policy=policy)
     return model
 
 
@@ -130,7 +129,7 @@ def measure(name: str, args: argparse.Namespace, rank: int, world: int, accelera
     model = MODELS[name](args.layers).cuda()
     params = sum(p.numel() for p in model.parameters())
     if world > 1 and accelerator is None:
-        model = _shard(model, reshard=not args.no_reshard, bf16_params=args.bf16_params)
+        model = _shard(model, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if accelerator is not None:  # the config file's FSDP2, applied by accelerate's own preparation
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -157,8 +156,8 @@ def measure(name: str, args: argparse.Namespace, rank: int, world: int, accelera
         step()
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / args.iters
-    # The host's share of a step: the time until it has launched everything. Above the step time less a
-    # little, the host sets the pace (launches, hooks, Python), not the GPU.
+    # The host's share of a step: the time until it has launched everything. Where it nearly equals the
+    # step time, the host (launches, hooks, Python) sets the pace, not the GPU.
     start = time.perf_counter()
     step()
     host = time.perf_counter() - start
@@ -168,9 +167,10 @@ def measure(name: str, args: argparse.Namespace, rank: int, world: int, accelera
         torch.distributed.all_reduce(first)
         first /= world
     return {"model": name, "params_M": round(params / 1e6, 1), "batch": args.batch * world, "length": args.length,
-            "processes": world, "sharded_by": "accelerate" if accelerator is not None else _sharding(args) if world > 1 else "", "tok_per_s": round(args.batch * world * args.length / seconds),
-            "ms_per_step": round(1e3 * seconds, 1), "host_ms": round(1e3 * host, 1), "peak_gib": round(peak_gib(), 2),
-            "first_loss": round(float(first), 5)}
+            "processes": world,
+            "sharded_by": "accelerate" if accelerator is not None else _sharding(args) if world > 1 else "",
+            "tok_per_s": round(args.batch * world * args.length / seconds), "ms_per_step": round(1e3 * seconds, 1),
+            "host_ms": round(1e3 * host, 1), "peak_gib": round(peak_gib(), 2), "first_loss": round(float(first), 5)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             recorder.record(**row)
     if rank == 0:
-        recorder.table(["model", "params_M", "batch", "length", "processes", "sharded_by", "tok_per_s", "ms_per_step", "host_ms", "peak_gib",
-                        "first_loss"])
+        recorder.table(["model", "params_M", "batch", "length", "processes", "sharded_by", "tok_per_s", "ms_per_step",
+                        "host_ms", "peak_gib", "first_loss"])
         sharded = args.fsdp or args.accelerate
         recorder.write(out_dir(args.out) / ("models_fsdp.json" if sharded else "models.json"))
     if args.fsdp or (accelerator is not None and world > 1):
