@@ -94,6 +94,7 @@ MODELS: dict[str, Callable[[int], torch.nn.Module]] = {
     "titans_4x256": _titans,
     "mc_titans_grm": lambda n: _titans(n, segment_size=256),
     "mc_titans_ssc": lambda n: _titans(n, segment_size=256, aggregation="ssc"),
+    "mc_titans_grm_kept": lambda n: _titans(n, segment_size=256, recompute_memory=False),
     "omeganet_16x64": lambda n: _atlas(n, "omeganet"),
     "atlas_muon_16x64": lambda n: _atlas(n, "atlas"),
     "deep_transformer": _deep_transformer,

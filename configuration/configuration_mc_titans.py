@@ -40,6 +40,14 @@ class MCTitansConfig(PretrainedConfig):
             projections, as in the Titans paper; 0 (default) leaves them out, as the MC
             paper does. The decode cache then also keeps each row's last ``conv_size - 1`` inputs.
         hidden_ratio, intermediate_size: the SwiGLU MLP of each block.
+        recompute_memory: run each layer's memory (the online loop and the reads of the cached
+            memories) again in the backward instead of keeping its intermediates for it. A layer
+            that caches memories otherwise keeps every row's cached weights and the loop's
+            checkpoints until its backward: at 4 heads x 256 (MLP x4), 8 x 2,048 tokens and segments
+            of 256 that is about 1.3 GiB a layer, which set a 24-layer model's training peak at 1.8x a
+            Llama's of the same width. The price is one more forward of the memory, without
+            gradients. ``None`` (default): on where memories are cached (``segment_size`` set, or
+            logarithmic segments), off for plain Titans; ``True`` / ``False`` force it.
     """
 
     model_type = "mnemo_mc_titans"
@@ -71,6 +79,7 @@ class MCTitansConfig(PretrainedConfig):
         initializer_range: float = 0.02,
         memory_init_std: float = 0.02,
         use_cache: bool = True,
+        recompute_memory: bool | None = None,
         pad_token_id: int | None = None,
         bos_token_id: int | None = 1,
         eos_token_id: int | None = 2,
@@ -103,6 +112,7 @@ class MCTitansConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.memory_init_std = memory_init_std
         self.use_cache = use_cache
+        self.recompute_memory = recompute_memory
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -111,6 +121,13 @@ class MCTitansConfig(PretrainedConfig):
             **kwargs,
         )
         self.validate_fields()
+
+    @property
+    def memory_recomputed(self) -> bool:
+        """Whether the layers recompute their memory in the backward (``recompute_memory``, resolved)."""
+        if self.recompute_memory is not None:
+            return self.recompute_memory
+        return self.segment_size is not None or self.segmentation == "logarithmic"
 
     def validate_fields(self) -> None:
         """Raise ``ValueError`` naming the first impossible field."""
@@ -134,4 +151,6 @@ class MCTitansConfig(PretrainedConfig):
               "must be 0 (no short convolutions) or an integer >= 2", self.conv_size)
         check(self.memory_grad_clip is None or self.memory_grad_clip > 0, "memory_grad_clip",
               "must be > 0, or None for no clipping", self.memory_grad_clip)
+        check(self.recompute_memory is None or isinstance(self.recompute_memory, bool), "recompute_memory",
+              "must be True, False or None (on where memories are cached)", self.recompute_memory)
         check_block(self)

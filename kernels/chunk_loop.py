@@ -131,6 +131,16 @@ def loop_options(*, graphs: bool | None = None, recompute: bool | None = None,
         _options.pop()
 
 
+@contextlib.contextmanager
+def _with_options(options: LoopOptions) -> Iterator[None]:
+    """The enclosed loops run under ``options`` (captured elsewhere, e.g. by a forward for its backward)."""
+    _options.append(options)
+    try:
+        yield
+    finally:
+        _options.pop()
+
+
 def _asked_spacing() -> int | None:
     """The spacing of loops whose caller leaves it to the default (:func:`loop_options`)."""
     return _options[-1].checkpoint_every
@@ -185,6 +195,7 @@ class _Recomputed(torch.autograd.Function):
         ctx.fn, ctx.tf32, ctx.args = fn, tf32, args
         ctx.save_for_backward(*args[:n_tensors])
         ctx.n_tensors = n_tensors
+        ctx.autocast, ctx.options = _autocast_state(), _options[-1]
         with tf32_products(tf32):
             return fn(*args)
 
@@ -193,7 +204,11 @@ class _Recomputed(torch.autograd.Function):
         tensors = ctx.saved_tensors
         leaves = tuple(t.detach().requires_grad_(_differentiable(t) and need)
                        for t, need in zip(tensors, ctx.needs_input_grad[3:]))
-        with torch.enable_grad(), tf32_products(ctx.tf32):
+        # The backward runs outside the forward's autocast and loop options (on CUDA in another thread):
+        # recompute under them, but as one layer: only this recompute's loops keep carries now, not every
+        # layer's at once, so their spacing is that of a single loop.
+        options = replace(ctx.options, layers=1)
+        with torch.enable_grad(), tf32_products(ctx.tf32), _autocast(ctx.autocast), _with_options(options):
             out = ctx.fn(*leaves, *ctx.args[ctx.n_tensors:])
             wanted = [t for t in leaves if t.requires_grad]
             found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())

@@ -893,6 +893,7 @@ def chunk_mc_titans(
     pieces = torch.is_grad_enabled() and any(
         x.requires_grad for x in (*bufs.values(), *W.values(), *M.values(), *segment_cache.weights.values()))
     reads = (lambda: segment_cache) if pieces else (lambda: _SegmentCache.of(state, dtype))
+    closed = []  # with pieces: (closes, weights, key sums, key counts) of every segment's end, in order
     for s0 in segments:
         if options.cache_mode == "independent" and S_seg:
             starts = live[:, s0] & (state.seen + (s0 - shift) > 0)
@@ -956,8 +957,18 @@ def chunk_mc_titans(
             closes = live[:, s1 - 1]
             if pieces:
                 segment_cache.close(W, key_mean(key_sum, key_count), closes)
-            state.push(closes, W)
-            key_sum, key_count = state.key_sum, state.key_count
+                # The reads take the pieces: the state caches all of this call's memories once at the end. A
+                # push per segment restacks the whole cache, N^2 / 2 memories of copies over N segments.
+                closed.append((closes, W, key_sum, key_count))
+                c = closes[:, None, None]
+                key_sum, key_count = torch.where(c, 0.0, key_sum), torch.where(closes, 0.0, key_count)
+                state.key_sum, state.key_count = key_sum, key_count
+            else:
+                state.push(closes, W)
+                key_sum, key_count = state.key_sum, state.key_count
+    if closed:
+        state.append(torch.stack([x[0] for x in closed], 1), {n: torch.stack([x[1][n] for x in closed], 1) for n in names},
+                     torch.stack([x[2] for x in closed], 1), torch.stack([x[3] for x in closed], 1))
     outputs = torch.cat([y.movedim(0, 2).flatten(2, 3) for y in outputs], dim=2)  # (B, H, total, d_v)
     chunk_start = dict(zip(names, chunk_start))
     o = outputs.transpose(1, 2).gather(1, slot.clamp(max=total - 1).view(B, T, 1, 1).expand(B, T, H, v.shape[-1]))

@@ -102,9 +102,6 @@ TRAINING = False
 # On CUDA the persistent kernel is taken only with at least this many rows (programs) per SM.
 MIN_ROWS_PER_SM = 0.75
 
-# Whether CUDA calls with rows that stop inside a chunk (a prompt that is not whole chunks) take the kernel.
-CHUNK_START_ON_CUDA = False
-
 MAX_WIDTH = 64
 MAX_CHUNK = 64
 
@@ -407,11 +404,6 @@ def wanted(spec, chunk_size: int, on_boundaries: bool, tensors: list[torch.Tenso
     # float32-exact products spill this kernel's registers, and there the per-chunk launches are faster
     # (benchmarks/RESULTS.md): on CUDA it takes the problems whose products run in TF32.
     if tensors[0].is_cuda and not tf32:
-        return False
-    # Calls whose rows stop inside a chunk have the kernel copy that chunk's start weights out; that branch is
-    # checked on the interpreter only (test_rows_that_stop_inside_a_chunk_keep_that_chunks_start_weights),
-    # so on CUDA such calls keep the per-chunk path until that test has passed on a GPU.
-    if track_start and tensors[0].is_cuda and not CHUNK_START_ON_CUDA:
         return False
     # One program a row walks every chunk of it: with fewer rows than about the GPU's SMs, most SMs idle
     # while the per-chunk launches, spread over hidden slices too, keep them busy (benchmarks/RESULTS.md).

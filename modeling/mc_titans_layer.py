@@ -11,10 +11,13 @@ Titans' output head). The memory itself is the kernel API's ``mc_titans``.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from ..configuration.configuration_mc_titans import MCTitansConfig
+from ..kernels.chunk_loop import recompute_in_backward
 from ..kernels.memory_caching import MCOptions
 from ..kernels.mc_titans import MCState, chunk_mc_titans
 from ..kernels.mlp_memory import MLPMemorySpec
@@ -34,6 +37,7 @@ class MCTitansLayer(nn.Module):
         H, D, hidden = config.num_heads, config.head_dim, config.hidden_size
         self.num_heads, self.head_dim = H, D
         self.max_lr = config.max_lr
+        self.recompute_memory = config.memory_recomputed
         self.spec = MLPMemorySpec(depth=config.memory_depth, gated=config.memory_gated, d_k=D, d_v=D,
                                      expansion=config.memory_expansion, grad_clip=config.memory_grad_clip)
         self.options = MCOptions(
@@ -64,6 +68,14 @@ class MCTitansLayer(nn.Module):
     def memory_init(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, f"memory_{name}") for name in self.spec.shapes}
 
+    def _memory_output(self, q, k, v, u, retention, momentum, lr, *init_weights: torch.Tensor,
+                       lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """The memory's reads ``(B, T, H, D)`` from its initial state, the final state dropped."""
+        init = dict(zip(self.spec.shapes, init_weights))
+        state = MCState.initial(init, q.shape[0], self.head_dim)
+        return chunk_mc_titans(self.spec, self.options, q, k, v, u, retention, momentum, lr, init, state,
+                               lengths=lengths)[0]
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -88,14 +100,18 @@ class MCTitansLayer(nn.Module):
             lengths = rows.lengths
             q, k, v, u, retention, momentum, lr = (rows.compact(x) for x in (q, k, v, u, retention, momentum, lr))
         init = self.memory_init()
-        if cache is not None and "seen" in cache:
-            state = MCState.from_tensors(cache.states)
+        per_token = (q, k, v, u, retention, momentum, lr)
+        if cache is None and self.recompute_memory:
+            # No state leaves the layer: the memory's output is all the backward needs, recomputed there.
+            o = recompute_in_backward(partial(self._memory_output, lengths=lengths), (*per_token, *init.values()))
         else:
-            state = MCState.initial(init, B, D)
-        o, state = chunk_mc_titans(self.spec, self.options, q, k, v, u, retention, momentum, lr, init, state,
-                                   lengths=lengths)
-        if cache is not None:
-            cache.update(**state.tensors())
+            if cache is not None and "seen" in cache:
+                state = MCState.from_tensors(cache.states)
+            else:
+                state = MCState.initial(init, B, D)
+            o, state = chunk_mc_titans(self.spec, self.options, *per_token, init, state, lengths=lengths)
+            if cache is not None:
+                cache.update(**state.tensors())
         if rows is not None:
             o = rows.restore(o)
         gate = self.g_proj(hidden_states).view(B, T, H, D)

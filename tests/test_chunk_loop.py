@@ -200,14 +200,20 @@ def test_spacing_minimises_the_carries_all_layers_keep(monkeypatch):
             pass
     from conftest import tiny_mc_titans
 
-    model = tiny_mc_titans().train()
     seen = []
     real = chunk_loop._stretch
-    monkeypatch.setattr(chunk_loop, "_stretch", lambda n, every: seen.append(chunk_loop._options[-1].layers)
-                        or real(n, every))
+    monkeypatch.setattr(chunk_loop, "_stretch", lambda n, every: seen.append(
+        (chunk_loop._options[-1].layers, torch.is_grad_enabled())) or real(n, every))
     ids = torch.randint(1, 97, (2, 12))
+    model = tiny_mc_titans(recompute_memory=False).train()
     model(ids, labels=ids).loss.backward()
-    assert seen and set(seen) == {model.config.num_hidden_layers}
+    assert seen and {layers for layers, _ in seen} == {model.config.num_hidden_layers}
+    # A memory recomputed in the backward keeps nothing from its forward (which runs without gradients): the
+    # loops that keep carries run in the backward, one layer at a time.
+    seen.clear()
+    model = tiny_mc_titans().train()
+    model(ids, labels=ids).loss.backward()
+    assert model.config.num_hidden_layers > 1 and {layers for layers, grad in seen if grad} == {1}
 
 
 # --- Titans: the chunked path's gradients equal the token-by-token reference's ------------------------------
