@@ -110,7 +110,11 @@ def decoder_forward(
     all_hidden = (hidden_states,) if output_hidden_states else None
     aux_losses = []
     # Every block's chunk loop keeps its carries until the backward: their spacing is chosen for all of them.
-    with loop_options(layers=len(model.layers)):
+    # Under activation checkpointing a block keeps nothing from its forward and its backward re-runs it
+    # outside this context, one block at a time: its loops are spaced as one layer's, in both runs, so that
+    # the re-run keeps the tensors the checkpoint expects.
+    checkpointed = getattr(model, "gradient_checkpointing", False) and model.training
+    with loop_options(layers=1 if checkpointed else len(model.layers)):
         for i, block in enumerate(model.layers):
             hidden_states, aux = block(
                 hidden_states,

@@ -216,6 +216,30 @@ def test_spacing_minimises_the_carries_all_layers_keep(monkeypatch):
     assert model.config.num_hidden_layers > 1 and {layers for layers, grad in seen if grad} == {1}
 
 
+@pytest.mark.parametrize("build", ["atlas", "mc_titans"])
+def test_activation_checkpointing_re_runs_the_loops_as_they_ran(build):
+    """transformers' activation checkpointing re-runs a block in the backward, outside the model's forward:
+    its recomputing loops must be spaced as in the forward (else the re-run keeps other tensors and the
+    checkpoint refuses it), and the gradients are those of the plain step."""
+    from conftest import tiny_atlas, tiny_mc_titans
+
+    model = (tiny_atlas() if build == "atlas" else tiny_mc_titans()).train()
+    ids = torch.randint(1, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+
+    def grads():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    with loop_options(recompute=True):
+        plain = grads()
+        model.activation_checkpointing_enable()
+        checkpointed = grads()
+    assert plain.keys() == checkpointed.keys()
+    for name, g in plain.items():
+        torch.testing.assert_close(checkpointed[name], g, rtol=1e-6, atol=1e-7, msg=name)
+
+
 # --- Titans: the chunked path's gradients equal the token-by-token reference's ------------------------------
 # Every kernel test below runs three times: through the recompute (the CUDA default), under plain autograd
 # (the default where the steps are not captured), and through the graphed path's copies with the graphs
