@@ -221,23 +221,12 @@ def test_activation_checkpointing_re_runs_the_loops_as_they_ran(build):
     """transformers' activation checkpointing re-runs a block in the backward, outside the model's forward:
     its recomputing loops must be spaced as in the forward (else the re-run keeps other tensors and the
     checkpoint refuses it), and the gradients are those of the plain step."""
-    from conftest import tiny_atlas, tiny_mc_titans
+    from conftest import assert_checkpointing_keeps_the_gradients, tiny_atlas, tiny_mc_titans
 
     model = (tiny_atlas() if build == "atlas" else tiny_mc_titans()).train()
     ids = torch.randint(1, 97, (2, 40), generator=torch.Generator().manual_seed(0))
-
-    def grads():
-        model.zero_grad()
-        model(ids, labels=ids).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
     with loop_options(recompute=True):
-        plain = grads()
-        model.activation_checkpointing_enable()
-        checkpointed = grads()
-    assert plain.keys() == checkpointed.keys()
-    for name, g in plain.items():
-        torch.testing.assert_close(checkpointed[name], g, rtol=1e-6, atol=1e-7, msg=name)
+        assert_checkpointing_keeps_the_gradients(model, ids, rtol=1e-6, atol=1e-7)
 
 
 # --- Titans: the chunked path's gradients equal the token-by-token reference's ------------------------------

@@ -139,22 +139,11 @@ def test_graphed_titans_equals_the_float64_reference():
 def test_graphed_models_train_alike_with_gradient_checkpointing(build):
     """transformers' gradient checkpointing re-runs each block in the backward, where the chunk loop
     captures and replays its graphs inside autograd's own backward: the gradients are unchanged."""
-    from conftest import tiny_atlas, tiny_mc_titans
+    from conftest import assert_checkpointing_keeps_the_gradients, tiny_atlas, tiny_mc_titans
 
     model = (tiny_mc_titans(segment_size=None) if build == "titans" else tiny_atlas()).cuda().train()
     ids = torch.randint(1, 97, (2, 40), generator=torch.Generator().manual_seed(0)).cuda()
-
-    def grads():
-        model.zero_grad()
-        model(ids, labels=ids).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    plain = grads()
-    model.activation_checkpointing_enable()
-    checkpointed = grads()
-    assert plain.keys() == checkpointed.keys()
-    for name, g in plain.items():
-        torch.testing.assert_close(checkpointed[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    assert_checkpointing_keeps_the_gradients(model, ids, rtol=1e-5, atol=1e-6)
 
 
 def _real_shape_inputs(dtype, spec, Bn=2, Tn=256, Hn=4):
