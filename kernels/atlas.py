@@ -388,7 +388,10 @@ def chunk_atlas(
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     fused = fused_chunks(spec) and optimizer != "muon" and read is None
-    resolve_backend(q, has_triton_impl=fused)
+    # Muon's chunks run their Newton-Schulz, the work Muon adds, through the Triton kernels (atlas_triton.py).
+    muon_kernels = optimizer == "muon" and _newton_schulz_covers(spec, q.dtype)
+    resolve_backend(q, has_triton_impl=fused or muon_kernels,
+                    what="Atlas' chunk of a gated memory, or one read through Memory Caching, with GD or momentum")
     B, T, H, _ = q.shape
     C, c = chunk_size, omega_window
     dtype = torch.promote_types(v.dtype, torch.float32)
@@ -522,6 +525,13 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
 def wide(x: torch.Tensor) -> torch.Tensor:
     """``x`` with its last two dims ordered short side first (tall matrices transposed, as a view)."""
     return x.transpose(-1, -2) if x.shape[-2] > x.shape[-1] else x
+
+
+def _newton_schulz_covers(spec: MLPMemorySpec, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernels take the Newton-Schulz of every weight of ``spec`` in ``dtype``."""
+    from .atlas_triton import supported
+
+    return all(supported(torch.empty(0, *sorted(shape), dtype=dtype)) for shape in spec.shapes.values())
 
 
 def triton_wanted(X: torch.Tensor) -> bool:

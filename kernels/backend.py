@@ -78,19 +78,21 @@ def requested_backend() -> str | None:
     return _check(env) if env else None
 
 
-def resolve_backend(tensor: torch.Tensor, has_triton_impl: bool) -> str:
+def resolve_backend(tensor: torch.Tensor, has_triton_impl: bool, what: str | None = None) -> str:
     """The backend that runs a kernel on ``tensor``.
 
     Automatic selection takes Triton for CUDA tensors when an implementation
     exists; an explicit request for Triton where none exists is an error rather
-    than a silent fallback, so that benchmarks never measure the wrong path.
+    than a silent fallback, so that benchmarks never measure the wrong path. ``what`` names
+    what lacks one, for that error.
     """
     asked = requested_backend()
     if asked == "torch":
         return "torch"
     if asked == "triton":
         if not has_triton_impl:
-            raise NotImplementedError("this memory kernel has no Triton implementation yet; use backend 'torch'")
+            raise NotImplementedError(f"{what or 'this memory kernel'} has no Triton implementation; "
+                                      "use backend 'torch'")
         if not triton_available():
             raise RuntimeError("backend 'triton' requested but triton is not installed")
         return "triton"

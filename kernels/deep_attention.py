@@ -475,7 +475,11 @@ def chunk_deep_attention(
     T = q.shape[1]
     whole_rows = (memory_depth == 2 and learning_rule == "hebbian" and normalize and initial_state is None and T > 0
                   and w1_init is not None and (lengths is None or bool((lengths == T).all())))
-    backend = resolve_backend(q, has_triton_impl=whole_rows)
+    # Attention itself (depth 1) runs through the attention kernels, its fast path on every device.
+    attention = memory_depth == 1 and learning_rule == "hebbian"
+    backend = resolve_backend(q, has_triton_impl=whole_rows or attention,
+                              what="the deep branch with the omega or delta rule, linear reads, a state to "
+                                   "continue or padded rows")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if memory_depth == 1 and learning_rule == "hebbian":
         if not normalize:

@@ -138,7 +138,8 @@ def step_gated_delta(
     """One token per sequence: ``q, k`` ``(N, H, d_k)``, ``v`` ``(N, H, d_v)``, ``g, beta`` ``(N, H)``,
     ``state`` ``(N, H, d_k, d_v)``. Returns ``(o, new_state)``; ``state`` is not modified."""
     out_dtype = v.dtype
-    if state.dtype != torch.float64 and resolve_backend(q, has_triton_impl=_triton_covers(q, v, 16)) == "triton":
+    if state.dtype != torch.float64 and resolve_backend(q, has_triton_impl=_triton_covers(q, v, 16),
+                                                        what=_uncovered(q, v, 16)) == "triton":
         from .gated_delta_triton import step
 
         K = q.shape[-1]
@@ -173,7 +174,8 @@ def step_gated_delta_(
     """
     out_dtype = v.dtype
     if (states.dtype == torch.float32 and states.is_contiguous()
-            and resolve_backend(q, has_triton_impl=_triton_covers(q, v, 16)) == "triton"):
+            and resolve_backend(q, has_triton_impl=_triton_covers(q, v, 16),
+                                what=_uncovered(q, v, 16)) == "triton"):
         from .gated_delta_triton import step
 
         K = q.shape[-1]
@@ -365,6 +367,12 @@ def _triton_covers(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> bool:
     return q.dtype != torch.float64 and supports(q.shape[-1], v.shape[-1], chunk_size)
 
 
+def _uncovered(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> str:
+    """What :func:`_triton_covers` turned down, for the error of an explicit Triton request."""
+    return (f"the gated delta rule in {q.dtype} with key / value dims {q.shape[-1]} / {v.shape[-1]} and chunks of "
+            f"{chunk_size} (its kernels take float32, bf16 or fp16, dims up to 256, chunks of 16, 32 or 64)")
+
+
 def chunk_gated_delta(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -386,6 +394,7 @@ def chunk_gated_delta(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if resolve_backend(q, has_triton_impl=_triton_covers(q, v, chunk_size)) == "triton":
+    covered = _triton_covers(q, v, chunk_size)
+    if resolve_backend(q, has_triton_impl=covered, what=_uncovered(q, v, chunk_size)) == "triton":
         return _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size)
     return _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size)

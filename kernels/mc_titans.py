@@ -836,7 +836,8 @@ def chunk_mc_titans(
     lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, MCState]:
     """``T`` new tokens per row (compacted, ``lengths`` valid), continuing ``state``."""
-    resolve_backend(q, has_triton_impl=fused_chunks(spec) and options.aggregation != "soup")
+    resolve_backend(q, has_triton_impl=fused_chunks(spec) and options.aggregation != "soup",
+                    what="MC-Titans with a gated memory or the soup aggregation")
     B, T, H, _ = q.shape
     lengths = torch.full((B,), T, dtype=torch.long, device=q.device) if lengths is None else lengths
     if options.logarithmic or T == 1:

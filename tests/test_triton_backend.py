@@ -1,0 +1,63 @@
+"""``use_backend("triton")`` across every family and variant: where a variant has Triton kernels the model
+runs through them and equals the PyTorch path (loss and every gradient, forward and backward, on the Triton
+interpreter here); where it has none, the request fails and names what lacks them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mnemo.kernels import use_backend
+
+from conftest import MODEL_VARIANTS
+
+pytest.importorskip("triton")
+
+# What each variant without Triton kernels is told it lacks.
+NO_KERNELS = {
+    "deep-dot-window3-gqa": "omega or delta rule",
+    "mc-log-mean-gated": "gated memory",
+    "mc-soup-independent": "soup",
+}
+# MoM's kernels take chunks of 16, 32 or 64 (the tiny models' chunks are 8).
+OVERRIDES = {name: {"chunk_size": 16} for name in MODEL_VARIANTS if name.startswith("mom-")}
+# The interpreter runs every Triton program in Python: the variants that take longest go to the slow job,
+# one of each family's kernels staying in the default run.
+DEFAULT_RUN = {"atlas-omeganet-poly-tensor", "atlas-swla-momentum", "deep-attention-only", "deep-hebbian",
+               "mc-ssc-linear", "mom-single-memory"}
+WITH_KERNELS = sorted(set(MODEL_VARIANTS) - set(NO_KERNELS))
+
+
+def _model(name: str):
+    build, overrides = MODEL_VARIANTS[name]
+    return build(**{**overrides, **OVERRIDES.get(name, {})}).train()
+
+
+def _step(model, ids: torch.Tensor, backend: str):
+    model.zero_grad()
+    with use_backend(backend):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_RUN else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in WITH_KERNELS])
+def test_variants_with_kernels_run_them_and_equal_the_torch_path(name):
+    model = _model(name)
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    loss, grads = _step(model, ids, "torch")
+    loss_k, grads_k = _step(model, ids, "triton")
+    torch.testing.assert_close(loss_k, loss, rtol=1e-5, atol=1e-6)
+    assert grads_k.keys() == grads.keys()
+    for n, g in grads.items():
+        torch.testing.assert_close(grads_k[n], g, rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("name", sorted(NO_KERNELS))
+def test_variants_without_kernels_name_what_lacks_them(name):
+    model = _model(name)
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    with use_backend("triton"), pytest.raises(NotImplementedError, match=NO_KERNELS[name]):
+        model(ids, labels=ids)
+    model(ids, labels=ids)  # the automatic choice runs them on the PyTorch path
