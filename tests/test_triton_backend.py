@@ -21,10 +21,6 @@ NO_KERNELS = {
 }
 # MoM's kernels take chunks of 16, 32 or 64 (the tiny models' chunks are 8).
 OVERRIDES = {name: {"chunk_size": 16} for name in MODEL_VARIANTS if name.startswith("mom-")}
-# The interpreter runs every Triton program in Python: the variants that take longest go to the slow job,
-# one of each family's kernels staying in the default run.
-DEFAULT_RUN = {"atlas-omeganet-poly-tensor", "atlas-swla-momentum", "deep-attention-only", "deep-hebbian",
-               "mc-ssc-linear", "mom-single-memory"}
 WITH_KERNELS = sorted(set(MODEL_VARIANTS) - set(NO_KERNELS))
 
 
@@ -41,8 +37,7 @@ def _step(model, ids: torch.Tensor, backend: str):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("name", [n if n in DEFAULT_RUN else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in WITH_KERNELS])
+@pytest.mark.parametrize("name", WITH_KERNELS)  # most in the slow job (conftest.SLOW_CASES)
 def test_variants_with_kernels_run_them_and_equal_the_torch_path(name):
     model = _model(name)
     ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(0))
