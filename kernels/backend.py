@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -78,19 +78,20 @@ def requested_backend() -> str | None:
     return _check(env) if env else None
 
 
-def resolve_backend(tensor: torch.Tensor, has_triton_impl: bool, what: str | None = None) -> str:
+def resolve_backend(tensor: torch.Tensor, has_triton_impl: bool, what: str | Callable[[], str] | None = None) -> str:
     """The backend that runs a kernel on ``tensor``.
 
     Automatic selection takes Triton for CUDA tensors when an implementation
     exists; an explicit request for Triton where none exists is an error rather
     than a silent fallback, so that benchmarks never measure the wrong path. ``what`` names
-    what lacks one, for that error.
+    what lacks one, for that error (a callable where naming it costs work on a hot path).
     """
     asked = requested_backend()
     if asked == "torch":
         return "torch"
     if asked == "triton":
         if not has_triton_impl:
+            what = what() if callable(what) else what
             raise NotImplementedError(f"{what or 'this memory kernel'} has no Triton implementation; "
                                       "use backend 'torch'")
         if not triton_available():

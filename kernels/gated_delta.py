@@ -24,6 +24,8 @@ entry per sequence.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from .backend import resolve_backend
@@ -139,7 +141,7 @@ def step_gated_delta(
     ``state`` ``(N, H, d_k, d_v)``. Returns ``(o, new_state)``; ``state`` is not modified."""
     out_dtype = v.dtype
     if state.dtype != torch.float64 and resolve_backend(q, has_triton_impl=_triton_covers(q, v, 16),
-                                                        what=_uncovered(q, v, 16)) == "triton":
+                                                        what=partial(_uncovered, q, v, 16)) == "triton":
         from .gated_delta_triton import step
 
         K = q.shape[-1]
@@ -175,7 +177,7 @@ def step_gated_delta_(
     out_dtype = v.dtype
     if (states.dtype == torch.float32 and states.is_contiguous()
             and resolve_backend(q, has_triton_impl=_triton_covers(q, v, 16),
-                                what=_uncovered(q, v, 16)) == "triton"):
+                                what=partial(_uncovered, q, v, 16)) == "triton"):
         from .gated_delta_triton import step
 
         K = q.shape[-1]
@@ -395,6 +397,6 @@ def chunk_gated_delta(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     covered = _triton_covers(q, v, chunk_size)
-    if resolve_backend(q, has_triton_impl=covered, what=_uncovered(q, v, chunk_size)) == "triton":
+    if resolve_backend(q, has_triton_impl=covered, what=partial(_uncovered, q, v, chunk_size)) == "triton":
         return _chunk_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size)
     return _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size)
