@@ -370,6 +370,10 @@ def release_graphs() -> None:
     _GRAPHS.clear()
 
 
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def graphed_step(step: Step, carry: Tensors, x: Tensors, consts: Tensors, need_x: Sequence[bool] = (),
                  need_consts: Sequence[bool] = (), backward: bool = False) -> GraphedStep | None:
     """The :class:`GraphedStep` of ``step`` for these shapes (cached), or ``None`` where it cannot be captured."""
@@ -386,7 +390,12 @@ def graphed_step(step: Step, carry: Tensors, x: Tensors, consts: Tensors, need_x
         _GRAPHS.move_to_end(key)
         return graphed
     try:
-        graphed = GraphedStep(step, carry, x, consts, need_x, need_consts, backward)
+        # The capture runs the step under autograd (its warm-ups, the backward's capture): inside a forward
+        # that activation checkpointing records, the checkpoint's hooks would count what those runs save as
+        # the block's own, and its re-run, which replays this capture, would then save fewer. Hooks of our
+        # own, innermost, keep the capture's saves apart.
+        with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+            graphed = GraphedStep(step, carry, x, consts, need_x, need_consts, backward)
     except RuntimeError:  # a step that syncs with the host cannot be captured: run it eagerly
         _GRAPHS[key] = False
         return None

@@ -229,6 +229,44 @@ def test_activation_checkpointing_re_runs_the_loops_as_they_ran(build):
         assert_checkpointing_keeps_the_gradients(model, ids, rtol=1e-6, atol=1e-7)
 
 
+class WarmingReplayOnCPU(ReplayOnCPU):
+    """:class:`ReplayOnCPU` that also warms its backward up under autograd when made, as a CUDA capture does."""
+
+    def __init__(self, step, carry, x, consts, need_x=(), need_consts=(), backward=False):
+        super().__init__(step, carry, x, consts, need_x, need_consts, backward)
+        if backward:
+            self._backward()
+
+
+@pytest.mark.parametrize("build", ["titans", "atlas"])
+def test_a_capture_inside_a_checkpointed_forward_is_not_the_blocks_own(build, monkeypatch):
+    """A step first met inside a block that activation checkpointing records is captured there, and its
+    capture runs it under autograd: what that saves must not count as the block's, whose re-run in the
+    backward replays the capture instead (the checkpoint compares the two runs' saved tensors)."""
+    from conftest import tiny_atlas, tiny_mc_titans
+    from mnemo.kernels import chunk_loop
+
+    monkeypatch.setattr(chunk_loop, "_graphs_wanted", lambda _tensors, _n, graphs=None: graphs is not False)
+    monkeypatch.setattr(chunk_loop, "GraphedStep", WarmingReplayOnCPU)
+    chunk_loop.release_graphs()
+    try:
+        model = (tiny_mc_titans(segment_size=None) if build == "titans" else tiny_atlas()).train()
+        model.activation_checkpointing_enable()
+        ids = torch.randint(1, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+        model(ids, labels=ids).loss.backward()  # every step captured inside the checkpointed blocks
+        assert any(isinstance(g, WarmingReplayOnCPU) for g in chunk_loop._GRAPHS.values())
+        checkpointed = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        chunk_loop.release_graphs()
+    model.zero_grad()
+    model.activation_checkpointing_disable()
+    with loop_options(graphs=False, recompute=False):
+        model(ids, labels=ids).loss.backward()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(checkpointed[name], p.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
 # --- Titans: the chunked path's gradients equal the token-by-token reference's ------------------------------
 # Every kernel test below runs three times: through the recompute (the CUDA default), under plain autograd
 # (the default where the steps are not captured), and through the graphed path's copies with the graphs
