@@ -7,7 +7,8 @@ per row, through the cache), eager and replayed as a CUDA graph (the path of
 grow with the prompt. Models:
 
 - mnemo: Titans (4 heads x 256, MLP x4, chunk 64), Atlas with Muon and OmegaNet (16 x 64, MLP x4, window
-  16), MC-Titans grm (segments of 256; eager only: its cache grows by one memory per segment) and MoM
+  16), MC-Titans grm (segments of 256: its cache grows by one memory per segment, its slots taken a
+  block at a time, so a captured step serves until they run out) and MoM
   (4 heads x 256, 4 memories top-2 + shared);
 - anchors, where installed: flash-linear-attention 0.6.0's ``MomForCausalLM`` and
   ``GatedDeltaNetForCausalLM`` at the same shape, and transformers' Llama (16 heads x 64, SDPA, dynamic

@@ -67,7 +67,8 @@ from .titans_chunk import wanted as fused_chunks
 from .titans_persistent_triton import titans_chunks as persistent_chunks
 from .titans_persistent_triton import wanted as persistent_wanted
 
-__all__ = ["MCState", "chunk_mc_titans", "reference_mc_titans", "step_mc_titans"]
+__all__ = ["DECODE_SLOT_BLOCK", "MCState", "chunk_mc_titans", "decode_slots", "decode_steps_within",
+           "reference_mc_titans", "step_mc_titans"]
 
 
 _PER_TOKEN = ("q", "k", "v", "u", "retention", "momentum", "lr")
@@ -222,12 +223,24 @@ class MCState:
     def cached_summary(self) -> torch.Tensor:
         return key_mean(self.cached_key_sum, self.cached_key_count)
 
-    def push(self, rows: torch.Tensor, weights: dict[str, torch.Tensor]) -> None:
-        """Cache ``weights`` and the online segment's keys for ``rows`` (bool ``(B,)``), then reset the segment."""
-        if not bool(rows.any()):
-            return
+    def reserve(self, slots: int) -> None:
+        """At least ``slots`` slots in the cache (new ones empty): room for :meth:`push` without device reads."""
+        extra = slots - self.cached_key_count.shape[1]
+        if extra > 0:
+            self.cached = {n: with_extra_slots(c, 1, extra) for n, c in self.cached.items()}
+            self.cached_key_sum = with_extra_slots(self.cached_key_sum, 1, extra)
+            self.cached_key_count = with_extra_slots(self.cached_key_count, 1, extra)
+
+    def push(self, rows: torch.Tensor, weights: dict[str, torch.Tensor], *, reserved: bool = False) -> None:
+        """Cache ``weights`` and the online segment's keys for ``rows`` (bool ``(B,)``), then reset the segment.
+        ``reserved``: the caller made room (:meth:`reserve`), so nothing is read back to the host (a step
+        that a CUDA graph can capture); else the cache grows by a slot where a row needs one."""
         N = self.cached_key_count.shape[1]
-        if int((self.num_cached + rows.long()).max()) > N:  # grow by one slot
+        if reserved:
+            pass
+        elif not bool(rows.any()):
+            return
+        elif int((self.num_cached + rows.long()).max()) > N:  # grow by one slot
             self.cached = {n: with_extra_slots(c, 1) for n, c in self.cached.items()}
             self.cached_key_sum = with_extra_slots(self.cached_key_sum, 1)
             self.cached_key_count = with_extra_slots(self.cached_key_count, 1)
@@ -318,8 +331,11 @@ def step_mc_titans(
     state: MCState,
     *,
     live: torch.Tensor | None = None,
+    reserved: bool = False,
 ) -> tuple[torch.Tensor, MCState]:
-    """One token per row (``q, k, v, u`` ``(B, H, D)``, gates ``(B, H)``); ``live`` rows only."""
+    """One token per row (``q, k, v, u`` ``(B, H, D)``, gates ``(B, H)``); ``live`` rows only. ``reserved``:
+    the cache has a slot for a segment this token closes (:func:`decode_slots`), so fixed segments step
+    without reading anything back to the host."""
     B = q.shape[0]
     dtype = torch.promote_types(v.dtype, torch.float32)
     live = torch.ones(B, dtype=torch.bool, device=q.device) if live is None else live.bool()
@@ -350,8 +366,25 @@ def step_mc_titans(
                 online_summary, state.cached, state.cached_summary(), state.cached_valid)[:, :, 0]
     state.seen = n + live.long()
     if not options.logarithmic and S_seg:
-        state.push(live & (state.seen % S_seg == 0), mem.weights)
+        state.push(live & (state.seen % S_seg == 0), mem.weights, reserved=reserved)
     return y.to(v.dtype), state
+
+
+# Decoding grows the cache by this many slots at a time: a captured decode step holds the cache's shape, so
+# it serves until the slots run out, and the eager step reserves alike, so both read caches of one shape.
+DECODE_SLOT_BLOCK = 8
+
+
+def decode_slots(seen: int, segment_size: int) -> int:
+    """The cache's slots for a one-token step after ``seen`` tokens (the most any row has seen): enough
+    for every segment closed by then, in whole blocks of :data:`DECODE_SLOT_BLOCK`."""
+    closed = (seen + 1) // segment_size
+    return -(-closed // DECODE_SLOT_BLOCK) * DECODE_SLOT_BLOCK
+
+
+def decode_steps_within(slots: int, seen: int, segment_size: int) -> int:
+    """How many one-token steps from ``seen`` tokens a cache of ``slots`` slots takes before it must grow."""
+    return max(0, (slots + 1) * segment_size - 1 - seen)
 
 
 # --------------------------------------------------------------------------- chunked
@@ -834,8 +867,10 @@ def chunk_mc_titans(
     state: MCState,
     *,
     lengths: torch.Tensor | None = None,
+    reserved: bool = False,
 ) -> tuple[torch.Tensor, MCState]:
-    """``T`` new tokens per row (compacted, ``lengths`` valid), continuing ``state``."""
+    """``T`` new tokens per row (compacted, ``lengths`` valid), continuing ``state``. ``reserved``: one
+    token per row into a cache with room for it (:func:`step_mc_titans`)."""
     resolve_backend(q, has_triton_impl=fused_chunks(spec) and options.aggregation != "soup",
                     what="MC-Titans with a gated memory or the soup aggregation")
     B, T, H, _ = q.shape
@@ -844,7 +879,7 @@ def chunk_mc_titans(
         outs = []
         for t in range(T):
             o, state = step_mc_titans(spec, options, q[:, t], k[:, t], v[:, t], u[:, t], retention[:, t], momentum[:, t],
-                                      lr[:, t], init, state, live=t < lengths)
+                                      lr[:, t], init, state, live=t < lengths, reserved=reserved and T == 1)
             outs.append(o)
         return torch.stack(outs, 1) * (torch.arange(T, device=q.device)[None] < lengths[:, None])[..., None, None], state
 

@@ -14,10 +14,15 @@ as a CUDA graph and replayed for every new token. What makes that possible:
   real (left padding only ever precedes the prompt; the cache already holds
   what each row's padding did, which is nothing).
 
+A state that grows is given room ahead: MC-Titans' cache of segment memories
+takes its slots a block at a time (``reserve_decode_state`` on the model, the
+same blocks as its eager step takes), so a graph serves until they run out and
+generation then captures the next one, with more room.
+
 Only models that declare such a step take this path (``decode_graph_obstacle``
-on the model class returns no reason: MoM, Gated DeltaNet, plain Titans and
-Atlas, without attention layers or Memory Caching); for the others
-``generate(cuda_graph=True)`` raises and names why.
+on the model class returns no reason: MoM, Gated DeltaNet, Titans, MC-Titans
+with fixed segments and Atlas, without attention layers or Memory Caching of
+their own); for the others ``generate(cuda_graph=True)`` raises and names why.
 On a device other than CUDA the same static step runs eagerly
 (``DecodeGraph(..., capture=False)``), which is how the CPU tests check it.
 """
@@ -52,6 +57,10 @@ class DecodeGraph:
         if cache.get_seq_length() == 0:
             raise ValueError("a decode graph is built on a cache that holds a prefill")
         self.model, self.cache = model, cache
+        # A state that grows (Memory Caching's cached memories) is given room for the steps ahead first:
+        # the graph serves that many steps, then generation captures another with more room.
+        reserve = getattr(model, "reserve_decode_state", None)
+        self.steps_left: int | None = reserve(cache) if callable(reserve) else None
         self.buffers = [dict(layer.states) for layer in cache]
         batch = cache.layers[0].batch_size
         device = next(iter(self.buffers[0].values())).device
@@ -64,7 +73,7 @@ class DecodeGraph:
     def matches(self, cache: MnemoCache) -> bool:
         """Whether ``cache`` still holds exactly this graph's buffers (checked every step: identity only,
         since a tensor that is still the buffer still has its shape and dtype)."""
-        return cache is self.cache and all(
+        return cache is self.cache and (self.steps_left is None or self.steps_left > 0) and all(
             layer.states.keys() == bufs.keys() and all(layer.states[n] is t for n, t in bufs.items())
             for layer, bufs in zip(cache, self.buffers)
         )
@@ -136,4 +145,6 @@ class DecodeGraph:
             logits = self._step()
         for layer in self.cache:
             layer.seen_tokens += 1
+        if self.steps_left is not None:
+            self.steps_left -= 1
         return logits

@@ -19,7 +19,7 @@ from torch import nn
 from ..configuration.configuration_mc_titans import MCTitansConfig
 from ..kernels.chunk_loop import recompute_in_backward
 from ..kernels.memory_caching import MCOptions
-from ..kernels.mc_titans import MCState, chunk_mc_titans
+from ..kernels.mc_titans import MCState, chunk_mc_titans, decode_slots, decode_steps_within
 from ..kernels.mlp_memory import MLPMemorySpec
 from .cache import LayerCache
 from .gates import GateProjection
@@ -65,6 +65,22 @@ class MCTitansLayer(nn.Module):
         self.o_norm = GatedRMSNorm(D, eps=config.norm_eps)
         self.o_proj = nn.Linear(H * D, hidden, bias=False)
 
+    @property
+    def fixed_segments(self) -> bool:
+        """Memory Caching over segments of ``segment_size`` tokens (not plain Titans, not logarithmic)."""
+        return bool(self.options.segment_size) and not self.options.logarithmic
+
+    def reserve_decode_slots(self, cache: LayerCache) -> int | None:
+        """Room in ``cache`` for the one-token steps ahead, as they would make it step by step: how many
+        steps it takes without growing (``None``: any number, the state is fixed in size)."""
+        if not self.fixed_segments or "seen" not in cache:
+            return None
+        state = MCState.from_tensors(cache.states)
+        slots = decode_slots(cache.seen_tokens, self.options.segment_size)
+        state.reserve(slots)
+        cache.update(**state.tensors())
+        return decode_steps_within(slots, cache.seen_tokens, self.options.segment_size)
+
     def memory_init(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, f"memory_{name}") for name in self.spec.shapes}
 
@@ -109,7 +125,13 @@ class MCTitansLayer(nn.Module):
                 state = MCState.from_tensors(cache.states)
             else:
                 state = MCState.initial(init, B, D)
-            o, state = chunk_mc_titans(self.spec, self.options, *per_token, init, state, lengths=lengths)
+            # A one-token step of fixed segments makes room from what the host knows (no row has seen more
+            # tokens than the cache), so it reads nothing back: the step a CUDA graph captures.
+            reserved = cache is not None and T == 1 and self.fixed_segments
+            if reserved:
+                state.reserve(decode_slots(cache.seen_tokens, self.options.segment_size))
+            o, state = chunk_mc_titans(self.spec, self.options, *per_token, init, state, lengths=lengths,
+                                       reserved=reserved)
             if cache is not None:
                 cache.update(**state.tensors())
         if rows is not None:

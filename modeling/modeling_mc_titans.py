@@ -73,9 +73,17 @@ class MCTitansForCausalLM(MnemoCausalLMMixin, MnemoGenerationMixin, MCTitansPreT
 
     @classmethod
     def decode_graph_obstacle(cls, config: MCTitansConfig) -> str:
-        if config.segment_size is not None or config.segmentation == "logarithmic":
-            return "Memory Caching grows the cache by one memory per segment (segment_size=None is plain Titans)"
+        if config.segmentation == "logarithmic":
+            return ("logarithmic segments merge cached memories by each row's length, which the step reads back "
+                    "to the host (fixed segments decode through a graph)")
         return ""
+
+    def reserve_decode_state(self, cache) -> int | None:
+        """Make room in ``cache`` for the one-token steps ahead (Memory Caching's cached memories, a block of
+        slots at a time): how many steps it then takes at a fixed size (``None``: any number)."""
+        steps = [self.model.layers[i].attn.reserve_decode_slots(layer) for i, layer in enumerate(cache)]
+        steps = [n for n in steps if n is not None]
+        return min(steps) if steps else None
 
 
 register_peft_defaults(MCTitansConfig.model_type)  # here, so that exported code registers them too

@@ -89,7 +89,9 @@ def balance_loss(probs: torch.Tensor, memory: torch.Tensor, valid: torch.Tensor)
     """Switch-style load balance over valid tokens, ``E * sum_m f_m P_m`` (no device-to-host reads)."""
     E, topk = probs.shape[-1], memory.shape[-1]
     n_valid = valid.sum().clamp(min=1)
-    slot_counts = (F.one_hot(memory, E).float() * valid[..., None, None]).flatten(0, -2).sum(0)
+    # A comparison, not F.one_hot: on the CPU one_hot reads the indices' range back to check it.
+    chosen = memory[..., None] == torch.arange(E, device=memory.device)
+    slot_counts = (chosen.float() * valid[..., None, None]).flatten(0, -2).sum(0)
     fraction = slot_counts / (n_valid * topk)
     mean_prob = (probs * valid[..., None]).flatten(0, -2).sum(0) / n_valid
     return E * (fraction * mean_prob).sum()

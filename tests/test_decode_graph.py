@@ -1,12 +1,14 @@
 """``generate(cuda_graph=True)``: the fixed-buffer decode step (captured as a CUDA graph on GPUs; run
-eagerly here) gives exactly what eager decoding gives, keeps the cache's tensors in place, and
-models whose state grows are refused with the reason. MoM, Gated DeltaNet, plain Titans and Atlas
-(without Memory Caching or attention) decode this way."""
+eagerly here) gives exactly what eager decoding gives, keeps the cache's tensors in place, reads
+nothing back to the host, and models whose state grows unpredictably are refused with the reason.
+MoM, Gated DeltaNet, Titans, MC-Titans with fixed segments (its cached memories given slots a block at a
+time) and Atlas (without Memory Caching or attention) decode this way."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mnemo import MnemoCache
 from mnemo.modeling.cuda_graph import DecodeGraph
@@ -50,6 +52,10 @@ GRAPHABLE = {
     **{f"mom-{name}": (tiny_mom, overrides) for name, overrides in MOM_GRAPHABLE.items()},
     "titans": (tiny_mc_titans, {"segment_size": None}),
     "titans-conv": (tiny_mc_titans, {"segment_size": None, "conv_size": 3}),
+    # segments of 3 tokens: the 7-token prompts and 12 new tokens close several, in the prefill and the steps
+    **{f"mc-titans-{name}": (tiny_mc_titans, {"segment_size": 3, **overrides}) for name, overrides in {
+        "grm": {}, "ssc": {"aggregation": "ssc"}, "soup": {"aggregation": "soup"}, "residual": {"aggregation": "residual"},
+        "independent": {"cache_mode": "independent", "aggregation": "mean"}}.items()},
     **{f"atlas-{preset}": (tiny_atlas, {"preset": preset}) for preset in ("atlas", "omeganet", "dla", "swla")},
 }
 
@@ -70,6 +76,61 @@ def test_graphed_generation_equals_eager_generation(variant, replays):
     sampled_graphed = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, top_k=20,
                                      pad_token_id=0, cuda_graph=True)
     assert torch.equal(sampled_graphed, sampled)
+
+
+class NoHostReads(TorchDispatchMode):
+    """Fails any op that reads a tensor's value back to the host (``item``, ``bool``, ``int``, ``nonzero``):
+    a CUDA graph cannot capture one, so a step that passes here can be captured."""
+
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.masked_select.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            raise AssertionError(f"the decode step reads a value back to the host: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("variant", sorted(GRAPHABLE))
+def test_the_graphed_step_reads_nothing_back_to_the_host(variant):
+    build, overrides = GRAPHABLE[variant]
+    model = build(seed=1, **overrides)
+    ids, mask = left_padded([7, 3, 5], 7)
+    cache = MnemoCache(model.config.num_hidden_layers)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        step = DecodeGraph(model, cache, capture=False)
+        token = ids[:, -1:]
+        for _ in range(4):
+            with NoHostReads():
+                logits = step(token)
+            token = logits[:, -1:].argmax(-1)
+
+
+def test_mc_titans_graphs_are_captured_again_when_the_cached_memories_outgrow_their_slots(monkeypatch):
+    """Slots a block at a time: with blocks of one slot, every closed segment needs a new graph, and
+    generation still gives eager decoding's tokens (the eager step takes its slots in the same blocks)."""
+    import mnemo.modeling.generation as generation
+    from mnemo.kernels import mc_titans
+
+    monkeypatch.setattr(mc_titans, "DECODE_SLOT_BLOCK", 1)
+    built = []
+
+    class Counted(DecodeGraph):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self.steps_left)
+
+    monkeypatch.setattr(generation, "DecodeGraph", Counted)
+    model = tiny_mc_titans(seed=1, segment_size=3)
+    ids, mask = left_padded([7, 3, 5], 7)
+    eager = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    graphed = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                             cuda_graph=True)
+    assert torch.equal(graphed, eager)
+    # steps after 7, 8, ..., 17 tokens: a new slot is needed at 8, 11, 14 and 17 tokens, so graphs are made
+    # after 7 (1 step), 8 (3), 11 (3), 14 (3) and 17 (1 of its 3)
+    assert built == [1, 3, 3, 3, 3]
 
 
 def test_decode_graph_steps_in_place_and_match_the_eager_step():
@@ -97,12 +158,11 @@ def test_decode_graph_steps_in_place_and_match_the_eager_step():
 @pytest.mark.parametrize("build, overrides, reason", [
     (tiny_mom, {"num_hidden_layers": 3, "attention_layers": [1], "num_attention_heads": 4}, "attention layers"),
     (tiny_mom, {"segment_size": 4, "aggregation": "grm"}, "Memory Caching"),
-    (tiny_mc_titans, {}, "Memory Caching"),
-    (tiny_mc_titans, {"segmentation": "logarithmic"}, "Memory Caching"),
+    (tiny_mc_titans, {"segmentation": "logarithmic"}, "logarithmic"),
     (tiny_atlas, {"segment_size": 4}, "Memory Caching"),
     (tiny_atlas, {"hybrid": "mag"}, "sliding-window attention"),
     (tiny_deep_transformer, {}, "DeepTransformerForCausalLM"),
-], ids=["mom-hybrid", "mom-mc", "mc-titans", "mc-titans-log", "atlas-mc", "atlas-mag", "deep-transformer"])
+], ids=["mom-hybrid", "mom-mc", "mc-titans-log", "atlas-mc", "atlas-mag", "deep-transformer"])
 def test_graphed_generation_refuses_a_growing_state(build, overrides, reason):
     model = build(**overrides)
     with pytest.raises(ValueError, match=reason):

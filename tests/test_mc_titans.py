@@ -24,7 +24,11 @@ def test_cache_of_a_1000_token_decode_holds_one_memory_per_segment(segment_size)
     layer = cache[0]
     cached = 1000 // segment_size
     assert int(layer["num_cached"][0]) == cached
-    assert layer["cached.w1"].shape[1] == cached  # no slot beyond the cached memories
+    # decoding takes slots a block at a time (a graphed step holds the cache's shape): fewer than a block empty
+    from mnemo.kernels.mc_titans import DECODE_SLOT_BLOCK
+
+    assert layer["cached.w1"].shape[1] == -(-cached // DECODE_SLOT_BLOCK) * DECODE_SLOT_BLOCK
+    assert not bool(layer["cached.w1"][0, cached:].any())
     assert cached + 1 == math.ceil(1000 / segment_size)  # with the online memory: one per segment
     assert cache.get_seq_length() == 1000
 
