@@ -7,7 +7,7 @@ per row, through the cache), eager and replayed as a CUDA graph (the path of
 grow with the prompt. Models:
 
 - mnemo: Titans (4 heads x 256, MLP x4, chunk 64), Atlas with Muon and OmegaNet (16 x 64, MLP x4, window
-  16), MC-Titans grm (segments of 256: its cache grows by one memory per segment, its slots taken a
+  16), MC-Titans grm and ssc (segments of 256: its cache grows by one memory per segment, its slots taken a
   block at a time, so a captured step serves until they run out) and MoM
   (4 heads x 256, 4 memories top-2 + shared);
 - anchors, where installed: flash-linear-attention 0.6.0's ``MomForCausalLM`` and
@@ -39,12 +39,12 @@ from benchlib import (DEVICE, DTYPE, HIDDEN, VOCAB, Recorder, ints, lift_fla_hop
                       peak_gib, picked, reset_peak)
 
 
-def titans(segment_size: int | None):
+def titans(segment_size: int | None, aggregation: str = "grm"):
     from mnemo import MCTitansConfig, MCTitansForCausalLM
 
     return MCTitansForCausalLM(MCTitansConfig(hidden_size=HIDDEN, num_hidden_layers=4, num_heads=4, head_dim=256,
                                               memory_expansion=4, inner_chunk_size=64, segment_size=segment_size,
-                                              vocab_size=VOCAB))
+                                              aggregation=aggregation, vocab_size=VOCAB))
 
 
 def atlas(preset: str):
@@ -85,6 +85,7 @@ MODELS: dict[str, Callable] = {
     "atlas_muon_16x64": lambda: atlas("atlas"),
     "atlas_omeganet_16x64": lambda: atlas("omeganet"),
     "mc_titans_grm_seg256": lambda: titans(256),
+    "mc_titans_ssc_seg256": lambda: titans(256, "ssc"),
     "mom_4x2_shared": mom,
     "anchor_fla_mom_4x2_shared": lambda: fla_model("mom"),
     "anchor_fla_gated_deltanet_4x256": lambda: fla_model("gdn"),
