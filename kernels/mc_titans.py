@@ -231,23 +231,36 @@ class MCState:
             self.cached_key_sum = with_extra_slots(self.cached_key_sum, 1, extra)
             self.cached_key_count = with_extra_slots(self.cached_key_count, 1, extra)
 
-    def push(self, rows: torch.Tensor, weights: dict[str, torch.Tensor], *, reserved: bool = False) -> None:
+    def push(self, rows: torch.Tensor, weights: dict[str, torch.Tensor], *, slots: str = "grow") -> None:
         """Cache ``weights`` and the online segment's keys for ``rows`` (bool ``(B,)``), then reset the segment.
-        ``reserved``: the caller made room (:meth:`reserve`), so nothing is read back to the host (a step
-        that a CUDA graph can capture); else the cache grows by a slot where a row needs one."""
+
+        ``slots``: ``"grow"`` adds a slot where a row needs one (reading the counts back to the host);
+        ``"reserved"``: the caller made room (:meth:`reserve`), so nothing is read back (a step a CUDA graph
+        can capture); ``"in_place"``: also writes each row's one new memory into the cache's own tensors
+        instead of making new ones, for a cache whose tensors nothing else holds (a graphed step's buffers:
+        a step then moves one memory a row, not the whole cache)."""
+        if slots not in ("grow", "reserved", "in_place"):
+            raise ValueError(f"slots must be 'grow', 'reserved' or 'in_place', got {slots!r}")
         N = self.cached_key_count.shape[1]
-        if reserved:
-            pass
-        elif not bool(rows.any()):
-            return
-        elif int((self.num_cached + rows.long()).max()) > N:  # grow by one slot
-            self.cached = {n: with_extra_slots(c, 1) for n, c in self.cached.items()}
-            self.cached_key_sum = with_extra_slots(self.cached_key_sum, 1)
-            self.cached_key_count = with_extra_slots(self.cached_key_count, 1)
-            N += 1
+        if slots == "grow":
+            if not bool(rows.any()):
+                return
+            if int((self.num_cached + rows.long()).max()) > N:  # grow by one slot
+                self.cached = {n: with_extra_slots(c, 1) for n, c in self.cached.items()}
+                self.cached_key_sum = with_extra_slots(self.cached_key_sum, 1)
+                self.cached_key_count = with_extra_slots(self.cached_key_count, 1)
+                N += 1
         slot = (torch.arange(N, device=rows.device)[None] == self.num_cached[:, None]) & rows[:, None]  # (B, N)
-        s = slot[..., None, None, None]
-        self.cached = {n: torch.where(s, weights[n][:, None].to(c.dtype), c) for n, c in self.cached.items()}
+        if slots == "in_place":
+            if N == 0:  # no slot: nothing can close yet (the caller reserved what the host knows)
+                return
+            # Row b's slot num_cached[b] (clamped: a full row that closes nothing writes back what it holds)
+            at = (torch.arange(rows.shape[0], device=rows.device), self.num_cached.clamp(max=N - 1))
+            for n, c in self.cached.items():
+                c[at] = torch.where(rows[:, None, None, None], weights[n].to(c.dtype), c[at])
+        else:
+            s = slot[..., None, None, None]
+            self.cached = {n: torch.where(s, weights[n][:, None].to(c.dtype), c) for n, c in self.cached.items()}
         self.cached_key_sum, self.cached_key_count, self.key_sum, self.key_count = close_segments(
             self.cached_key_sum, self.cached_key_count, self.key_sum, self.key_count, slot, rows)
         self.num_cached = self.num_cached + rows.long()
@@ -331,11 +344,11 @@ def step_mc_titans(
     state: MCState,
     *,
     live: torch.Tensor | None = None,
-    reserved: bool = False,
+    slots: str = "grow",
 ) -> tuple[torch.Tensor, MCState]:
-    """One token per row (``q, k, v, u`` ``(B, H, D)``, gates ``(B, H)``); ``live`` rows only. ``reserved``:
-    the cache has a slot for a segment this token closes (:func:`decode_slots`), so fixed segments step
-    without reading anything back to the host."""
+    """One token per row (``q, k, v, u`` ``(B, H, D)``, gates ``(B, H)``); ``live`` rows only. ``slots``
+    (:meth:`MCState.push`): ``"reserved"`` or ``"in_place"`` where the cache has a slot for a segment this
+    token closes (:func:`decode_slots`), so fixed segments step without reading anything back."""
     B = q.shape[0]
     dtype = torch.promote_types(v.dtype, torch.float32)
     live = torch.ones(B, dtype=torch.bool, device=q.device) if live is None else live.bool()
@@ -366,7 +379,7 @@ def step_mc_titans(
                 online_summary, state.cached, state.cached_summary(), state.cached_valid)[:, :, 0]
     state.seen = n + live.long()
     if not options.logarithmic and S_seg:
-        state.push(live & (state.seen % S_seg == 0), mem.weights, reserved=reserved)
+        state.push(live & (state.seen % S_seg == 0), mem.weights, slots=slots)
     return y.to(v.dtype), state
 
 
@@ -867,10 +880,10 @@ def chunk_mc_titans(
     state: MCState,
     *,
     lengths: torch.Tensor | None = None,
-    reserved: bool = False,
+    slots: str = "grow",
 ) -> tuple[torch.Tensor, MCState]:
-    """``T`` new tokens per row (compacted, ``lengths`` valid), continuing ``state``. ``reserved``: one
-    token per row into a cache with room for it (:func:`step_mc_titans`)."""
+    """``T`` new tokens per row (compacted, ``lengths`` valid), continuing ``state``. ``slots``: for one
+    token per row, how its step caches a memory (:func:`step_mc_titans`)."""
     resolve_backend(q, has_triton_impl=fused_chunks(spec) and options.aggregation != "soup",
                     what="MC-Titans with a gated memory or the soup aggregation")
     B, T, H, _ = q.shape
@@ -879,7 +892,8 @@ def chunk_mc_titans(
         outs = []
         for t in range(T):
             o, state = step_mc_titans(spec, options, q[:, t], k[:, t], v[:, t], u[:, t], retention[:, t], momentum[:, t],
-                                      lr[:, t], init, state, live=t < lengths, reserved=reserved and T == 1)
+                                      lr[:, t], init, state, live=t < lengths,
+                                      slots=slots if T == 1 else "grow")
             outs.append(o)
         return torch.stack(outs, 1) * (torch.arange(T, device=q.device)[None] < lengths[:, None])[..., None, None], state
 

@@ -127,11 +127,12 @@ class MCTitansLayer(nn.Module):
                 state = MCState.initial(init, B, D)
             # A one-token step of fixed segments makes room from what the host knows (no row has seen more
             # tokens than the cache), so it reads nothing back: the step a CUDA graph captures.
-            reserved = cache is not None and T == 1 and self.fixed_segments
-            if reserved:
+            slots = "grow"
+            if cache is not None and T == 1 and self.fixed_segments:
                 state.reserve(decode_slots(cache.seen_tokens, self.options.segment_size))
+                slots = "in_place" if cache.in_place else "reserved"
             o, state = chunk_mc_titans(self.spec, self.options, *per_token, init, state, lengths=lengths,
-                                       reserved=reserved)
+                                       slots=slots)
             if cache is not None:
                 cache.update(**state.tensors())
         if rows is not None:
