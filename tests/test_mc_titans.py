@@ -33,6 +33,56 @@ def test_cache_of_a_1000_token_decode_holds_one_memory_per_segment(segment_size)
     assert cache.get_seq_length() == 1000
 
 
+@pytest.mark.parametrize("segment_size", [1, 3, 256])
+def test_decode_slots_come_in_blocks_and_last_as_long_as_they_say(segment_size):
+    from mnemo.kernels.mc_titans import DECODE_SLOT_BLOCK, decode_slots, decode_steps_within
+
+    for seen in range(0, 40 * segment_size, max(1, segment_size // 3)):
+        slots = decode_slots(seen, segment_size)
+        assert slots % DECODE_SLOT_BLOCK == 0 and slots >= (seen + 1) // segment_size
+        steps = decode_steps_within(slots, seen, segment_size)
+        assert steps >= 1  # the step it was reserved for
+        assert all(decode_slots(seen + j, segment_size) <= slots for j in range(steps))
+        assert decode_slots(seen + steps, segment_size) > slots
+
+
+def test_pushing_into_reserved_slots_in_place_equals_growing_the_cache():
+    """The three ways a step caches a memory agree: growing a slot where needed (reading counts back),
+    writing into reserved slots, and writing them in place; a row that closes nothing keeps its cache, a
+    full one included (its clamped slot is written back as it was)."""
+    from mnemo.kernels.mc_titans import MCState
+
+    gen = torch.Generator().manual_seed(0)
+    B, H, d = 4, 2, 3
+    init = {"w1": torch.randn(H, 5, d, generator=gen), "w2": torch.randn(H, d, 5, generator=gen)}
+    state = MCState.initial(init, B, d)
+    states = {"grow": state, "reserved": MCState.initial(init, B, d), "in_place": MCState.initial(init, B, d)}
+    for mode in ("reserved", "in_place"):
+        states[mode].reserve(3)
+    for step in range(4):
+        rows = torch.tensor([step < 3, step % 2 == 0, False, step != 1])  # rows 0 and 3 fill their 3 slots
+        weights = {n: torch.randn(B, *w.shape, generator=gen) for n, w in init.items()}
+        keys = torch.randn(B, H, d, generator=gen)
+        for mode, st in states.items():
+            st.key_sum, st.key_count = st.key_sum + keys, st.key_count + 1
+            where = {n: c.data_ptr() for n, c in st.cached.items()}
+            st.push(rows, weights, slots=mode)
+            if mode == "in_place":  # the same tensors, written where they lie
+                assert {n: c.data_ptr() for n, c in st.cached.items()} == where
+    grown, reserved, in_place = states["grow"], states["reserved"], states["in_place"]
+    n = grown.cached_key_count.shape[1]
+    assert n == 3 and torch.equal(grown.num_cached, torch.tensor([3, 2, 0, 3]))
+    for other in (reserved, in_place):
+        assert torch.equal(other.num_cached, grown.num_cached)
+        for name in init:
+            torch.testing.assert_close(other.cached[name][:, :n], grown.cached[name], rtol=0, atol=0)
+        for a, b in ((other.cached_key_sum[:, :n], grown.cached_key_sum), (other.key_sum, grown.key_sum),
+                     (other.cached_key_count[:, :n], grown.cached_key_count), (other.key_count, grown.key_count)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="slots"):
+        grown.push(torch.ones(B, dtype=torch.bool), weights, slots="always")
+
+
 def test_decode_matches_forward_across_segment_and_chunk_boundaries():
     model = tiny_mc_titans(segment_size=5, inner_chunk_size=3, aggregation="ssc", ssc_topk=2)
     ids = torch.randint(1, 97, (2, 23))
