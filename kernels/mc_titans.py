@@ -67,7 +67,7 @@ from .titans_chunk import wanted as fused_chunks
 from .titans_persistent_triton import titans_chunks as persistent_chunks
 from .titans_persistent_triton import wanted as persistent_wanted
 
-__all__ = ["DECODE_SLOT_BLOCK", "MCState", "chunk_mc_titans", "decode_slots", "decode_steps_within",
+__all__ = ["DECODE_EXACT_SLOTS", "MCState", "chunk_mc_titans", "decode_slots", "decode_steps_within",
            "reference_mc_titans", "step_mc_titans"]
 
 
@@ -383,16 +383,22 @@ def step_mc_titans(
     return y.to(v.dtype), state
 
 
-# Decoding grows the cache by this many slots at a time: a captured decode step holds the cache's shape, so
-# it serves until the slots run out, and the eager step reserves alike, so both read caches of one shape.
-DECODE_SLOT_BLOCK = 8
+# Up to this many cached memories, decoding gives the cache exactly the slots it needs.
+DECODE_EXACT_SLOTS = 8
 
 
 def decode_slots(seen: int, segment_size: int) -> int:
-    """The cache's slots for a one-token step after ``seen`` tokens (the most any row has seen): enough
-    for every segment closed by then, in whole blocks of :data:`DECODE_SLOT_BLOCK`."""
+    """The cache's slots for a one-token step after ``seen`` tokens (the most any row has seen): one for
+    every segment closed by then, exactly up to :data:`DECODE_EXACT_SLOTS` and beyond that rounded up to a
+    quarter of the power of two below (8 -> 8, 9 -> 10, 17 -> 20, 33 -> 40): at most a quarter of them
+    empty. A captured decode step holds the cache's shape, so it serves until its slots run out, which
+    then takes a number of segments that grows with the cache; the eager step sizes its cache alike, so
+    both read caches of one shape."""
     closed = (seen + 1) // segment_size
-    return -(-closed // DECODE_SLOT_BLOCK) * DECODE_SLOT_BLOCK
+    if closed <= DECODE_EXACT_SLOTS:
+        return closed
+    step = 1 << (closed.bit_length() - 3)
+    return -(-closed // step) * step
 
 
 def decode_steps_within(slots: int, seen: int, segment_size: int) -> int:

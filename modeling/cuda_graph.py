@@ -15,8 +15,8 @@ as a CUDA graph and replayed for every new token. What makes that possible:
   what each row's padding did, which is nothing).
 
 A state that grows is given room ahead: MC-Titans' cache of segment memories
-takes its slots a block at a time (``reserve_decode_state`` on the model, the
-same blocks as its eager step takes), so a graph serves until they run out and
+takes its slots ahead of need (``reserve_decode_state`` on the model, sized as
+its eager step sizes them), so a graph serves until they run out and
 generation then captures the next one, with more room.
 
 Only models that declare such a step take this path (``decode_graph_obstacle``
@@ -137,6 +137,9 @@ class DecodeGraph:
         if tuple(input_ids.shape) != tuple(self.input_ids.shape):
             raise ValueError(f"the decode graph takes input_ids of shape {tuple(self.input_ids.shape)}, "
                              f"got {tuple(input_ids.shape)}")
+        if self.steps_left == 0:
+            raise ValueError("this decode graph's room for the growing state is used up: build another on the "
+                             "cache (generate(cuda_graph=True) does)")
         self.input_ids.copy_(input_ids)
         if self.capture:
             self.graph.replay()

@@ -102,18 +102,18 @@ def test_the_graphed_step_reads_nothing_back_to_the_host(variant):
         step = DecodeGraph(model, cache, capture=False)
         token = ids[:, -1:]
         for _ in range(4):
+            if not step.matches(cache):  # its room used up: another, as generation makes it
+                step = DecodeGraph(model, cache, capture=False)
             with NoHostReads():
                 logits = step(token)
             token = logits[:, -1:].argmax(-1)
 
 
 def test_mc_titans_graphs_are_captured_again_when_the_cached_memories_outgrow_their_slots(monkeypatch):
-    """Slots a block at a time: with blocks of one slot, every closed segment needs a new graph, and
-    generation still gives eager decoding's tokens (the eager step takes its slots in the same blocks)."""
+    """A few cached memories get exactly their slots, so every closed segment needs a new graph, and
+    generation still gives eager decoding's tokens (the eager step sizes its cache alike)."""
     import mnemo.modeling.generation as generation
-    from mnemo.kernels import mc_titans
 
-    monkeypatch.setattr(mc_titans, "DECODE_SLOT_BLOCK", 1)
     built = []
 
     class Counted(DecodeGraph):
@@ -131,6 +131,22 @@ def test_mc_titans_graphs_are_captured_again_when_the_cached_memories_outgrow_th
     # steps after 7, 8, ..., 17 tokens: a new slot is needed at 8, 11, 14 and 17 tokens, so graphs are made
     # after 7 (1 step), 8 (3), 11 (3), 14 (3) and 17 (1 of its 3)
     assert built == [1, 3, 3, 3, 3]
+
+
+def test_a_decode_graph_refuses_to_step_past_its_room():
+    model = tiny_mc_titans(seed=1, segment_size=3)
+    ids = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(0))
+    cache = MnemoCache(model.config.num_hidden_layers)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        step = DecodeGraph(model, cache, capture=False)
+        assert step.steps_left == 3  # 2 slots after 5 tokens: steps until the 9th token closes a third segment
+        for _ in range(3):
+            assert step.matches(cache)
+            step(ids[:, -1:])
+        assert not step.matches(cache)
+        with pytest.raises(ValueError, match="room"):
+            step(ids[:, -1:])
 
 
 @pytest.mark.parametrize("build", [tiny_mom, tiny_mc_titans], ids=["mom", "mc-titans"])

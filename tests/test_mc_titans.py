@@ -24,22 +24,22 @@ def test_cache_of_a_1000_token_decode_holds_one_memory_per_segment(segment_size)
     layer = cache[0]
     cached = 1000 // segment_size
     assert int(layer["num_cached"][0]) == cached
-    # decoding takes slots a block at a time (a graphed step holds the cache's shape): fewer than a block empty
-    from mnemo.kernels.mc_titans import DECODE_SLOT_BLOCK
-
-    assert layer["cached.w1"].shape[1] == -(-cached // DECODE_SLOT_BLOCK) * DECODE_SLOT_BLOCK
+    # decoding sizes the cache ahead (a graphed step holds its shape): exactly for a few memories, then with
+    # at most a quarter of the slots empty
+    slots = layer["cached.w1"].shape[1]
+    assert slots == cached if cached <= 8 else cached <= slots < 1.25 * cached
     assert not bool(layer["cached.w1"][0, cached:].any())
     assert cached + 1 == math.ceil(1000 / segment_size)  # with the online memory: one per segment
     assert cache.get_seq_length() == 1000
 
 
 @pytest.mark.parametrize("segment_size", [1, 3, 256])
-def test_decode_slots_come_in_blocks_and_last_as_long_as_they_say(segment_size):
-    from mnemo.kernels.mc_titans import DECODE_SLOT_BLOCK, decode_slots, decode_steps_within
+def test_decode_slots_are_few_empty_and_last_as_long_as_they_say(segment_size):
+    from mnemo.kernels.mc_titans import DECODE_EXACT_SLOTS, decode_slots, decode_steps_within
 
-    for seen in range(0, 40 * segment_size, max(1, segment_size // 3)):
-        slots = decode_slots(seen, segment_size)
-        assert slots % DECODE_SLOT_BLOCK == 0 and slots >= (seen + 1) // segment_size
+    for seen in range(0, 200 * segment_size, max(1, segment_size // 3)):
+        slots, closed = decode_slots(seen, segment_size), (seen + 1) // segment_size
+        assert slots == closed if closed <= DECODE_EXACT_SLOTS else closed <= slots < 1.25 * closed
         steps = decode_steps_within(slots, seen, segment_size)
         assert steps >= 1  # the step it was reserved for
         assert all(decode_slots(seen + j, segment_size) <= slots for j in range(steps))
