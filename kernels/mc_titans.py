@@ -246,10 +246,8 @@ class MCState:
             if not bool(rows.any()):
                 return
             if int((self.num_cached + rows.long()).max()) > N:  # grow by one slot
-                self.cached = {n: with_extra_slots(c, 1) for n, c in self.cached.items()}
-                self.cached_key_sum = with_extra_slots(self.cached_key_sum, 1)
-                self.cached_key_count = with_extra_slots(self.cached_key_count, 1)
                 N += 1
+                self.reserve(N)
         slot = (torch.arange(N, device=rows.device)[None] == self.num_cached[:, None]) & rows[:, None]  # (B, N)
         if slots == "in_place":
             if N == 0:  # no slot: nothing can close yet (the caller reserved what the host knows)

@@ -79,8 +79,8 @@ class MCTitansForCausalLM(MnemoCausalLMMixin, MnemoGenerationMixin, MCTitansPreT
         return ""
 
     def reserve_decode_state(self, cache) -> int | None:
-        """Make room in ``cache`` for the one-token steps ahead (Memory Caching's cached memories, a block of
-        slots at a time): how many steps it then takes at a fixed size (``None``: any number)."""
+        """Make room in ``cache`` for the one-token steps ahead (Memory Caching's cached memories, sized as the
+        eager step sizes them): how many steps it then takes at a fixed size (``None``: any number)."""
         steps = [self.model.layers[i].attn.reserve_decode_slots(layer) for i, layer in enumerate(cache)]
         steps = [n for n in steps if n is not None]
         return min(steps) if steps else None
