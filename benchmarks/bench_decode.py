@@ -7,8 +7,9 @@ per row, through the cache), eager and replayed as a CUDA graph (the path of
 grow with the prompt. Models:
 
 - mnemo: Titans (4 heads x 256, MLP x4, chunk 64), Atlas with Muon and OmegaNet (16 x 64, MLP x4, window
-  16), MC-Titans grm and ssc (segments of 256: its cache grows by one memory per segment, its slots taken a
-  block at a time, so a captured step serves until they run out) and MoM
+  16), MC-Titans grm and ssc and Atlas (OmegaNet and Muon) with Memory Caching, grm (segments of 256: the
+  cache grows by one memory per segment, its slots taken ahead of need, so a captured step serves until
+  they run out) and MoM
   (4 heads x 256, 4 memories top-2 + shared);
 - anchors, where installed: flash-linear-attention 0.6.0's ``MomForCausalLM`` and
   ``GatedDeltaNetForCausalLM`` at the same shape, and transformers' Llama (16 heads x 64, SDPA, dynamic
@@ -47,11 +48,11 @@ def titans(segment_size: int | None, aggregation: str = "grm"):
                                               aggregation=aggregation, vocab_size=VOCAB))
 
 
-def atlas(preset: str):
+def atlas(preset: str, **overrides):
     from mnemo import AtlasConfig, AtlasForCausalLM
 
     return AtlasForCausalLM(AtlasConfig.preset(preset, hidden_size=HIDDEN, num_hidden_layers=4, num_heads=16,
-                                               vocab_size=VOCAB))
+                                               vocab_size=VOCAB, **overrides))
 
 
 def mom():
@@ -86,6 +87,8 @@ MODELS: dict[str, Callable] = {
     "atlas_omeganet_16x64": lambda: atlas("omeganet"),
     "mc_titans_grm_seg256": lambda: titans(256),
     "mc_titans_ssc_seg256": lambda: titans(256, "ssc"),
+    "mc_atlas_omeganet_grm_seg256": lambda: atlas("omeganet", segment_size=256, aggregation="grm"),
+    "mc_atlas_muon_grm_seg256": lambda: atlas("atlas", segment_size=256, aggregation="grm"),
     "mom_4x2_shared": mom,
     "anchor_fla_mom_4x2_shared": lambda: fla_model("mom"),
     "anchor_fla_gated_deltanet_4x256": lambda: fla_model("gdn"),

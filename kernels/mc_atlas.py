@@ -29,8 +29,10 @@ those of plain Atlas, so inside the first segment the layer is plain Atlas
 whatever the aggregation.
 
 Entry points: :func:`reference_mc_atlas` (token by token with the step kernel,
-explicit lists) and :func:`chunk_mc_atlas` (the chunked kernel run segment by
-segment over compacted rows), plus :class:`CachedMemories`, the list.
+explicit lists), :func:`chunk_mc_atlas` (the chunked kernel run segment by
+segment over compacted rows) and :func:`step_mc_atlas` (one token of every row,
+the decode step: with slots reserved ahead it reads nothing back to the host, so
+a CUDA graph captures it), plus :class:`CachedMemories`, the list.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ from .memory_caching import (
 )
 from .mlp_memory import MLPMemorySpec, memory_apply, static_apply
 
-__all__ = ["AGGREGATIONS", "GATED_AGGREGATIONS", "CachedMemories", "chunk_mc_atlas", "reference_mc_atlas"]
+__all__ = ["AGGREGATIONS", "GATED_AGGREGATIONS", "CachedMemories", "chunk_mc_atlas", "reference_mc_atlas",
+           "step_mc_atlas"]
 
 
 @dataclass
@@ -95,32 +98,60 @@ class CachedMemories:
     @property
     def valid(self) -> torch.Tensor:
         """``(B, N)``: which slots of each row hold a cached memory."""
-        N = next(iter(self.weights.values())).shape[1]
-        return torch.arange(N, device=self.count.device)[None] < self.count[:, None]
+        return torch.arange(self.slots, device=self.count.device)[None] < self.count[:, None]
 
     def summary(self) -> torch.Tensor:
         """``r^(i)`` of every slot, ``(B, N, H, d_k)`` (zero in empty slots)."""
         return key_mean(self.key_sum, self.key_count)
 
-    def push(self, rows: torch.Tensor, weights: dict[str, torch.Tensor]) -> "CachedMemories":
-        """A new list with ``weights`` appended for ``rows`` (bool ``(B,)``); with summaries, the
-        online segment's keys move into the new slot and the online segment restarts empty."""
-        if not bool(rows.any()):
+    @property
+    def slots(self) -> int:
+        return next(iter(self.weights.values())).shape[1]
+
+    def reserve(self, slots: int) -> "CachedMemories":
+        """At least ``slots`` slots (new ones empty): room for :meth:`push` without device reads."""
+        extra = slots - self.slots
+        if extra <= 0:
             return self
-        cached, key_sum, key_count = self.weights, self.key_sum, self.key_count
-        N = next(iter(cached.values())).shape[1]
-        if int((self.count + rows.long()).max()) > N:  # grow by one slot
-            cached = {n: with_extra_slots(c, 1) for n, c in cached.items()}
-            if self.has_summaries:
-                key_sum, key_count = with_extra_slots(key_sum, 1), with_extra_slots(key_count, 1)
-            N += 1
+        out = replace(self, weights={n: with_extra_slots(c, 1, extra) for n, c in self.weights.items()})
+        if self.has_summaries:
+            out.key_sum, out.key_count = with_extra_slots(self.key_sum, 1, extra), with_extra_slots(self.key_count, 1, extra)
+        return out
+
+    def push(self, rows: torch.Tensor, weights: dict[str, torch.Tensor], *, slots: str = "grow") -> "CachedMemories":
+        """A new list with ``weights`` appended for ``rows`` (bool ``(B,)``); with summaries, the
+        online segment's keys move into the new slot and the online segment restarts empty.
+
+        ``slots``: ``"grow"`` adds a slot where a row needs one (reading the counts back to the host);
+        ``"reserved"``: the caller made room (:meth:`reserve`), so nothing is read back (a step a CUDA graph
+        can capture); ``"in_place"``: also writes each row's new memory into the cached weights' own tensors
+        (a graphed step's buffers, which nothing else holds: a step then moves one memory a row, not the
+        whole cache)."""
+        if slots not in ("grow", "reserved", "in_place"):
+            raise ValueError(f"slots must be 'grow', 'reserved' or 'in_place', got {slots!r}")
+        cached, N = self, self.slots
+        if slots == "grow":
+            if not bool(rows.any()):
+                return self
+            if int((self.count + rows.long()).max()) > N:  # grow by one slot
+                N += 1
+                cached = self.reserve(N)
         slot = (torch.arange(N, device=rows.device)[None] == self.count[:, None]) & rows[:, None]
-        s = slot[..., None, None, None]
-        out = CachedMemories({n: torch.where(s, weights[n][:, None].to(c.dtype), c) for n, c in cached.items()},
-                             self.count + rows.long())
+        if slots == "in_place":
+            if N == 0:  # no slot: nothing can close yet (the caller reserved what the host knows)
+                return self
+            # Row b's slot count[b] (clamped: a full row that closes nothing writes back what it holds)
+            at = (torch.arange(rows.shape[0], device=rows.device), self.count.clamp(max=N - 1))
+            for n, c in cached.weights.items():
+                c[at] = torch.where(rows[:, None, None, None], weights[n].to(c.dtype), c[at])
+            out = replace(cached, count=self.count + rows.long())
+        else:
+            s = slot[..., None, None, None]
+            out = replace(cached, weights={n: torch.where(s, weights[n][:, None].to(c.dtype), c)
+                                           for n, c in cached.weights.items()}, count=self.count + rows.long())
         if self.has_summaries:
             out.key_sum, out.key_count, out.online_key_sum, out.online_key_count = close_segments(
-                key_sum, key_count, self.online_key_sum, self.online_key_count, slot, rows)
+                cached.key_sum, cached.key_count, self.online_key_sum, self.online_key_count, slot, rows)
         return out
 
     def read(self, spec: MLPMemorySpec, q: torch.Tensor) -> torch.Tensor:
@@ -215,6 +246,45 @@ def _front(x: torch.Tensor | None, start: torch.Tensor, width: int) -> torch.Ten
     B, T = x.shape[:2]
     index = (start[:, None] + torch.arange(width, device=x.device)[None]).clamp(max=T - 1)
     return x.gather(1, index.view(B, width, *([1] * (x.dim() - 2))).expand(B, width, *x.shape[2:]))
+
+
+def step_mc_atlas(
+    spec: MLPMemorySpec,
+    q, k, v, retention, lr, momentum, gamma,
+    state: AtlasState,
+    cached: CachedMemories,
+    *,
+    live: torch.Tensor,
+    clock: torch.Tensor,
+    segment_size: int,
+    aggregation: str,
+    u: torch.Tensor | None = None,
+    ssc_topk: int = 2,
+    slots: str = "grow",
+    **options,
+) -> tuple[torch.Tensor, AtlasState, CachedMemories]:
+    """One token per row (``q, k, v, u`` ``(B, H, d)``, gates ``(B, H)``), ``live`` rows only, clocks at
+    ``clock`` ``(B,)``: :func:`chunk_mc_atlas` of one token, with every row in one step. ``slots``
+    (:meth:`CachedMemories.push`): ``"reserved"`` or ``"in_place"`` where the cache has a slot for a segment
+    this token closes (:func:`~.memory_caching.decode_slots`), so the step reads nothing back to the host."""
+    check_aggregation(aggregation, u, "Atlas memories")
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    o, state = step_atlas(spec, q, k, v, retention, lr, momentum, gamma, state, live=live, **options)
+    if aggregation in GATED_AGGREGATIONS:
+        if not cached.has_summaries:
+            raise ValueError(f"aggregation {aggregation!r} needs a cache that keeps segment summaries")
+        run_sum = cached.online_key_sum + l2_normalize(k.to(dtype)) * live[:, None, None]
+        run_count = cached.online_key_count + live.to(dtype)
+        # the step's own output is the online read alone: read again with the cache
+        y = _gated_read(spec, aggregation, ssc_topk, cached)(
+            static_apply(state.weights), q.to(dtype)[:, :, None], u.to(dtype)[:, :, None],
+            key_mean(run_sum, run_count)[:, :, None], *_read_consts(cached))[:, :, 0]
+        cached = replace(cached, online_key_sum=run_sum, online_key_count=run_count)
+    else:
+        y = _combine(o, cached.read(spec, q.to(o.dtype)[:, :, None])[:, :, 0], cached.count, aggregation)
+    y = y * live[:, None, None]
+    closes = live & ((clock + 1) % segment_size == 0)
+    return y, state, cached.push(closes, state.weights, slots=slots)
 
 
 def chunk_mc_atlas(

@@ -36,11 +36,14 @@ from .mlp_memory import MLPMemorySpec, memory_apply, static_apply
 
 __all__ = [
     "AGGREGATIONS",
+    "DECODE_EXACT_SLOTS",
     "GATED_AGGREGATIONS",
     "LINEAR_AGGREGATIONS",
     "MCOptions",
     "check_aggregation",
     "close_segments",
+    "decode_slots",
+    "decode_steps_within",
     "key_mean",
     "log_segments",
     "mc_gates",
@@ -281,3 +284,28 @@ def close_segments(
         torch.where(closing[..., None, None], torch.zeros_like(online_key_sum), online_key_sum),
         torch.where(closing, torch.zeros_like(online_key_count), online_key_count),
     )
+
+
+# --------------------------------------------------------------------------- decode slots
+
+
+DECODE_EXACT_SLOTS = 8
+
+
+def decode_slots(seen: int, segment_size: int) -> int:
+    """The cache's slots for a one-token step after ``seen`` tokens (the most any row has seen): one for
+    every segment closed by then, exactly up to :data:`DECODE_EXACT_SLOTS` and beyond that rounded up to a
+    quarter of the power of two below (8 -> 8, 9 -> 10, 17 -> 20, 33 -> 40): at most a quarter of them
+    empty. A captured decode step holds the cache's shape, so it serves until its slots run out, which
+    then takes a number of segments that grows with the cache; the eager step sizes its cache alike, so
+    both read caches of one shape."""
+    closed = (seen + 1) // segment_size
+    if closed <= DECODE_EXACT_SLOTS:
+        return closed
+    step = 1 << (closed.bit_length() - 3)
+    return -(-closed // step) * step
+
+
+def decode_steps_within(slots: int, seen: int, segment_size: int) -> int:
+    """How many one-token steps from ``seen`` tokens a cache of ``slots`` slots takes before it must grow."""
+    return max(0, (slots + 1) * segment_size - 1 - seen)

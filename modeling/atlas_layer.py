@@ -24,7 +24,8 @@ from torch import nn
 
 from ..configuration.configuration_atlas import AtlasConfig
 from ..kernels.atlas import AtlasState, chunk_atlas, step_atlas
-from ..kernels.mc_atlas import CachedMemories, chunk_mc_atlas
+from ..kernels.mc_atlas import CachedMemories, chunk_mc_atlas, step_mc_atlas
+from ..kernels.memory_caching import decode_slots, decode_steps_within
 from ..kernels.feature_maps import initial_coefficients
 from ..kernels.normalized_features import normalized_features
 from ..kernels.mlp_memory import MLPMemorySpec
@@ -80,32 +81,56 @@ class AtlasLayer(nn.Module):
     def memory_init(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, f"memory_{name}") for name in self.spec.shapes}
 
-    def _cached_memory(self, q, k, v, u, retention, lr, momentum, gamma, state, mask, cache):
-        """The memory with Memory Caching; returns outputs, state and the cache entries to store."""
-        B = q.shape[0]
-        if cache is not None and "mc_seen" in cache:
-            clock = cache["mc_seen"]
-            cached = CachedMemories(cache.group("mc."),
-                                    cache["mc_count"])
-            if self.gated:
-                cached = replace(cached, key_sum=cache["mc_key_sum"], key_count=cache["mc_key_count"],
-                                 online_key_sum=cache["mc_online_key_sum"],
-                                 online_key_count=cache["mc_online_key_count"])
-        else:
-            clock = torch.zeros(B, dtype=torch.long, device=q.device)
-            cached = CachedMemories.empty(state.weights, self.spec.d_k if self.gated else None)
-        rows = RowCompaction(mask)
-        q, k, v, retention, lr, momentum, gamma = (rows.compact(x) for x in (q, k, v, retention, lr, momentum, gamma))
-        o, state, cached = chunk_mc_atlas(self.spec, q, k, v, retention, lr, momentum, gamma, state, cached,
-                                          lengths=rows.lengths, clock=clock, segment_size=self.segment_size,
-                                          aggregation=self.aggregation, u=rows.compact(u),
-                                          ssc_topk=self.ssc_topk, **self.options)
+    def _cache_entries(self, cache, like: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, CachedMemories]:
+        """The rows' clocks (``None`` before any token) and cached memories held by ``cache``."""
+        if cache is None or "mc_seen" not in cache:
+            return None, CachedMemories.empty(like, self.spec.d_k if self.gated else None)
+        cached = CachedMemories(cache.group("mc."), cache["mc_count"])
+        if self.gated:
+            cached = replace(cached, key_sum=cache["mc_key_sum"], key_count=cache["mc_key_count"],
+                             online_key_sum=cache["mc_online_key_sum"], online_key_count=cache["mc_online_key_count"])
+        return cache["mc_seen"], cached
+
+    def _stored(self, cached: CachedMemories, clock: torch.Tensor) -> dict[str, torch.Tensor]:
         stored = {f"mc.{n}": t for n, t in cached.weights.items()}
-        stored.update(mc_count=cached.count, mc_seen=clock + rows.lengths)
+        stored.update(mc_count=cached.count, mc_seen=clock)
         if self.gated:
             stored.update(mc_key_sum=cached.key_sum, mc_key_count=cached.key_count,
                           mc_online_key_sum=cached.online_key_sum, mc_online_key_count=cached.online_key_count)
-        return rows.restore(o), state, stored
+        return stored
+
+    def reserve_decode_slots(self, cache) -> int | None:
+        """Room in ``cache`` for the one-token steps ahead, as they would make it step by step: how many
+        steps it takes without growing (``None``: any number, the state is fixed in size)."""
+        if self.segment_size is None or "mc_seen" not in cache:
+            return None
+        clock, cached = self._cache_entries(cache, {})
+        slots = decode_slots(cache.seen_tokens, self.segment_size)
+        cache.update(**self._stored(cached.reserve(slots), clock))
+        return decode_steps_within(slots, cache.seen_tokens, self.segment_size)
+
+    def _cached_memory(self, q, k, v, u, retention, lr, momentum, gamma, state, mask, cache):
+        """The memory with Memory Caching; returns outputs, state and the cache entries to store."""
+        B, T = q.shape[:2]
+        clock, cached = self._cache_entries(cache, state.weights)
+        if clock is None:
+            clock = torch.zeros(B, dtype=torch.long, device=q.device)
+        mc = dict(segment_size=self.segment_size, aggregation=self.aggregation, ssc_topk=self.ssc_topk, **self.options)
+        if T == 1 and cache is not None and "mc_seen" in cache:
+            # A one-token step makes room from what the host knows (no row has seen more tokens than the
+            # cache), so it reads nothing back: the step a CUDA graph captures.
+            cached = cached.reserve(decode_slots(cache.seen_tokens, self.segment_size))
+            live = mask[:, 0]
+            o, state, cached = step_mc_atlas(
+                self.spec, q[:, 0], k[:, 0], v[:, 0], retention[:, 0], lr[:, 0],
+                None if momentum is None else momentum[:, 0], gamma[:, 0], state, cached, live=live, clock=clock,
+                u=None if u is None else u[:, 0], slots="in_place" if cache.in_place else "reserved", **mc)
+            return o[:, None], state, self._stored(cached, clock + live.long())
+        rows = RowCompaction(mask)
+        q, k, v, retention, lr, momentum, gamma = (rows.compact(x) for x in (q, k, v, retention, lr, momentum, gamma))
+        o, state, cached = chunk_mc_atlas(self.spec, q, k, v, retention, lr, momentum, gamma, state, cached,
+                                          lengths=rows.lengths, clock=clock, u=rows.compact(u), **mc)
+        return rows.restore(o), state, self._stored(cached, clock + rows.lengths)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: LayerCache | None = None) -> LayerOutput:

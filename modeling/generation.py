@@ -53,6 +53,18 @@ class MnemoGenerationMixin(GenerationMixin):
         """Why this model cannot decode through a CUDA graph (``""``: it can); families that can override it."""
         return f"{cls.__name__} has no fixed-size decode step without host reads yet"
 
+    def reserve_decode_state(self, cache) -> int | None:
+        """Make room in ``cache`` for the one-token steps ahead (Memory Caching's cached memories, sized as the
+        eager step sizes them): how many steps it then takes at a fixed size (``None``: any number). Blocks
+        whose state grows say so through ``reserve_decode_slots(layer_cache)``."""
+        steps = []
+        for block, layer in zip(self.model.layers, cache):
+            reserve = getattr(block, "reserve_decode_slots", None)
+            n = reserve(layer) if callable(reserve) else None
+            if n is not None:
+                steps.append(n)
+        return min(steps) if steps else None
+
     def generate(self, *args: Any, cuda_graph: bool = False, **kwargs: Any):
         """``transformers``' ``generate()``; ``cuda_graph=True`` replays each one-token decode step as a
         CUDA graph captured after the prefill (greedy decoding and sampling; see :mod:`.cuda_graph`).

@@ -52,6 +52,14 @@ class _Prefixed:
     def update(self, **tensors: torch.Tensor) -> None:
         self.cache.update(**{self.prefix + k: v for k, v in tensors.items()})
 
+    @property
+    def seen_tokens(self) -> int:
+        return self.cache.seen_tokens
+
+    @property
+    def in_place(self) -> bool:
+        return self.cache.in_place
+
 
 class AtlasBlock(GradientCheckpointingLayer):
     def __init__(self, config: AtlasConfig, layer_idx: int) -> None:
@@ -94,6 +102,9 @@ class AtlasBlock(GradientCheckpointingLayer):
         hidden_states = hidden_states + self.mlp(normed)
         return hidden_states, None
 
+    def reserve_decode_slots(self, cache: LayerCache) -> int | None:
+        return self.attn.reserve_decode_slots(_Prefixed(cache, "mem."))
+
 
 class AtlasPreTrainedModel(PreTrainedModel):
     config_class = AtlasConfig
@@ -128,8 +139,6 @@ class AtlasForCausalLM(MnemoCausalLMMixin, MnemoGenerationMixin, AtlasPreTrained
     def decode_graph_obstacle(cls, config: AtlasConfig) -> str:
         if config.hybrid is not None:
             return f"its {config.hybrid!r} hybrid's sliding-window attention keeps a key/value cache that grows"
-        if config.segment_size is not None:
-            return "Memory Caching grows the cache by one memory per segment"
         return ""
 
 

@@ -44,6 +44,9 @@ class MCTitansBlock(GradientCheckpointingLayer):
         hidden_states = hidden_states + self.mlp(normed)
         return hidden_states, None
 
+    def reserve_decode_slots(self, cache: LayerCache) -> int | None:
+        return self.attn.reserve_decode_slots(cache)
+
 
 class MCTitansPreTrainedModel(PreTrainedModel):
     config_class = MCTitansConfig
@@ -77,13 +80,6 @@ class MCTitansForCausalLM(MnemoCausalLMMixin, MnemoGenerationMixin, MCTitansPreT
             return ("logarithmic segments merge cached memories by each row's length, which the step reads back "
                     "to the host (fixed segments decode through a graph)")
         return ""
-
-    def reserve_decode_state(self, cache) -> int | None:
-        """Make room in ``cache`` for the one-token steps ahead (Memory Caching's cached memories, sized as the
-        eager step sizes them): how many steps it then takes at a fixed size (``None``: any number)."""
-        steps = [self.model.layers[i].attn.reserve_decode_slots(layer) for i, layer in enumerate(cache)]
-        steps = [n for n in steps if n is not None]
-        return min(steps) if steps else None
 
 
 register_peft_defaults(MCTitansConfig.model_type)  # here, so that exported code registers them too

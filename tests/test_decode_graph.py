@@ -1,8 +1,8 @@
 """``generate(cuda_graph=True)``: the fixed-buffer decode step (captured as a CUDA graph on GPUs; run
 eagerly here) gives exactly what eager decoding gives, keeps the cache's tensors in place, reads
 nothing back to the host, and models whose state grows unpredictably are refused with the reason.
-MoM, Gated DeltaNet, Titans, MC-Titans with fixed segments (its cached memories given slots a block at a
-time) and Atlas (without Memory Caching or attention) decode this way."""
+MoM, Gated DeltaNet, Titans, MC-Titans with fixed segments, Atlas and Atlas with Memory Caching (their cached
+memories given slots ahead of need) and Atlas without attention decode this way."""
 
 from __future__ import annotations
 
@@ -57,6 +57,9 @@ GRAPHABLE = {
         "grm": {}, "ssc": {"aggregation": "ssc"}, "soup": {"aggregation": "soup"}, "residual": {"aggregation": "residual"},
         "independent": {"cache_mode": "independent", "aggregation": "mean"}}.items()},
     **{f"atlas-{preset}": (tiny_atlas, {"preset": preset}) for preset in ("atlas", "omeganet", "dla", "swla")},
+    **{f"mc-atlas-{name}": (tiny_atlas, {"segment_size": 3, **overrides}) for name, overrides in {
+        "mean": {}, "grm": {"aggregation": "grm"}, "ssc": {"aggregation": "ssc"},
+        "omeganet-residual": {"preset": "omeganet", "aggregation": "residual"}}.items()},
 }
 
 
@@ -109,7 +112,8 @@ def test_the_graphed_step_reads_nothing_back_to_the_host(variant):
             token = logits[:, -1:].argmax(-1)
 
 
-def test_mc_titans_graphs_are_captured_again_when_the_cached_memories_outgrow_their_slots(monkeypatch):
+@pytest.mark.parametrize("build", [tiny_mc_titans, tiny_atlas], ids=["mc-titans", "mc-atlas"])
+def test_graphs_are_captured_again_when_the_cached_memories_outgrow_their_slots(monkeypatch, build):
     """A few cached memories get exactly their slots, so every closed segment needs a new graph, and
     generation still gives eager decoding's tokens (the eager step sizes its cache alike)."""
     import mnemo.modeling.generation as generation
@@ -122,7 +126,7 @@ def test_mc_titans_graphs_are_captured_again_when_the_cached_memories_outgrow_th
             built.append(self.steps_left)
 
     monkeypatch.setattr(generation, "DecodeGraph", Counted)
-    model = tiny_mc_titans(seed=1, segment_size=3)
+    model = build(seed=1, segment_size=3)
     ids, mask = left_padded([7, 3, 5], 7)
     eager = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     graphed = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
@@ -133,8 +137,9 @@ def test_mc_titans_graphs_are_captured_again_when_the_cached_memories_outgrow_th
     assert built == [1, 3, 3, 3, 3]
 
 
-def test_a_decode_graph_refuses_to_step_past_its_room():
-    model = tiny_mc_titans(seed=1, segment_size=3)
+@pytest.mark.parametrize("build", [tiny_mc_titans, tiny_atlas], ids=["mc-titans", "mc-atlas"])
+def test_a_decode_graph_refuses_to_step_past_its_room(build):
+    model = build(seed=1, segment_size=3)
     ids = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(0))
     cache = MnemoCache(model.config.num_hidden_layers)
     with torch.no_grad():
@@ -149,10 +154,12 @@ def test_a_decode_graph_refuses_to_step_past_its_room():
             step(ids[:, -1:])
 
 
-@pytest.mark.parametrize("build", [tiny_mom, tiny_mc_titans], ids=["mom", "mc-titans"])
-def test_decode_graph_steps_in_place_and_match_the_eager_step(build):
-    """The step writes the graph's buffers where they lie (MC-Titans' segments of 6 close one on the way)."""
-    model = build(seed=2)
+@pytest.mark.parametrize("build, overrides", [(tiny_mom, {}), (tiny_mc_titans, {}), (tiny_atlas, {"segment_size": 6}),
+                                              (tiny_atlas, {"segment_size": 6, "aggregation": "ssc"})],
+                         ids=["mom", "mc-titans", "mc-atlas", "mc-atlas-ssc"])
+def test_decode_graph_steps_in_place_and_match_the_eager_step(build, overrides):
+    """The step writes the graph's buffers where they lie (segments of 6 close one on the way)."""
+    model = build(seed=2, **overrides)
     ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         eager_cache, graph_cache = MnemoCache(2), MnemoCache(2)
@@ -177,10 +184,9 @@ def test_decode_graph_steps_in_place_and_match_the_eager_step(build):
     (tiny_mom, {"num_hidden_layers": 3, "attention_layers": [1], "num_attention_heads": 4}, "attention layers"),
     (tiny_mom, {"segment_size": 4, "aggregation": "grm"}, "Memory Caching"),
     (tiny_mc_titans, {"segmentation": "logarithmic"}, "logarithmic"),
-    (tiny_atlas, {"segment_size": 4}, "Memory Caching"),
     (tiny_atlas, {"hybrid": "mag"}, "sliding-window attention"),
     (tiny_deep_transformer, {}, "DeepTransformerForCausalLM"),
-], ids=["mom-hybrid", "mom-mc", "mc-titans-log", "atlas-mc", "atlas-mag", "deep-transformer"])
+], ids=["mom-hybrid", "mom-mc", "mc-titans-log", "atlas-mag", "deep-transformer"])
 def test_graphed_generation_refuses_a_growing_state(build, overrides, reason):
     model = build(**overrides)
     with pytest.raises(ValueError, match=reason):

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from mnemo.kernels.atlas import AtlasState
-from mnemo.kernels.mc_atlas import GATED_AGGREGATIONS, CachedMemories, chunk_mc_atlas, reference_mc_atlas
-from mnemo.kernels.memory_caching import MCOptions
+from mnemo.kernels.mc_atlas import (
+    GATED_AGGREGATIONS,
+    CachedMemories,
+    chunk_mc_atlas,
+    reference_mc_atlas,
+    step_mc_atlas,
+)
+from mnemo.kernels.memory_caching import MCOptions, decode_slots
 from mnemo.kernels.mc_titans import reference_mc_titans
 from mnemo.kernels.norms import l2_normalize
 from mnemo.kernels.mlp_memory import MLPMemorySpec
@@ -75,6 +81,53 @@ def test_chunk_equals_reference_for_any_split(aggregation, memory, optimizer, wi
                 torch.testing.assert_close(cached.online_key_sum[b], keys.sum(0), rtol=0, atol=1e-12)
         else:
             assert not cached.has_summaries
+
+
+@pytest.mark.parametrize("slots", ["reserved", "in_place"])
+@pytest.mark.parametrize("aggregation", ["mean", "residual", "grm", "soup", "ssc"])
+def test_one_token_steps_equal_the_chunked_path(aggregation, slots):
+    """The decode step (every row one token, rows idle by turns, their clocks apart) from a cache with its
+    slots reserved ahead, written in place or not, equals ``chunk_mc_atlas`` one token at a time (which
+    grows its cache by reading counts back): outputs, states and cached memories, in float64."""
+    spec = MLPMemorySpec(d_v=DV, expansion=2, **MEMORIES["mlp"])
+    init, xs = inputs(spec)
+    u = gate_inputs(spec) if aggregation in GATED_AGGREGATIONS else None
+    opts = dict(optimizer="muon", omega_window=3, chunk_size=4, ns_steps=3)
+    mc = dict(segment_size=3, aggregation=aggregation, ssc_topk=1)
+    fresh = AtlasState.initial(spec, init, B, H, 3, "muon")
+    empty = CachedMemories.empty(fresh.weights, spec.d_k if aggregation in GATED_AGGREGATIONS else None)
+    prefix = torch.tensor([4, 2, 0])  # clocks apart: rows close their segments at different steps
+    o, state, cached = chunk_mc_atlas(spec, *(None if x is None else x[:, :4] for x in xs), fresh, empty,
+                                      lengths=prefix, clock=torch.zeros(B, dtype=torch.long),
+                                      u=None if u is None else u[:, :4], **mc, **opts)
+    grown_state, grown, clock = state, cached, prefix.clone()
+    for step in range(12):
+        live = torch.tensor([step % 3 != 1, True, step % 4 != 0])
+        take = (clock, live.long())
+        piece = [None if x is None else next_tokens(x, *take) for x in xs]
+        want, grown_state, grown = chunk_mc_atlas(spec, *piece, grown_state, grown, lengths=live.long(), clock=clock,
+                                                  u=None if u is None else next_tokens(u, *take), **mc, **opts)
+        seen = int(clock.max())  # what the host knows: no row has seen more
+        cached = cached.reserve(decode_slots(seen, 3))
+        if slots == "in_place":  # the step may write these tensors: the grown cache must not share them
+            cached.weights = {n: w.clone() for n, w in cached.weights.items()}
+        got, state, cached = step_mc_atlas(spec, *(None if x is None else x[:, 0] for x in piece), state, cached,
+                                           live=live, clock=clock, u=None if u is None else next_tokens(u, *take)[:, 0],
+                                           slots=slots, **mc, **opts)
+        torch.testing.assert_close(got, want[:, 0], rtol=0, atol=1e-12)
+        clock = clock + live.long()
+        assert torch.equal(cached.count, grown.count)
+        for name, w in grown.weights.items():
+            torch.testing.assert_close(cached.weights[name][:, :w.shape[1]], w, rtol=0, atol=1e-12)
+        for name, w in grown_state.tensors().items():
+            torch.testing.assert_close(state.tensors()[name], w, rtol=0, atol=1e-12)
+        if grown.has_summaries:
+            n = grown.key_count.shape[1]
+            for ours, theirs in ((cached.key_sum[:, :n], grown.key_sum), (cached.key_count[:, :n], grown.key_count),
+                                 (cached.online_key_sum, grown.online_key_sum),
+                                 (cached.online_key_count, grown.online_key_count)):
+                torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+    assert int(cached.count.max()) >= 4  # several segments closed on the way
 
 
 @pytest.mark.parametrize("aggregation", GATED_AGGREGATIONS)
