@@ -9,8 +9,8 @@ grow with the prompt. Models:
 - mnemo: Titans (4 heads x 256, MLP x4, chunk 64), Atlas with Muon and OmegaNet (16 x 64, MLP x4, window
   16), MC-Titans grm and ssc and Atlas (OmegaNet and Muon) with Memory Caching, grm (segments of 256: the
   cache grows by one memory per segment, its slots taken ahead of need, so a captured step serves until
-  they run out) and MoM
-  (4 heads x 256, 4 memories top-2 + shared);
+  they run out) and MoM (4 heads x 256, 4 memories top-2 + shared), also with Memory Caching (segments of
+  256, grm, whose cache grows as MC-Titans', and mean, a running sum);
 - anchors, where installed: flash-linear-attention 0.6.0's ``MomForCausalLM`` and
   ``GatedDeltaNetForCausalLM`` at the same shape, and transformers' Llama (16 heads x 64, SDPA, dynamic
   cache; with ``--generate`` also ``generate(cache_implementation="static")``, transformers' compiled decode
@@ -55,11 +55,11 @@ def atlas(preset: str, **overrides):
                                                vocab_size=VOCAB, **overrides))
 
 
-def mom():
+def mom(**overrides):
     from mnemo import MoMConfig, MoMForCausalLM
 
     return MoMForCausalLM(MoMConfig(hidden_size=HIDDEN, num_hidden_layers=4, num_heads=4, head_dim=256,
-                                    num_memories=4, topk=2, shared_memory=True, vocab_size=VOCAB))
+                                    num_memories=4, topk=2, shared_memory=True, vocab_size=VOCAB, **overrides))
 
 
 def fla_model(kind: str):
@@ -90,6 +90,8 @@ MODELS: dict[str, Callable] = {
     "mc_atlas_omeganet_grm_seg256": lambda: atlas("omeganet", segment_size=256, aggregation="grm"),
     "mc_atlas_muon_grm_seg256": lambda: atlas("atlas", segment_size=256, aggregation="grm"),
     "mom_4x2_shared": mom,
+    "mc_mom_4x2_shared_grm_seg256": lambda: mom(segment_size=256, aggregation="grm"),
+    "mc_mom_4x2_shared_mean_seg256": lambda: mom(segment_size=256, aggregation="mean"),
     "anchor_fla_mom_4x2_shared": lambda: fla_model("mom"),
     "anchor_fla_gated_deltanet_4x256": lambda: fla_model("gdn"),
     "anchor_llama_sdpa_16x64": llama,

@@ -46,8 +46,9 @@ memory of the row. ``positions`` give each token's index on its row's clock.
 Entry points: :func:`reference_mc_gated_delta` (one sequence, explicit lists of
 cached states, token by token), :func:`chunk_mc_gated_delta` (packed
 variable-length sequences, the chunked kernel run segment by segment, one token
-per sequence handled by the step kernel) and :func:`step_mc_gated_delta` (the
-gated aggregations' one-token step for decoding, without a packing plan).
+per sequence handled by the step kernel), :func:`step_mc_gated_delta` (the
+gated aggregations' one-token step for decoding, without a packing plan) and
+:func:`step_mc_gated_delta_summed` (the same for ``mean`` and ``residual``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ __all__ = [
     "read_scored",
     "read_states",
     "reference_mc_gated_delta",
+    "step_mc_gated_delta_summed",
     "step_mc_gated_delta",
 ]
 
@@ -136,12 +138,27 @@ class CachedStates:
                        key_sum=with_extra_slots(self.key_sum, -3, extra),
                        key_count=with_extra_slots(self.key_count, -1, extra))
 
-    def push(self, closing: torch.Tensor, slot: torch.Tensor, state: torch.Tensor) -> "CachedStates":
+    def push(self, closing: torch.Tensor, slot: torch.Tensor, state: torch.Tensor, *,
+             in_place: bool = False) -> "CachedStates":
         """Cache ``state`` ``(..., H, d_k, d_v)`` and the online segment's key sums in ``slot`` ``(...,)`` where
         ``closing`` ``(...,)``, and restart those online segments empty. The slots must exist (no device read
-        here: :meth:`with_slots` first)."""
+        here: :meth:`with_slots` first). ``in_place``: the new states are written into ``states`` itself (a
+        graphed decode step's buffer, which nothing else holds: a step then moves one state a memory, not the
+        whole cache)."""
         at = (torch.arange(self.slots, device=slot.device) == slot[..., None]) & closing[..., None]  # (..., N)
-        states = torch.where(at[..., None, None, None], state.unsqueeze(-4).to(self.states.dtype), self.states)
+        if in_place:
+            if self.slots == 0:  # no slot: nothing can close yet (the caller reserved what the host knows)
+                return self
+            lead = slot.shape
+            where = tuple(torch.arange(n, device=slot.device).view([-1 if i == d else 1 for i in range(len(lead))])
+                          .expand(lead) for d, n in enumerate(lead))
+            # each memory's slot ``slot`` (clamped: a full one that closes nothing writes back what it holds)
+            where += (slot.clamp(max=self.slots - 1),)
+            self.states[where] = torch.where(closing[..., None, None, None], state.to(self.states.dtype),
+                                             self.states[where])
+            states = self.states
+        else:
+            states = torch.where(at[..., None, None, None], state.unsqueeze(-4).to(self.states.dtype), self.states)
         return CachedStates(states, *close_segments(self.key_sum, self.key_count, self.online_key_sum,
                                                     self.online_key_count, at, closing))
 
@@ -395,3 +412,33 @@ def step_mc_gated_delta(
     y = read_scored(o.to(dtype)[:, None], qn[:, None], u.to(dtype)[:, None], summary[:, None],
                     cached.map(lambda t: t.to(dtype)), cached_valid, aggregation, ssc_topk)[:, 0]
     return y.to(v.dtype), new, cached
+
+
+def step_mc_gated_delta_summed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    cached_sum: torch.Tensor,
+    cached_count: torch.Tensor,
+    *,
+    aggregation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence with ``mean`` or ``residual``, without device-to-host reads (decoding).
+
+    The online read plus the read of the running sum ``cached_sum`` ``(N, H, d_k, d_v)`` of the sequences'
+    cached states (``mean``: divided by ``1 + cached_count`` ``(N,)``), as :func:`chunk_mc_gated_delta` reads a
+    one-token piece; the other inputs as :func:`step_mc_gated_delta`'s. Closing a segment (adding the new
+    state to the sum) is the caller's, which knows the rows' clocks. Returns ``(o, new_state)``.
+    """
+    if aggregation not in LINEAR_AGGREGATIONS:
+        raise ValueError(f"the summed step serves the aggregations {LINEAR_AGGREGATIONS}, got {aggregation!r}")
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    o, new = step_gated_delta(q, k, v, g, beta, state)
+    qn, _ = _prepare_qk(q, k, None, True, dtype)
+    y = o.to(dtype) + torch.einsum("phk,phkv->phv", qn, cached_sum.to(dtype))
+    if aggregation == "mean":
+        y = y / (1 + cached_count).to(dtype)[:, None, None]
+    return y.to(v.dtype), new

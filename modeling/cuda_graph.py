@@ -15,14 +15,14 @@ as a CUDA graph and replayed for every new token. What makes that possible:
   what each row's padding did, which is nothing).
 
 A state that grows is given room ahead: the caches of segment memories of MC-Titans
-and of Atlas with Memory Caching take their slots ahead of need (``reserve_decode_state`` on the model, sized as
+and of Atlas and MoM with Memory Caching take their slots ahead of need (``reserve_decode_state`` on the model, sized as
 its eager step sizes them), so a graph serves until they run out and
 generation then captures the next one, with more room.
 
 Only models that declare such a step take this path (``decode_graph_obstacle``
 on the model class returns no reason: MoM and Gated DeltaNet without attention
-layers or Memory Caching, Titans, MC-Titans with fixed segments, and Atlas without
-attention); for the others ``generate(cuda_graph=True)`` raises and names why.
+layers, Titans, MC-Titans with fixed segments, and Atlas without attention, with or
+without Memory Caching); for the others ``generate(cuda_graph=True)`` raises and names why.
 On a device other than CUDA the same static step runs eagerly
 (``DecodeGraph(..., capture=False)``), which is how the CPU tests check it.
 """

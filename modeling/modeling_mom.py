@@ -64,6 +64,9 @@ class MoMBlock(GradientCheckpointingLayer):
         hidden_states = hidden_states + self.mlp(normed)
         return hidden_states, aux
 
+    def reserve_decode_slots(self, cache: LayerCache) -> int | None:
+        return None if self.is_attention else self.attn.reserve_decode_slots(cache)
+
 
 class MoMPreTrainedModel(PreTrainedModel):
     config_class = MoMConfig
@@ -104,11 +107,10 @@ class MoMForCausalLM(MnemoCausalLMMixin, MnemoGenerationMixin, MoMPreTrainedMode
 
     @classmethod
     def decode_graph_obstacle(cls, config: MoMConfig) -> str:
-        # Attention layers grow their key/value cache and Memory Caching its snapshots every step.
+        # Attention layers grow their key/value cache every step (Memory Caching's snapshots are given room
+        # ahead: reserve_decode_slots).
         if config.attention_layers:
             return "its attention layers grow their key/value cache with every token"
-        if config.segment_size is not None:
-            return "Memory Caching grows the cache by one snapshot per segment"
         return ""
 
 

@@ -24,7 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..configuration.configuration_mom import MoMConfig
-from ..kernels.mc_gated_delta import CachedStates, chunk_mc_gated_delta, step_mc_gated_delta
+from ..kernels.mc_gated_delta import CachedStates, chunk_mc_gated_delta, step_mc_gated_delta, step_mc_gated_delta_summed
+from ..kernels.memory_caching import decode_slots, decode_steps_within
 from ..kernels.gated_delta import chunk_gated_delta, step_gated_delta, step_gated_delta_
 from .cache import LayerCache
 from .outputs import LayerOutput
@@ -298,6 +299,9 @@ class MoMLayer(nn.Module):
         if self.gated_aggregation:
             o, entries = self._gated_decode(x, inputs, memory, valid, cache)
             cache.update(**entries, **windows)
+        elif self.segment_size is not None:
+            o, entries = self._summed_decode(inputs, memory, valid, cache)
+            cache.update(**entries, **windows)
         elif in_place and state.is_contiguous():
             # every routed (row, memory) state stepped where it lies: no gather, no scattered copy
             slots = (rows * state.shape[1] + memory).reshape(B * S)
@@ -371,6 +375,35 @@ class MoMLayer(nn.Module):
         parts = list(picked.split(sizes, dim=-1))
         return (*parts, None) if len(parts) == 3 else tuple(parts)
 
+    def _summed_decode(self, inputs: tuple, memory: torch.Tensor, valid: torch.Tensor,
+                       cache: LayerCache) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The decode step of ``mean`` and ``residual`` for the ``(B, S)`` routed ``memory`` slots of each row:
+        the cache keeps one running sum of cached states per memory, so the step is fixed in size and reads
+        nothing back. Returns the reads ``(B * S, H, d_v)`` and every cache entry the step changes."""
+        B, S = memory.shape
+        state, count, summed = cache["recurrent"], cache["mc_count"], cache["mc_sum"]
+        where = (torch.arange(B, device=memory.device)[:, None].expand_as(memory), memory)
+        flat = lambda t: t[where].reshape((B * S,) + t.shape[2:])  # noqa: E731
+        o, new = step_mc_gated_delta_summed(*inputs, flat(state), flat(summed), count.repeat_interleave(S),
+                                            aggregation=self.aggregation)
+        recurrent = state.index_put(where, new.view((B, S) + state.shape[2:]).to(state.dtype))
+        # A row whose clock reaches a segment end adds every memory, routed to or not, to the sums.
+        seen = cache["mc_seen"] + valid.long()
+        closes = valid & (seen % self.segment_size == 0)
+        return o, dict(recurrent=recurrent, mc_sum=summed + recurrent * closes[:, None, None, None, None],
+                       mc_count=count + closes.long(), mc_seen=seen)
+
+    def reserve_decode_slots(self, cache: LayerCache) -> int | None:
+        """Room in ``cache`` for the one-token steps ahead, as they would make it step by step: how many steps
+        it takes without growing (``None``: any number: no Memory Caching, or ``mean``/``residual``, whose
+        running sums are fixed in size)."""
+        if not self.gated_aggregation or "mc_states" not in cache:
+            return None
+        slots = decode_slots(cache.seen_tokens, self.segment_size)
+        entries = CachedStates(*(cache[name] for name in self.GATED_CACHE)).with_slots(slots)
+        cache.update(**dict(zip(self.GATED_CACHE, entries.tensors())))
+        return decode_steps_within(slots, cache.seen_tokens, self.segment_size)
+
     def _gated_decode(self, x: torch.Tensor, inputs: tuple, memory: torch.Tensor, valid: torch.Tensor,
                       cache: LayerCache) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The decode step of the gated aggregations for the ``(B, S)`` routed ``memory`` slots of each row.
@@ -378,12 +411,13 @@ class MoMLayer(nn.Module):
         Returns the reads ``(B * S, H, d_v)`` and every cache entry the step changes, the states included.
         The slot dimension must hold every segment a row may close at this token; the cache's token count
         (padding included) bounds every row's clock and is known on the host, so it sizes the slots
-        without a device read (the caller routes a cache that does not count tokens to the packed path).
+        without a device read (the caller routes a cache that does not count tokens to the packed path),
+        ahead of need as :meth:`reserve_decode_slots` does for a graph (``decode_slots``).
         """
         B, S = memory.shape
         M, H, K = self.num_states, self.num_heads, self.head_k_dim
         state, count = cache["recurrent"], cache["mc_count"]
-        entries = self._gated_cache(cache, B, state).with_slots((cache.seen_tokens + 1) // self.segment_size)
+        entries = self._gated_cache(cache, B, state).with_slots(decode_slots(cache.seen_tokens, self.segment_size))
         where = (torch.arange(B, device=x.device)[:, None].expand_as(memory), memory)
         mine = entries.map(lambda t: t[where].reshape((B * S,) + t.shape[2:]))
         slots_valid = torch.arange(entries.slots, device=x.device)[None] < count[:, None]  # (B, N)
@@ -402,7 +436,8 @@ class MoMLayer(nn.Module):
         # A row whose clock reaches a segment end caches every memory, routed to or not.
         seen = cache["mc_seen"] + valid.long()
         closes = valid & (seen % self.segment_size == 0)
-        entries = entries.push(closes[:, None].expand(B, M), count[:, None].expand(B, M), recurrent)
+        entries = entries.push(closes[:, None].expand(B, M), count[:, None].expand(B, M), recurrent,
+                               in_place=cache.in_place)
         stored = dict(zip(self.GATED_CACHE, entries.tensors()))
         stored.update(recurrent=recurrent, mc_count=count + closes.long(), mc_seen=seen)
         return o, stored
@@ -418,10 +453,9 @@ class MoMLayer(nn.Module):
         Returns the layer output and this layer's load-balancing loss.
         """
         decoding = hidden_states.shape[1] == 1 and cache is not None and "recurrent" in cache
-        # The gated aggregations' step sizes its cache by the cache's token count (``_gated_decode``): a
-        # cache that counts none (a layer driven on its own) decodes on the packed path, as mean and
-        # residual do (their results stay those of the packed path).
-        if decoding and (self.segment_size is None or (self.gated_aggregation and cache.seen_tokens > 0)):
+        # Memory Caching's step sizes its cache by the cache's token count (``_gated_decode``) and reads the
+        # row clocks it stored: a cache that counts none (a layer driven on its own) decodes on the packed path.
+        if decoding and (self.segment_size is None or cache.seen_tokens > 0):
             return self._decode_step(hidden_states, attention_mask, cache)
         if self._single_memory and attention_mask is None and hidden_states.shape[1] > 1:
             return self._single_memory_forward(hidden_states, cache)

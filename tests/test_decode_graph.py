@@ -1,8 +1,8 @@
 """``generate(cuda_graph=True)``: the fixed-buffer decode step (captured as a CUDA graph on GPUs; run
 eagerly here) gives exactly what eager decoding gives, keeps the cache's tensors in place, reads
 nothing back to the host, and models whose state grows unpredictably are refused with the reason.
-MoM, Gated DeltaNet, Titans, MC-Titans with fixed segments, Atlas and Atlas with Memory Caching (their cached
-memories given slots ahead of need) and Atlas without attention decode this way."""
+MoM and Gated DeltaNet, Titans, MC-Titans with fixed segments and Atlas, with or without Memory Caching (cached
+memories and states given slots ahead of need), without attention layers, decode this way."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ MOM_GRAPHABLE = {
     "default": {},
     "deltanet-no-shared": {"memory_update": "deltanet", "shared_memory": False},
     "gated-deltanet": {"num_memories": 1, "topk": 1, "shared_memory": False},
+    # segments of 3 tokens: the 7-token prompts and 12 new tokens close several, in the prefill and the steps
+    **{f"mc-{aggregation}": {"segment_size": 3, "aggregation": aggregation}
+       for aggregation in ("mean", "residual", "grm", "ssc")},
 }
 
 
@@ -112,8 +115,9 @@ def test_the_graphed_step_reads_nothing_back_to_the_host(variant):
             token = logits[:, -1:].argmax(-1)
 
 
-@pytest.mark.parametrize("build", [tiny_mc_titans, tiny_atlas], ids=["mc-titans", "mc-atlas"])
-def test_graphs_are_captured_again_when_the_cached_memories_outgrow_their_slots(monkeypatch, build):
+@pytest.mark.parametrize("build, overrides", [(tiny_mc_titans, {}), (tiny_atlas, {}), (tiny_mom, {"aggregation": "grm"})],
+                         ids=["mc-titans", "mc-atlas", "mc-mom"])
+def test_graphs_are_captured_again_when_the_cached_memories_outgrow_their_slots(monkeypatch, build, overrides):
     """A few cached memories get exactly their slots, so every closed segment needs a new graph, and
     generation still gives eager decoding's tokens (the eager step sizes its cache alike)."""
     import mnemo.modeling.generation as generation
@@ -126,7 +130,7 @@ def test_graphs_are_captured_again_when_the_cached_memories_outgrow_their_slots(
             built.append(self.steps_left)
 
     monkeypatch.setattr(generation, "DecodeGraph", Counted)
-    model = build(seed=1, segment_size=3)
+    model = build(seed=1, segment_size=3, **overrides)
     ids, mask = left_padded([7, 3, 5], 7)
     eager = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     graphed = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
@@ -154,9 +158,11 @@ def test_a_decode_graph_refuses_to_step_past_its_room(build):
             step(ids[:, -1:])
 
 
-@pytest.mark.parametrize("build, overrides", [(tiny_mom, {}), (tiny_mc_titans, {}), (tiny_atlas, {"segment_size": 6}),
-                                              (tiny_atlas, {"segment_size": 6, "aggregation": "ssc"})],
-                         ids=["mom", "mc-titans", "mc-atlas", "mc-atlas-ssc"])
+@pytest.mark.parametrize("build, overrides", [
+    (tiny_mom, {}), (tiny_mc_titans, {}), (tiny_atlas, {"segment_size": 6}),
+    (tiny_atlas, {"segment_size": 6, "aggregation": "ssc"}), (tiny_mom, {"segment_size": 6, "aggregation": "grm"}),
+    (tiny_mom, {"segment_size": 6, "aggregation": "mean"}),
+], ids=["mom", "mc-titans", "mc-atlas", "mc-atlas-ssc", "mc-mom-grm", "mc-mom-mean"])
 def test_decode_graph_steps_in_place_and_match_the_eager_step(build, overrides):
     """The step writes the graph's buffers where they lie (segments of 6 close one on the way)."""
     model = build(seed=2, **overrides)
@@ -182,11 +188,10 @@ def test_decode_graph_steps_in_place_and_match_the_eager_step(build, overrides):
 
 @pytest.mark.parametrize("build, overrides, reason", [
     (tiny_mom, {"num_hidden_layers": 3, "attention_layers": [1], "num_attention_heads": 4}, "attention layers"),
-    (tiny_mom, {"segment_size": 4, "aggregation": "grm"}, "Memory Caching"),
     (tiny_mc_titans, {"segmentation": "logarithmic"}, "logarithmic"),
     (tiny_atlas, {"hybrid": "mag"}, "sliding-window attention"),
     (tiny_deep_transformer, {}, "DeepTransformerForCausalLM"),
-], ids=["mom-hybrid", "mom-mc", "mc-titans-log", "atlas-mag", "deep-transformer"])
+], ids=["mom-hybrid", "mc-titans-log", "atlas-mag", "deep-transformer"])
 def test_graphed_generation_refuses_a_growing_state(build, overrides, reason):
     model = build(**overrides)
     with pytest.raises(ValueError, match=reason):

@@ -162,15 +162,23 @@ def test_decode_step_equals_packed_path(variant):
         torch.testing.assert_close(step_cache[name], packed_cache[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("variant", sorted(GATED_VARIANTS))
-def test_gated_decode_step_equals_packed_path(variant):
-    """The gated aggregations' decode step (no routing plan, cache slots sized by the token count) gives the
-    packed path's outputs and cache, across segment ends and with padded tokens."""
-    config = tiny_mom_config(**GATED_VARIANTS[variant])
+SUMMED_VARIANTS = {
+    "mean": {"segment_size": 4, "aggregation": "mean"},
+    "residual-deltanet": {"segment_size": 3, "aggregation": "residual", "memory_update": "deltanet"},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(GATED_VARIANTS) + sorted(SUMMED_VARIANTS))
+def test_memory_caching_decode_step_equals_packed_path(variant):
+    """Memory Caching's decode step (no routing plan; the gated aggregations' cache slots sized by the token
+    count, the running sums of mean and residual) gives the packed path's outputs and cache, across segment
+    ends and with padded tokens."""
+    config = tiny_mom_config(**{**GATED_VARIANTS, **SUMMED_VARIANTS}[variant])
     torch.manual_seed(4)
     layer = MoMLayer(config, 0).eval()
     with torch.no_grad():
-        layer.u_proj.weight.normal_(0, 1.0)
+        if layer.gated_aggregation:
+            layer.u_proj.weight.normal_(0, 1.0)
         if layer.gated:
             layer.A_log.uniform_(-1, 1)
         cache = LayerCache()
