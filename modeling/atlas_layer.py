@@ -116,9 +116,10 @@ class AtlasLayer(nn.Module):
         if clock is None:
             clock = torch.zeros(B, dtype=torch.long, device=q.device)
         mc = dict(segment_size=self.segment_size, aggregation=self.aggregation, ssc_topk=self.ssc_topk, **self.options)
-        if T == 1 and cache is not None and "mc_seen" in cache:
+        if T == 1 and cache is not None and "mc_seen" in cache and cache.seen_tokens > 0:
             # A one-token step makes room from what the host knows (no row has seen more tokens than the
-            # cache), so it reads nothing back: the step a CUDA graph captures.
+            # cache), so it reads nothing back: the step a CUDA graph captures. A cache that counts no tokens
+            # (a layer driven on its own) takes the chunked path, which grows its slots as it needs them.
             cached = cached.reserve(decode_slots(cache.seen_tokens, self.segment_size))
             live = mask[:, 0]
             o, state, cached = step_mc_atlas(

@@ -126,9 +126,10 @@ class MCTitansLayer(nn.Module):
             else:
                 state = MCState.initial(init, B, D)
             # A one-token step of fixed segments makes room from what the host knows (no row has seen more
-            # tokens than the cache), so it reads nothing back: the step a CUDA graph captures.
+            # tokens than the cache), so it reads nothing back: the step a CUDA graph captures. A cache that
+            # counts no tokens (a layer driven on its own) grows its slots as the chunked path does.
             slots = "grow"
-            if cache is not None and T == 1 and self.fixed_segments:
+            if cache is not None and T == 1 and self.fixed_segments and cache.seen_tokens > 0:
                 state.reserve(decode_slots(cache.seen_tokens, self.options.segment_size))
                 slots = "in_place" if cache.in_place else "reserved"
             o, state = chunk_mc_titans(self.spec, self.options, *per_token, init, state, lengths=lengths,

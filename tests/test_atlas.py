@@ -254,3 +254,24 @@ def test_rows_without_a_mask_equal_an_all_true_mask(build, device):
         assert torch.equal(states0[name], states1[name]), name
     for g0, g1 in zip(grads0, grads1):
         assert (g0 is None) == (g1 is None) and (g0 is None or torch.equal(g0, g1))
+
+
+@pytest.mark.parametrize("build", ["mc_titans", "mc_atlas"])
+def test_a_layer_driven_on_its_own_keeps_every_cached_memory(build):
+    """A layer cache that counts no tokens (a layer driven without a model cache) cannot size the one-token
+    step's slots from the host: the step grows them as it needs them, so decoding one token at a time after
+    a prefill crosses segment ends (segments of 3) and still equals the full forward."""
+    from conftest import tiny_mc_titans
+
+    from mnemo.modeling.cache import LayerCache
+
+    model = tiny_mc_titans(segment_size=3) if build == "mc_titans" else tiny_atlas(segment_size=3)
+    layer = model.model.layers[0].attn
+    x = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = layer(x, None, LayerCache()).hidden_states
+        cache = LayerCache()
+        pieces = [layer(x[:, :4], None, cache).hidden_states]
+        pieces += [layer(x[:, t:t + 1], None, cache).hidden_states for t in range(4, 10)]
+    assert cache.seen_tokens == 0
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-6)
