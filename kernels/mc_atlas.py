@@ -48,10 +48,13 @@ from .memory_caching import (
     AGGREGATIONS,
     GATED_AGGREGATIONS,
     check_aggregation,
+    check_slot_mode,
     close_segments,
+    grown_slots,
     key_mean,
     mc_read,
     with_extra_slots,
+    write_memories,
 )
 from .mlp_memory import MLPMemorySpec, memory_apply, static_apply
 
@@ -120,35 +123,21 @@ class CachedMemories:
 
     def push(self, rows: torch.Tensor, weights: dict[str, torch.Tensor], *, slots: str = "grow") -> "CachedMemories":
         """A new list with ``weights`` appended for ``rows`` (bool ``(B,)``); with summaries, the
-        online segment's keys move into the new slot and the online segment restarts empty.
-
-        ``slots``: ``"grow"`` adds a slot where a row needs one (reading the counts back to the host);
-        ``"reserved"``: the caller made room (:meth:`reserve`), so nothing is read back (a step a CUDA graph
-        can capture); ``"in_place"``: also writes each row's new memory into the cached weights' own tensors
-        (a graphed step's buffers, which nothing else holds: a step then moves one memory a row, not the
-        whole cache)."""
-        if slots not in ("grow", "reserved", "in_place"):
-            raise ValueError(f"slots must be 'grow', 'reserved' or 'in_place', got {slots!r}")
-        cached, N = self, self.slots
+        online segment's keys move into the new slot and the online segment restarts empty. ``slots``: how
+        the cache makes room (:func:`~.memory_caching.check_slot_mode`)."""
+        check_slot_mode(slots)
+        cached = self
         if slots == "grow":
-            if not bool(rows.any()):
+            needed = grown_slots(rows, self.count)
+            if needed is None:
                 return self
-            if int((self.count + rows.long()).max()) > N:  # grow by one slot
-                N += 1
-                cached = self.reserve(N)
+            cached = self.reserve(needed)
+        N = cached.slots
+        if slots == "in_place" and N == 0:  # no slot: nothing can close yet (the caller reserved what the host knows)
+            return self
         slot = (torch.arange(N, device=rows.device)[None] == self.count[:, None]) & rows[:, None]
-        if slots == "in_place":
-            if N == 0:  # no slot: nothing can close yet (the caller reserved what the host knows)
-                return self
-            # Row b's slot count[b] (clamped: a full row that closes nothing writes back what it holds)
-            at = (torch.arange(rows.shape[0], device=rows.device), self.count.clamp(max=N - 1))
-            for n, c in cached.weights.items():
-                c[at] = torch.where(rows[:, None, None, None], weights[n].to(c.dtype), c[at])
-            out = replace(cached, count=self.count + rows.long())
-        else:
-            s = slot[..., None, None, None]
-            out = replace(cached, weights={n: torch.where(s, weights[n][:, None].to(c.dtype), c)
-                                           for n, c in cached.weights.items()}, count=self.count + rows.long())
+        out = replace(cached, weights=write_memories(cached.weights, weights, rows, self.count, slot,
+                                                     in_place=slots == "in_place"), count=self.count + rows.long())
         if self.has_summaries:
             out.key_sum, out.key_count, out.online_key_sum, out.online_key_count = close_segments(
                 cached.key_sum, cached.key_count, self.online_key_sum, self.online_key_count, slot, rows)

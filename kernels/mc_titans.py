@@ -35,15 +35,18 @@ from .chunk_loop import recompute_in_backward, run_chunks, tf32_products, tf32_w
 from .memory_caching import (
     DECODE_EXACT_SLOTS,
     MCOptions,
+    check_slot_mode,
     close_segments,
     decode_slots,
     decode_steps_within,
+    grown_slots,
     key_mean,
     log_segments,
     mc_gates,
     mc_read,
     ssc_select,
     with_extra_slots,
+    write_memories,
 )
 from .mlp_memory import (
     MLPMemorySpec,
@@ -235,33 +238,19 @@ class MCState:
             self.cached_key_count = with_extra_slots(self.cached_key_count, 1, extra)
 
     def push(self, rows: torch.Tensor, weights: dict[str, torch.Tensor], *, slots: str = "grow") -> None:
-        """Cache ``weights`` and the online segment's keys for ``rows`` (bool ``(B,)``), then reset the segment.
-
-        ``slots``: ``"grow"`` adds a slot where a row needs one (reading the counts back to the host);
-        ``"reserved"``: the caller made room (:meth:`reserve`), so nothing is read back (a step a CUDA graph
-        can capture); ``"in_place"``: also writes each row's one new memory into the cache's own tensors
-        instead of making new ones, for a cache whose tensors nothing else holds (a graphed step's buffers:
-        a step then moves one memory a row, not the whole cache)."""
-        if slots not in ("grow", "reserved", "in_place"):
-            raise ValueError(f"slots must be 'grow', 'reserved' or 'in_place', got {slots!r}")
-        N = self.cached_key_count.shape[1]
+        """Cache ``weights`` and the online segment's keys for ``rows`` (bool ``(B,)``), then reset the segment;
+        ``slots``: how the cache makes room (:func:`~.memory_caching.check_slot_mode`)."""
+        check_slot_mode(slots)
         if slots == "grow":
-            if not bool(rows.any()):
+            needed = grown_slots(rows, self.num_cached)
+            if needed is None:
                 return
-            if int((self.num_cached + rows.long()).max()) > N:  # grow by one slot
-                N += 1
-                self.reserve(N)
+            self.reserve(needed)
+        N = self.cached_key_count.shape[1]
+        if slots == "in_place" and N == 0:  # no slot: nothing can close yet (the caller reserved what the host knows)
+            return
         slot = (torch.arange(N, device=rows.device)[None] == self.num_cached[:, None]) & rows[:, None]  # (B, N)
-        if slots == "in_place":
-            if N == 0:  # no slot: nothing can close yet (the caller reserved what the host knows)
-                return
-            # Row b's slot num_cached[b] (clamped: a full row that closes nothing writes back what it holds)
-            at = (torch.arange(rows.shape[0], device=rows.device), self.num_cached.clamp(max=N - 1))
-            for n, c in self.cached.items():
-                c[at] = torch.where(rows[:, None, None, None], weights[n].to(c.dtype), c[at])
-        else:
-            s = slot[..., None, None, None]
-            self.cached = {n: torch.where(s, weights[n][:, None].to(c.dtype), c) for n, c in self.cached.items()}
+        self.cached = write_memories(self.cached, weights, rows, self.num_cached, slot, in_place=slots == "in_place")
         self.cached_key_sum, self.cached_key_count, self.key_sum, self.key_count = close_segments(
             self.cached_key_sum, self.cached_key_count, self.key_sum, self.key_count, slot, rows)
         self.num_cached = self.num_cached + rows.long()

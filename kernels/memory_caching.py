@@ -42,14 +42,17 @@ __all__ = [
     "MCOptions",
     "check_aggregation",
     "close_segments",
+    "check_slot_mode",
     "decode_slots",
     "decode_steps_within",
+    "grown_slots",
     "key_mean",
     "log_segments",
     "mc_gates",
     "mc_read",
     "ssc_select",
     "with_extra_slots",
+    "write_memories",
 ]
 
 
@@ -309,3 +312,39 @@ def decode_slots(seen: int, segment_size: int) -> int:
 def decode_steps_within(slots: int, seen: int, segment_size: int) -> int:
     """How many one-token steps from ``seen`` tokens a cache of ``slots`` slots takes before it must grow."""
     return max(0, (slots + 1) * segment_size - 1 - seen)
+
+
+SLOT_MODES = ("grow", "reserved", "in_place")
+
+
+def check_slot_mode(slots: str) -> None:
+    """``slots`` of a cache's ``push``: ``"grow"`` adds a slot where a row needs one (reading the counts back to
+    the host); ``"reserved"``: the caller made room, so nothing is read back (a step a CUDA graph can capture);
+    ``"in_place"``: also writes each row's new memory into the cache's own tensors (a graphed step's buffers,
+    which nothing else holds: a step then moves one memory a row, not the whole cache)."""
+    if slots not in SLOT_MODES:
+        raise ValueError(f"slots must be one of {SLOT_MODES}, got {slots!r}")
+
+
+def grown_slots(rows: torch.Tensor, count: torch.Tensor) -> int | None:
+    """The slots a ``"grow"`` push of ``rows`` (bool ``(B,)``) onto caches holding ``count`` ``(B,)`` memories
+    needs, read back to the host; ``None`` when no row closes a segment."""
+    if not bool(rows.any()):
+        return None
+    return int((count + rows.long()).max())
+
+
+def write_memories(cached: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], rows: torch.Tensor,
+                   count: torch.Tensor, slot: torch.Tensor, *, in_place: bool) -> dict[str, torch.Tensor]:
+    """``weights`` ``{name: (B, ...)}`` of ``rows`` (bool ``(B,)``) in the slot ``count`` ``(B,)`` of each row's
+    cached ``{name: (B, N, ...)}`` (``slot`` ``(B, N)``: that slot, where ``rows``). ``in_place`` writes into
+    the cached tensors themselves (``N >= 1``) and returns them; otherwise new tensors."""
+    if in_place:
+        N = next(iter(cached.values())).shape[1]
+        # Row b's slot count[b] (clamped: a full row that closes nothing writes back what it holds)
+        at = (torch.arange(rows.shape[0], device=rows.device), count.clamp(max=N - 1))
+        for n, c in cached.items():
+            c[at] = torch.where(rows.view(-1, *([1] * (c.dim() - 2))), weights[n].to(c.dtype), c[at])
+        return cached
+    s = slot.view(*slot.shape, *([1] * (next(iter(cached.values())).dim() - 2)))
+    return {n: torch.where(s, weights[n][:, None].to(c.dtype), c) for n, c in cached.items()}
