@@ -11,15 +11,15 @@ T=2048 (B=8) and T=8192 (B=2). The memories compute in float32 (TF32 products fo
   install them). fla's Hopper guard is lifted for timing only (see ``benchlib.lift_fla_hopper_guard``).
 - mnemo: MoM (4 heads x 256, 4 memories top-2 + shared; automatic backend and the PyTorch path),
   DeepTransformer (16 x 64; depth 1, depth 2 Hebbian with the automatic key pass and on the PyTorch path),
-  Titans and MC-Titans grm / ssc top 2 (4 x 256, MLP x4, chunk 64, segments of 256), Titans 16 x 64 and
-  Atlas OmegaNet / momentum / Muon at the paper's 340M layer (16 x 64, MLP x4, window 16).
+  Titans and MC-Titans grm / ssc top 2 (4 x 256, MLP x4, chunk 64, segments of 256), Titans and MC-Titans grm
+  at 16 x 64, and Atlas OmegaNet / momentum / Muon at the paper's 340M layer (16 x 64, MLP x4, window 16).
 
 How: each row in turn, in one process, so ratios between rows hold (absolute times only for the GPU
 kind). A row's time is the median of ``--repeats`` loops of ``--iters`` steps after ``--warmup`` steps;
 its peak is ``torch.cuda.max_memory_allocated`` over those steps, with the chunk loops' captured graphs
 of earlier rows released first. A row that fails (out of memory, a missing package) is a row with its
 error. ``--sweep`` times every row with each value of one launch constant of the deep memories' chunk
-kernels; ``--checkpoint-every``, ``--chunk-forward`` and ``--chunk-backward`` run the deep memories'
+kernels or of a kernel module's switch (``--sweep titans_persistent_triton.FIRST_PASS=0,1``); ``--checkpoint-every``, ``--chunk-forward`` and ``--chunk-backward`` run the deep memories'
 chunk loops with another checkpoint spacing or comparison path (``loop_options``, ``comparison_paths``).
 
 Prints one JSON line per row as it goes, then a markdown table (layer, T, B, ms, tok/s, peak GiB);
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -139,6 +140,7 @@ LAYERS: dict[str, Row] = {
     "mc_titans_grm_seg256_4x256": Row(lambda: titans_layer(256)),
     "mc_titans_ssc2_seg256_4x256": Row(lambda: titans_layer(256, aggregation="ssc", ssc_topk=2)),
     "titans_16x64_mlp4_c64": Row(lambda: titans_layer(None, heads=16)),
+    "mc_titans_grm_seg256_16x64": Row(lambda: titans_layer(256, heads=16)),
     "atlas_omeganet_16x64": Row(lambda: atlas_layer("omeganet")),
     "atlas_momentum_16x64": Row(lambda: atlas_layer("atlas", inner_optimizer="momentum")),
     "atlas_muon_16x64": Row(lambda: atlas_layer("atlas")),
@@ -181,18 +183,26 @@ def loop_context(args: argparse.Namespace) -> contextlib.ExitStack:
 
 @contextlib.contextmanager
 def launch_constant(key: str | None, value: int | None):
-    """``titans_triton_forward.BLOCKS[key] = value`` for the block, the default restored after."""
+    """For the block, ``titans_triton_forward.BLOCKS[key] = value`` or, for a dotted ``module.NAME`` key,
+    ``mnemo.kernels.module.NAME = value`` (a module's switch, e.g. ``titans_persistent_triton.FIRST_PASS``);
+    the default restored after."""
     if key is None:
         yield
         return
-    from mnemo.kernels.titans_triton_forward import BLOCKS
+    if "." in key:
+        module, name = key.rsplit(".", 1)
+        holder = importlib.import_module(f"mnemo.kernels.{module}")
+        get, put = (lambda: getattr(holder, name)), (lambda x: setattr(holder, name, x))
+    else:
+        from mnemo.kernels.titans_triton_forward import BLOCKS
 
-    saved = BLOCKS[key]
-    BLOCKS[key] = value
+        get, put = (lambda: BLOCKS[key]), (lambda x: BLOCKS.__setitem__(key, x))
+    saved = get()
+    put(type(saved)(value))
     try:
         yield
     finally:
-        BLOCKS[key] = saved
+        put(saved)
 
 
 def sweep_values(spec: str | None) -> list[tuple[str | None, int | None]]:
@@ -242,7 +252,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
                         help="run every row under this backend (default: each row's own)")
     parser.add_argument("--sweep", metavar="KEY=V1,V2",
-                        help="time each row with each value of a key of titans_triton_forward.BLOCKS")
+                        help="time each row with each value of a key of titans_triton_forward.BLOCKS, or of a "
+                             "module's constant as module.NAME (titans_persistent_triton.FIRST_PASS=0,1)")
     parser.add_argument("--checkpoint-every", type=int, help="the chunk loops' checkpoint spacing (loop_options)")
     parser.add_argument("--chunk-forward", choices=("torch",), help="comparison path of the chunk forward")
     parser.add_argument("--chunk-backward", choices=("torch", "autograd"), help="comparison path of the chunk backward")

@@ -76,6 +76,9 @@ __all__ = [
 
 Tensors = tuple[torch.Tensor, ...]
 Step = Callable[[Tensors, Tensors, Tensors], tuple[Tensors, Tensors]]
+# ``first_pass(carry, xs, consts, r) -> (ys, carry, checkpoints)``: the loop's forward in one go, where a
+# caller has a faster way than the step chunk by chunk (see :func:`run_chunks`).
+FirstPass = Callable[[Tensors, Tensors, Tensors, int], tuple[Tensors, Tensors, list[Tensors]]]
 
 
 def _stretch(n: int, checkpoint_every: int | None) -> int:
@@ -534,6 +537,10 @@ def _run_unit(stretch: Step, graphed: GraphedStep | None, carry: Tensors, xs: Te
     return tuple(t.clone() for t in graphed.ys), tuple(t.clone() for t in graphed.carry_out)
 
 
+# The arguments of _ChunkLoop.forward before its tensors.
+_LOOP_ARGS = 9
+
+
 class _ChunkLoop(torch.autograd.Function):
     """The loop in stretches of ``r`` chunks, each run in units of ``u`` chunks (``u`` divides ``r``).
 
@@ -548,7 +555,7 @@ class _ChunkLoop(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, step: Step, n_carry: int, n_xs: int, checkpoint_every: int | None, graphs: bool | None,
-                tf32: bool, unit: int | None, snapshots: bool, *tensors):
+                tf32: bool, unit: int | None, snapshots: bool, first_pass: FirstPass | None, *tensors):
         carry = tensors[:n_carry]
         xs = tensors[n_carry:n_carry + n_xs]
         consts = tensors[n_carry + n_xs:]
@@ -556,7 +563,7 @@ class _ChunkLoop(torch.autograd.Function):
         r = _stretch(n, checkpoint_every)
         u = r if unit is None else max(1, min(unit, r))
         r = -(-r // u) * u
-        need = ctx.needs_input_grad[8:]
+        need = ctx.needs_input_grad[_LOOP_ARGS:]
         need_xs, need_consts = need[n_carry:n_carry + n_xs], need[n_carry + n_xs:]
         stretch = partial(_stretch_step, step)
         graphed: dict[int, GraphedStep | None] = {}
@@ -568,13 +575,18 @@ class _ChunkLoop(torch.autograd.Function):
                     if L not in graphed:
                         graphed[L] = graphed_step(stretch, carry, _slice(xs, lo, lo + L), consts, need_xs,
                                                   need_consts, backward=True)
-            for lo in range(0, n, u):
-                hi = min(n, lo + u)
-                if lo % r == 0:
-                    checkpoints.append(carry)
-                ys, carry = _run_unit(stretch, graphed.get(hi - lo), carry, _slice(xs, lo, hi), consts)
-                outputs.append(ys)
-        ys = tuple(torch.cat(parts) for parts in zip(*outputs))
+            if first_pass is not None:
+                ys, carry, checkpoints = first_pass(carry, xs, consts, r)
+                if len(checkpoints) != -(-n // r):
+                    raise ValueError(f"first_pass gave {len(checkpoints)} checkpoints for {n} chunks every {r}")
+            else:
+                for lo in range(0, n, u):
+                    hi = min(n, lo + u)
+                    if lo % r == 0:
+                        checkpoints.append(carry)
+                    ys, carry = _run_unit(stretch, graphed.get(hi - lo), carry, _slice(xs, lo, hi), consts)
+                    outputs.append(ys)
+                ys = tuple(torch.cat(parts) for parts in zip(*outputs))
         ctx.step, ctx.graphed, ctx.r, ctx.u, ctx.n, ctx.tf32 = stretch, graphed, r, u, n, tf32
         ctx.autocast = _autocast_state()
         ctx.sizes = (n_carry, n_xs, len(consts), len(ys))
@@ -598,7 +610,7 @@ class _ChunkLoop(torch.autograd.Function):
         checkpoints = [flat[i:i + n_carry] for i in range(0, len(flat), n_carry)]
         d_ys, d_carry = grads[:n_ys], list(grads[n_ys:n_ys + n_carry])
         d_snaps = grads[n_ys + n_carry:]
-        need = ctx.needs_input_grad[8:]
+        need = ctx.needs_input_grad[_LOOP_ARGS:]
         need_xs, need_consts = need[n_carry:n_carry + n_xs], need[n_carry + n_xs:]
         d_xs = [torch.zeros_like(x) if want else None for x, want in zip(xs, need_xs)]
         d_consts: list[torch.Tensor | None] = [None] * n_consts
@@ -640,7 +652,7 @@ class _ChunkLoop(torch.autograd.Function):
         d_carry = [g if want else None for g, want in zip(d_carry, need[:n_carry])]
         if borrowed:  # the graph's buffers are the next loop's
             d_carry = [None if g is None else g.clone() for g in d_carry]
-        return (None, None, None, None, None, None, None, None, *d_carry, *d_xs, *d_consts)
+        return (*(None,) * _LOOP_ARGS, *d_carry, *d_xs, *d_consts)
 
 
 # torch.compile runs the loop as it is (a graph break): traced, every chunk would be unrolled into one
@@ -658,6 +670,7 @@ def run_chunks(
     tf32: bool = False,
     backward_unit: int | None = None,
     snapshots: bool = False,
+    first_pass: FirstPass | None = None,
 ) -> tuple[Tensors, Tensors] | tuple[Tensors, Tensors, list[Tensors]]:
     """Run ``step`` over the chunks of ``xs`` (chunk index first); returns ``(ys, carry)``.
 
@@ -677,6 +690,12 @@ def run_chunks(
     intermediates dwarf their carry (Atlas' per-token Muon momenta: three forwards, one chunk held).
     ``snapshots`` adds a third result: the carries after every stretch but the last (after chunks
     ``r - 1``, ``2r - 1``, ... with ``r`` the checkpoint spacing), differentiable like the rest.
+    ``first_pass`` takes the forward's place where no gradient is recorded and where the loop recomputes
+    in its backward (not under plain autograd, which records ``step``): called as
+    ``first_pass(carry, xs, consts, r)`` without recording, it returns the stacked outputs, the final
+    carry and the carries entering chunks ``0, r, 2r, ...``, as the chunk-by-chunk forward would. The
+    backward still re-runs each stretch with ``step`` from those carries, so the gradients are ``step``'s:
+    a first pass must compute what ``step`` computes, to rounding (one kernel for the whole loop, say).
     """
     carry, xs, consts = tuple(carry), tuple(xs), tuple(consts)
     if not xs or xs[0].shape[0] == 0:
@@ -696,7 +715,7 @@ def run_chunks(
             recompute = asked if asked is not None else _graphs_wanted(tensors, n, graphs)
         if recompute:
             out = _ChunkLoop.apply(step, len(carry), len(xs), checkpoint_every, graphs, tf32, backward_unit,
-                                   snapshots, *tensors)
+                                   snapshots, first_pass, *tensors)
             m = len(carry)
             n_snap = (-(-n // _stretch(n, checkpoint_every)) - 1) * m if snapshots else 0
             ys_end = len(out) - m - n_snap
@@ -706,6 +725,10 @@ def run_chunks(
             flat = out[ys_end + m:]
             return ys, carry, [tuple(flat[i:i + m]) for i in range(0, n_snap, m)]
         graphs = False  # autograd records the loop below: replays would overwrite what it saved
+    elif first_pass is not None:
+        with tf32_products(tf32):
+            ys, carry, kept = first_pass(carry, xs, consts, _stretch(n, checkpoint_every) if snapshots else n)
+        return (ys, carry, list(kept[1:])) if snapshots else (ys, carry)
     with tf32_products(tf32):
         ys, carry, kept = _forward(step, carry, xs, consts, _stretch(n, checkpoint_every) if snapshots else None,
                                    _graphs_wanted(tensors, n, graphs))

@@ -70,6 +70,7 @@ from .titans import (
     titans_update,
 )
 from .titans_chunk import wanted as fused_chunks
+from .titans_persistent_triton import first_pass_wanted, loop_first_pass
 from .titans_persistent_triton import titans_chunks as persistent_chunks
 from .titans_persistent_triton import wanted as persistent_wanted
 
@@ -829,8 +830,12 @@ def _segments_in_one_loop(spec: MLPMemorySpec, options: MCOptions, bufs: dict, l
                          stops=torch.zeros(n, B, dtype=torch.bool, device=live.device))
     xs = [*chunks, *titans_coefficients(chunks.retention, chunks.momentum, chunks.lr, chunks.live)]
     step = partial(_titans_step, spec, False, True)
-    ys, carry, ends = run_chunks(step, (*(W[n_] for n_ in names), *(M[n_] for n_ in names)), xs, (),
-                                 checkpoint_every=seg // C, tf32=tf32, snapshots=True)
+    carry = (*(W[n_] for n_ in names), *(M[n_] for n_ in names))
+    # The forward pass in one launch where the kernel applies (its checkpoints are the segments' ends).
+    first = (partial(loop_first_pass, spec) if first_pass_wanted(spec, C, True, [*xs[:6], *carry], tf32, B * H)
+             else None)
+    ys, carry, ends = run_chunks(step, carry, xs, (), checkpoint_every=seg // C, tf32=tf32, snapshots=True,
+                                 first_pass=first)
     ends.append(carry)
     online = chunks_last(ys[0])  # (B, H, total, d_v)
     # Memories first (n_seg, B, H, d_out, d_in), so that a batch of consecutive memories is one contiguous
@@ -950,14 +955,18 @@ def chunk_mc_titans(
                 carry = (*(W[n] for n in names), *(M[n] for n in names), *start_carry)
                 # Every row starts this stretch on a chunk boundary (no stored chunk-start weights are read),
                 # so the persistent kernel can walk its chunks in one launch where it applies.
-                if persistent_wanted(spec, width, True, [*online_only[:6], *carry], tf32_wanted(v), B * H,
-                                     track_start):
+                tensors = [*online_only[:6], *carry]
+                if persistent_wanted(spec, width, True, tensors, tf32_wanted(v), B * H, track_start):
                     y, carry = persistent_chunks(spec, carry, chunks.q, chunks.k, chunks.v, coefficients,
                                                  chunks.stops, track_start, tf32_wanted(v))
                     ys = (y,)
                 else:
+                    # Training: the forward pass in one launch where the kernel applies, the backward chunk
+                    # by chunk.
+                    first = (partial(loop_first_pass, spec) if first_pass_wanted(
+                        spec, width, True, tensors, tf32_wanted(v), B * H, track_start) else None)
                     ys, carry = run_chunks(partial(_titans_step, spec, track_start, True), carry,
-                                           [*online_only, *coefficients], (), tf32=tf32_wanted(v))
+                                           [*online_only, *coefficients], (), tf32=tf32_wanted(v), first_pass=first)
                 seg_of = lambda name: bufs[name][:, :, c0:c1]  # noqa: E731
                 y = _read_segment(spec, options, seg_of("q"), seg_of("u"), seg_of("k"), live[:, c0:c1], key_sum,
                                   key_count, chunks_last(ys[0]), reads(), tf32_wanted(v))

@@ -53,6 +53,7 @@ from .mlp_memory import (
 from .norms import l2_normalize
 from .titans_chunk import chunk_memory
 from .titans_chunk import wanted as fused_chunks
+from .titans_persistent_triton import first_pass_wanted, loop_first_pass
 from .titans_persistent_triton import titans_chunks as persistent_chunks
 from .titans_persistent_triton import wanted as persistent_wanted
 
@@ -344,8 +345,9 @@ def chunk_titans(
     stored = tuple(state.chunk_start[n_].to(dtype) for n_ in names)
     if track_start:
         carry += stored
-    if persistent_wanted(spec, C, not bool(state.position.any()), [q, k, v, retention, momentum, lr, *carry],
-                         tf32_wanted(v), B * H, track_start):
+    on_boundaries = not bool(state.position.any())
+    tensors = [q, k, v, retention, momentum, lr, *carry]
+    if persistent_wanted(spec, C, on_boundaries, tensors, tf32_wanted(v), B * H, track_start):
         # On Triton without gradients (with them only where the module asks): every chunk in one launch.
         coefficients = titans_coefficients(chunks.retention, chunks.momentum, chunks.lr, chunks.live)
         o, carry = persistent_chunks(spec, carry, chunks.q, chunks.k, chunks.v, coefficients, stops, track_start,
@@ -356,8 +358,11 @@ def chunk_titans(
         if fused:
             xs += titans_coefficients(chunks.retention, chunks.momentum, chunks.lr, chunks.live)
         step = partial(_titans_step, spec, track_start, fused)
+        # Training: the forward pass in one launch where the kernel applies, the backward chunk by chunk.
+        first = (partial(loop_first_pass, spec) if fused and first_pass_wanted(
+            spec, C, on_boundaries, tensors, tf32_wanted(v), B * H, track_start) else None)
         o, carry = run_resumable_chunks(lambda _with_stored: step, carry, xs, (), state.position > 0, stored,
-                                        checkpoint_every=checkpoint_every, tf32=tf32_wanted(v))
+                                        checkpoint_every=checkpoint_every, tf32=tf32_wanted(v), first_pass=first)
     o = chunks_last(o).transpose(1, 2)  # (B, total, H, d_v)
     m = len(names)
     W, S = dict(zip(names, carry[:m])), dict(zip(names, carry[m:2 * m]))

@@ -84,7 +84,8 @@ from .titans_triton_backward import _gelu_curvature
 from .titans_triton_forward import _gelu, _gelu_slope
 from .titans_triton_update import _precision
 
-__all__ = ["BLOCKS", "PersistentResult", "covers", "persistent_backward", "persistent_forward", "persistent_memory"]
+__all__ = ["BLOCKS", "PersistentResult", "covers", "first_pass_wanted", "loop_first_pass", "persistent_backward",
+           "persistent_forward", "persistent_memory", "wanted"]
 
 # Slice of the hidden layer per step; warps of the forward and of the backward for narrow problems (head
 # width and chunk up to 32) and for wider ones. Module-level so that tests can shrink the slice (several
@@ -98,6 +99,9 @@ ENABLED = True
 # until its backward has been checked against the reference on the GPU (docs/kernels.md on Triton's
 # miscompiles on Hopper); a benchmark or that check sets it.
 TRAINING = False
+# Whether a Titans chunk loop that records gradients (and does not take TRAINING's path) runs its forward
+# pass through this kernel anyway, its backward recomputing chunk by chunk (:func:`loop_first_pass`).
+FIRST_PASS = True
 
 # On CUDA the persistent kernel is taken only with at least this many rows (programs) per SM.
 MIN_ROWS_PER_SM = 0.75
@@ -375,27 +379,13 @@ def persistent_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tens
 # --------------------------------------------------------------------------- Titans' chunked forward
 
 
-def wanted(spec, chunk_size: int, on_boundaries: bool, tensors: list[torch.Tensor], tf32: bool, rows: int,
-           track_start: bool = False) -> bool:
-    """Whether a Titans chunk loop (:func:`~.titans.chunk_titans`, MC-Titans' online memory) runs its chunks
-    through :func:`persistent_forward`: on the Triton backend, where no gradient is recorded, for the
-    memories and chunks it :func:`covers`, a float32 memory, and calls whose rows all start at a chunk
-    boundary (``on_boundaries``: a resumed row takes its first chunk's gradients at stored weights, which
-    the chunked path handles). With :data:`TRAINING` also where gradients are recorded, through
-    :func:`persistent_memory`, for memories without the clip and calls whose rows end at chunk boundaries
-    (no ``track_start``: the training case).
-    ``tensors``: every input and state tensor of the call; ``tf32``: whether its products run in TF32
-    (:func:`~.chunk_loop.tf32_wanted` of the call's own inputs, before they are widened to float32).
-    ``rows``: the call's ``batch * heads``, one program each. ``comparison_paths`` other than the shipped
-    ones keep the per-chunk paths they name."""
+def _applies(spec, chunk_size: int, tensors: list[torch.Tensor], tf32: bool, rows: int) -> bool:
+    """What every use of the kernel asks of a call: see :func:`wanted`."""
     if not ENABLED or not covers(spec, chunk_size):
         return False
     paths = current_paths()
     if paths.chunk_forward != "triton" or paths.chunk_backward == "autograd":
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        if not TRAINING or spec.grad_clip is not None or track_start:
-            return False
     if any(t.is_floating_point() and t.dtype == torch.float64 for t in tensors):
         return False
     # The backend last but one: an explicit "triton" request is only checked where the kernel applies.
@@ -411,7 +401,67 @@ def wanted(spec, chunk_size: int, on_boundaries: bool, tensors: list[torch.Tenso
         sms = torch.cuda.get_device_properties(tensors[0].device).multi_processor_count
         if rows < MIN_ROWS_PER_SM * sms:
             return False
-    return on_boundaries
+    return True
+
+
+def _recording(tensors: list[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def wanted(spec, chunk_size: int, on_boundaries: bool, tensors: list[torch.Tensor], tf32: bool, rows: int,
+           track_start: bool = False) -> bool:
+    """Whether a Titans chunk loop (:func:`~.titans.chunk_titans`, MC-Titans' online memory) runs its chunks
+    through :func:`persistent_forward`: on the Triton backend, where no gradient is recorded, for the
+    memories and chunks it :func:`covers`, a float32 memory, and calls whose rows all start at a chunk
+    boundary (``on_boundaries``: a resumed row takes its first chunk's gradients at stored weights, which
+    the chunked path handles). With :data:`TRAINING` also where gradients are recorded, through
+    :func:`persistent_memory`, for memories without the clip and calls whose rows end at chunk boundaries
+    (no ``track_start``: the training case).
+    ``tensors``: every input and state tensor of the call; ``tf32``: whether its products run in TF32
+    (:func:`~.chunk_loop.tf32_wanted` of the call's own inputs, before they are widened to float32).
+    ``rows``: the call's ``batch * heads``, one program each. ``comparison_paths`` other than the shipped
+    ones keep the per-chunk paths they name."""
+    if _recording(tensors) and (not TRAINING or spec.grad_clip is not None or track_start):
+        return False
+    return on_boundaries and _applies(spec, chunk_size, tensors, tf32, rows)
+
+
+def first_pass_wanted(spec, chunk_size: int, on_boundaries: bool, tensors: list[torch.Tensor], tf32: bool,
+                      rows: int, track_start: bool = False) -> bool:
+    """Whether a Titans chunk loop of :func:`~.chunk_loop.run_chunks` gives its forward pass to
+    :func:`persistent_forward` (:func:`loop_first_pass`): in training its backward stays the per-chunk
+    one, recomputing from the kernel's checkpoints; without gradients the kernel is the whole loop. Where
+    :data:`FIRST_PASS` is set and the kernel applies as for :func:`wanted`, the clip included, for calls
+    that neither resume inside a chunk nor stop inside one (``on_boundaries``, no ``track_start``)."""
+    return FIRST_PASS and on_boundaries and not track_start and _applies(spec, chunk_size, tensors, tf32, rows)
+
+
+def loop_first_pass(spec, carry: tuple[torch.Tensor, ...], xs: tuple[torch.Tensor, ...],
+                    consts: tuple[torch.Tensor, ...], every: int
+                    ) -> tuple[tuple[torch.Tensor], tuple[torch.Tensor, ...], list[tuple[torch.Tensor, ...]]]:
+    """:func:`~.chunk_loop.run_chunks`' first pass of the Titans chunk loop (``_titans_step``'s, fused, no
+    chunk-start weights carried): every chunk in one :func:`persistent_forward` launch, which keeps the
+    memory entering every ``every``-th chunk. ``carry``: ``w1, w2`` and their momenta ``(B, H, ...)``;
+    ``xs``: the chunks' ``q, k, v`` first and their :func:`~.titans.titans_coefficients` last
+    (``(n, B, H, C, ...)``); ``consts`` empty. Returns ``((y,), carry, checkpoints)`` as that loop's
+    forward does. The backward re-runs each stretch chunk by chunk from these checkpoints, which differ
+    from the per-chunk launches' by rounding only (both TF32, summed in another order)."""
+    if consts or len(carry) != 4:
+        raise ValueError("the persistent first pass takes the loop without stored or chunk-start weights")
+    q, k, v = xs[:3]
+    coefficients = xs[-5:]
+    n, B, H, C, D = q.shape
+    rows = lambda x: x.reshape(n, B * H, *x.shape[3:])  # noqa: E731
+    heads = lambda x: x.flatten(0, 1)  # noqa: E731
+    split = lambda x: x.view(B, H, *x.shape[1:])  # noqa: E731
+    res = persistent_forward(spec, {"w1": heads(carry[0]), "w2": heads(carry[1])},
+                             {"w1": heads(carry[2]), "w2": heads(carry[3])},
+                             *map(rows, (q, k, v, *coefficients)), checkpoint_every=every)
+    final = (res.weights["w1"], res.weights["w2"], res.momentum["w1"], res.momentum["w2"])
+    kept_w, kept_s = res.checkpoints
+    kept = (kept_w["w1"], kept_w["w2"], kept_s["w1"], kept_s["w2"])
+    checkpoints = [tuple(split(t[i]) for t in kept) for i in range(kept[0].shape[0])]
+    return (res.y.view(n, B, H, C, D),), tuple(split(x) for x in final), checkpoints
 
 
 # Left to run as it is under torch.compile (a graph break), as the chunk loop it replaces is.

@@ -160,6 +160,64 @@ def test_replayed_steps_equal_plain_autograd(every, unit):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def _first_pass_of_the_toy_loop(calls, late=False):
+    """A first pass for the toy loop (its chunks one at a time outside ``run_chunks``, recording the
+    calls); ``late`` hands back the carries one chunk too late (a mutation the tests must catch)."""
+
+    def first_pass(carry, xs, consts, r):
+        calls.append(r)
+        inp, mask = xs
+        ys, kept = [], []
+        for j in range(inp.shape[0]):
+            if j % r == 0 and not late:
+                kept.append(carry)
+            y, carry = toy_step(carry, (inp[j], mask[j]), consts)
+            if j % r == 0 and late:
+                kept.append(carry)
+            ys.append(y)
+        return tuple(torch.stack(t) for t in zip(*ys)), carry, kept
+
+    return first_pass
+
+
+@pytest.mark.parametrize("every", [1, 3, 7])
+@pytest.mark.parametrize("loop_mode", ["recompute", "replayed"])
+def test_a_first_pass_takes_the_forwards_place_and_the_backward_is_the_steps(every, loop_mode, request):
+    """Where the loop recomputes, ``first_pass`` gives its outputs, final carry and checkpoints (called
+    once, with the spacing) and the backward re-runs the step from those checkpoints: the plain loop's
+    outputs exactly and its gradients to 1e-12, captured or not; without gradients it is the whole loop.
+    Checkpoints one chunk late give other gradients, and a wrong number of them is named."""
+    if loop_mode == "replayed":
+        request.getfixturevalue("replay_on_cpu")
+    recompute = True if loop_mode == "recompute" else None
+    calls = []
+    assert_run_chunks_is_plain_autograd(checkpoint_every=every, recompute=recompute,
+                                        first_pass=_first_pass_of_the_toy_loop(calls))
+    assert calls == [every]
+    h0, kept, inp, mask, w = toy_inputs()
+    if every < N:
+        plain_ys, carry = plain_loop(h0, kept, inp, mask, w)
+        expected = torch.autograd.grad(toy_loss(plain_ys, carry), (h0, kept, inp, w))
+        late = _first_pass_of_the_toy_loop([], late=True)
+        got_ys, got_carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=every,
+                                       recompute=recompute, first_pass=late)
+        got = torch.autograd.grad(toy_loss(got_ys, got_carry), (h0, kept, inp, w))
+        assert any((a - b).abs().max() > 1e-6 for a, b in zip(got, expected))
+    with pytest.raises(ValueError, match="checkpoints"):
+        run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=every, recompute=recompute,
+                   first_pass=lambda *args: _first_pass_of_the_toy_loop([])(*args)[:2] + ([],))
+    calls.clear()
+    with torch.no_grad():
+        plain_ys, plain_carry = plain_loop(h0, kept, inp, mask, w)
+        ys, carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), first_pass=_first_pass_of_the_toy_loop(calls))
+        _, _, snaps = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=every, snapshots=True,
+                                 first_pass=_first_pass_of_the_toy_loop(calls))
+    assert calls == [N, every]  # without gradients it is the whole loop: one stretch, or the snapshots' spacing
+    for a, b in zip(ys + carry, plain_ys + plain_carry):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(snaps) == -(-N // every) - 1
+
+
 def test_uncaptured_loops_run_under_plain_autograd_unless_asked():
     h0, kept, inp, mask, w = toy_inputs()
     ys, _ = run_chunks(toy_step, (h0, kept), (inp, mask), (w,))  # CPU: no graphs, so no recompute

@@ -134,14 +134,14 @@ def test_the_clip_binds_on_some_tokens_only():
 B, H, T, C_TITANS = 2, 2, 40, 16
 
 
-def _titans_problem(spec, momentum: bool, seed: int = 1):
+def _titans_problem(spec, momentum: bool, seed: int = 1, length: int = T):
     gen = torch.Generator().manual_seed(seed)
     d = spec.d_k
     init = {n_: torch.randn(H, *s, generator=gen) * 0.3 for n_, s in spec.shapes.items()}
-    q, k, v = (torch.randn(B, T, H, d, generator=gen) for _ in range(3))
-    retention = torch.rand(B, T, H, generator=gen) * 0.5 + 0.5
-    eta = torch.rand(B, T, H, generator=gen) if momentum else torch.zeros(B, T, H)
-    lr = torch.rand(B, T, H, generator=gen) * 0.1
+    q, k, v = (torch.randn(B, length, H, d, generator=gen) for _ in range(3))
+    retention = torch.rand(B, length, H, generator=gen) * 0.5 + 0.5
+    eta = torch.rand(B, length, H, generator=gen) if momentum else torch.zeros(B, length, H)
+    lr = torch.rand(B, length, H, generator=gen) * 0.1
     return init, q, k, v, retention, eta, lr
 
 
@@ -385,3 +385,88 @@ def test_a_titans_model_prefills_through_the_persistent_kernel(persistent_calls)
     assert _error(got["triton"][0], got["torch"][0]) < 1e-5
     assert _error(got["triton"][1], got["torch"][1]) < 1e-5
     assert torch.equal(got["triton"][2], got["torch"][2])
+
+
+# --------------------------------------------------------------------------- the forward pass of training
+
+
+def _late_checkpoints(real):
+    """A first pass whose second checkpoint is the first one again (stale): a mutation the tests catch."""
+    def first_pass(*args):
+        ys, carry, kept = real(*args)
+        return ys, carry, [kept[0], kept[0], *kept[2:]]
+    return first_pass
+
+
+@ROUTING
+@pytest.mark.parametrize("name", ["l2", "clip"])
+def test_a_training_call_runs_its_forward_through_the_persistent_kernel(name, persistent_calls, monkeypatch):
+    """Gradients recorded and the loop recomputing (as on CUDA, where its steps are captured), three whole
+    chunks of 16 in stretches of 2: the forward pass is one persistent launch and the backward the per-chunk
+    one from its checkpoints. Outputs, final state and the gradients of q, k, v, the gates and the learned
+    initial weights equal those with :data:`FIRST_PASS` off (the per-chunk forward) to 1e-5, and the
+    outputs the float64 reference; a stale checkpoint gives other gradients."""
+    import mnemo.kernels.titans as titans_module
+    from mnemo.kernels.chunk_loop import loop_options
+
+    spec = SPECS[name]
+    init, q, k, v, retention, eta, lr = _titans_problem(spec, True, seed=9, length=3 * C_TITANS)
+    base = [q, k, v, retention, eta, lr, init["w1"], init["w2"]]
+    results = {}
+    for run, first_pass in (("off", False), ("on", True), ("stale", True)):
+        monkeypatch.setattr(persistent, "FIRST_PASS", first_pass)
+        if run == "stale":
+            monkeypatch.setattr(titans_module, "loop_first_pass", _late_checkpoints(persistent.loop_first_pass))
+        persistent_calls.clear()
+        leaves = [x.to(DEVICE).requires_grad_() for x in base]
+        with use_backend("triton"), loop_options(recompute=True):
+            o, state = chunk_titans(spec, *leaves[:6], TitansState.initial(dict(zip(("w1", "w2"), leaves[6:])), B),
+                                    chunk_size=C_TITANS, checkpoint_every=2)
+        outputs = [o, *state.weights.values(), *state.momentum.values()]
+        gen = torch.Generator().manual_seed(8)
+        cotangents = [torch.randn(t.shape, generator=gen).to(DEVICE) for t in outputs]
+        results[run] = (outputs, torch.autograd.grad(outputs, leaves, cotangents))
+        assert persistent_calls == ([1] if first_pass else [])
+    for x, y in zip(results["on"][0], results["off"][0]):
+        assert _error(x, y) < 1e-5
+    for i, (x, y) in enumerate(zip(results["on"][1], results["off"][1])):
+        assert _error(x, y) < 1e-5, (i, _error(x, y))
+    assert max(_error(x, y) for x, y in zip(results["stale"][1], results["off"][1])) > 1e-3
+    ref = reference_titans(spec, *(x.double() for x in base[:6]), {n_: w.double() for n_, w in init.items()},
+                           chunk_size=C_TITANS)
+    assert _error(results["on"][0][0].detach().cpu(), ref) < 1e-5
+
+
+@ROUTING
+def test_mc_titans_trains_with_its_segments_forward_through_the_persistent_kernel(persistent_calls, monkeypatch):
+    """An MC-Titans model (segments of 32, chunks of 16, 64 tokens: two segments a layer, two layers) in
+    training with the loop recomputing: each layer's online memory runs every segment forward in one
+    persistent launch (its checkpoints at the segments' ends are the memories to cache), twice a layer (the
+    forward without gradients, then again in the backward: ``recompute_memory``), and the loss and every
+    parameter's gradient equal those with :data:`FIRST_PASS` off to 1e-5."""
+    from mnemo import MCTitansConfig, MCTitansForCausalLM
+    from mnemo.kernels.chunk_loop import loop_options
+
+    torch.manual_seed(0)
+    config = MCTitansConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=16,
+                            memory_expansion=4, inner_chunk_size=16, segment_size=32, intermediate_size=64)
+    model = MCTitansForCausalLM(config)
+    ids = torch.randint(1, 64, (2, 64))
+    got = {}
+    for run, backend, first_pass in (("off", "triton", False), ("on", "triton", True), ("exact", "torch", False)):
+        monkeypatch.setattr(persistent, "FIRST_PASS", first_pass)
+        persistent_calls.clear()
+        model.zero_grad()
+        model.to(torch.float64 if run == "exact" else torch.float32)
+        with use_backend(backend), loop_options(recompute=True):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        got[run] = loss.detach(), {n_: p.grad.clone() for n_, p in model.named_parameters()}
+        assert config.memory_recomputed
+        assert len(persistent_calls) == (2 * config.num_hidden_layers if first_pass else 0)
+    assert _error(got["on"][0], got["off"][0]) < 1e-6
+    for n_, g in got["on"][1].items():
+        # Gradients of about 1e-8 (u's, through the cache's gates) lose more than 1e-5 to float32 rounding in
+        # either path: held to twice what the per-chunk path loses against float64.
+        off, exact = got["off"][1][n_], got["exact"][1][n_]
+        assert _error(g, exact) < max(1e-5, 2 * _error(off, exact)), (n_, _error(g, exact), _error(off, exact))
