@@ -58,7 +58,9 @@ from typing import Callable
 
 import torch
 
+from .backend import resolve_backend
 from .gated_delta import _prepare_qk, chunk_gated_delta, reference_gated_delta, step_gated_delta
+from .mc_gated_delta_triton import routed_read_triton
 from .memory_caching import (
     AGGREGATIONS,
     GATED_AGGREGATIONS,
@@ -66,6 +68,7 @@ from .memory_caching import (
     check_aggregation,
     close_segments,
     key_mean,
+    mc_gates,
     mc_read,
     ssc_select,
     with_extra_slots,
@@ -85,6 +88,11 @@ __all__ = [
     "step_mc_gated_delta",
 ]
 
+
+
+# Whether a one-token read of a stack of cached states takes the Triton routed read where it applies;
+# benchmarks set it False to time the gather it replaces.
+ROUTED_READ = True
 
 
 # --------------------------------------------------------------------------- the gated cache
@@ -172,16 +180,30 @@ def read_scored(
     cached_valid: torch.Tensor,
     aggregation: str,
     ssc_topk: int,
+    state_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gated read of ``L`` tokens of each of ``I`` sequences (``(I, L, H, ·)``, ``q`` normalised and scaled).
 
     ``online`` are the online memory's reads ``S_t^T q_t`` (the recurrence's outputs), ``cached`` the
     sequences' :class:`CachedStates` ``(I, N, ...)`` with ``cached_valid`` ``(I, N)``. MC-Titans' aggregation
     on the linear memory ``M(z) = S^T z``; ``soup`` is computed as ``grm`` (equal for a linear memory).
+    ``state_rows`` ``(I,)``: ``cached.states`` is a larger stack ``(R, N, ...)`` (a layer's cache, every
+    memory of every row) and sequence ``i`` reads ``cached.states[state_rows[i]]``; its other fields are the
+    sequences' own. For one token a sequence (decoding) the Triton path reads those states where they lie
+    (:func:`~.mc_gated_delta_triton.routed_read_triton`); otherwise they are gathered first.
     """
-    spec = MLPMemorySpec(depth=1, d_k=q.shape[-1], d_v=online.shape[-1])
+    aggregation = "grm" if aggregation == "soup" else aggregation
     heads_first = lambda x: x.transpose(1, 2)  # noqa: E731  (mc_read's (I, H, L, ·) layout)
-    y = mc_read(spec, "grm" if aggregation == "soup" else aggregation, ssc_topk, heads_first(q), heads_first(u),
+    if state_rows is not None:
+        if (ROUTED_READ and q.shape[1] == 1 and cached.states.dtype == torch.float32
+                and resolve_backend(q, True) == "triton"):
+            g_cached, g_online = mc_gates(aggregation, ssc_topk, heads_first(u), heads_first(online_summary),
+                                          cached.summary(), cached_valid[:, None, None, :], q.dtype)
+            read = routed_read_triton(q[:, 0], g_cached[:, :, 0], cached.states, state_rows)
+            return heads_first(g_online * heads_first(online)) + read[:, None].to(online.dtype)
+        cached = replace(cached, states=cached.states[state_rows])
+    spec = MLPMemorySpec(depth=1, d_k=q.shape[-1], d_v=online.shape[-1])
+    y = mc_read(spec, aggregation, ssc_topk, heads_first(q), heads_first(u),
                 lambda _name, _x: heads_first(online),  # the online read is already the recurrence's output
                 heads_first(online_summary), {"w": cached.states.transpose(-1, -2)}, cached.summary(), cached_valid)
     return heads_first(y)
@@ -389,12 +411,15 @@ def step_mc_gated_delta(
     aggregation: str,
     ssc_topk: int = 2,
     live: torch.Tensor | None = None,
+    state_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, CachedStates]:
     """One token per sequence with a gated aggregation, without device-to-host reads (decoding).
 
     ``q, k, u`` ``(N, H, d_k)``, ``v`` ``(N, H, d_v)``, ``g, beta`` ``(N, H)``, ``state`` ``(N, H, d_k, d_v)``,
     ``cached`` the sequences' :class:`CachedStates` ``(N, slots, ...)`` with ``cached_valid`` ``(N, slots)``;
     ``live`` ``(N,)``: a padded token (``False``, written with ``beta = g = 0``) leaves the key sums too.
+    ``state_rows`` ``(N,)``: ``cached.states`` is the stack of a layer's cache and sequence ``i`` reads row
+    ``state_rows[i]`` of it (:func:`read_scored`), so that the caller gathers none of the states.
     Closing a segment is the caller's (:meth:`CachedStates.push`), which knows the rows' clocks.
 
     Returns ``(o, new_state, cached)`` with the online key sums advanced.
@@ -410,7 +435,7 @@ def step_mc_gated_delta(
                      online_key_count=cached.online_key_count.to(dtype) + weight)
     summary = key_mean(cached.online_key_sum, cached.online_key_count)
     y = read_scored(o.to(dtype)[:, None], qn[:, None], u.to(dtype)[:, None], summary[:, None],
-                    cached.map(lambda t: t.to(dtype)), cached_valid, aggregation, ssc_topk)[:, 0]
+                    cached.map(lambda t: t.to(dtype)), cached_valid, aggregation, ssc_topk, state_rows)[:, 0]
     return y.to(v.dtype), new, cached
 
 

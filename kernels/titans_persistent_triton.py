@@ -48,6 +48,12 @@ objectives ``l2`` and ``dot``, with or without the per-token clip, with momentum
 ``S``), head widths up to 64 (widths that are not powers of two are masked), any hidden width
 (masked past the last whole slice), chunks up to 64 tokens, float32 state.
 
+In training, :func:`loop_first_pass` makes this forward (with checkpoints) the first pass of
+:func:`~.chunk_loop.run_chunks`: the loop's outputs and the memory entering every ``r``-th chunk in one
+launch, after which the backward re-runs each stretch chunk by chunk from those checkpoints, as it does
+after the per-chunk forward (:func:`first_pass_wanted`, :data:`FIRST_PASS`). The checkpoints differ from
+the per-chunk launches' by rounding only, so the gradients are the per-chunk path's to rounding.
+
 The backward (:func:`persistent_memory`, an autograd function; :func:`persistent_backward`, one
 stretch) takes the stretches between checkpoints from the last: one launch recomputes the stretch's
 chunk-start states from its checkpoint (this forward without its reads), one launch walks its chunks

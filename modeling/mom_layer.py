@@ -419,13 +419,17 @@ class MoMLayer(nn.Module):
         state, count = cache["recurrent"], cache["mc_count"]
         entries = self._gated_cache(cache, B, state).with_slots(decode_slots(cache.seen_tokens, self.segment_size))
         where = (torch.arange(B, device=x.device)[:, None].expand_as(memory), memory)
-        mine = entries.map(lambda t: t[where].reshape((B * S,) + t.shape[2:]))
+        # The routed memories' key sums are gathered; their cached states, the bulk of the cache, are read
+        # where they lie: sequence (b, s) reads row b * M + memory[b, s] of the stack.
+        rows = (torch.arange(B, device=x.device)[:, None] * M + memory).reshape(B * S)
+        mine = entries.map(lambda t: t[where].reshape((B * S,) + t.shape[2:]) if t is not entries.states
+                           else t.flatten(0, 1))
         slots_valid = torch.arange(entries.slots, device=x.device)[None] < count[:, None]  # (B, N)
         u = self.u_proj(x).view(B, 1, H, K).expand(B, S, H, K).reshape(B * S, H, K)
         o, new, mine = step_mc_gated_delta(
             *inputs, u, state[where].reshape((B * S,) + state.shape[2:]), mine,
             slots_valid.repeat_interleave(S, 0), aggregation=self.aggregation, ssc_topk=self.ssc_topk,
-            live=valid.repeat_interleave(S),
+            live=valid.repeat_interleave(S), state_rows=rows,
         )
         recurrent = state.index_put(where, new.view((B, S) + state.shape[2:]).to(state.dtype))
         entries = replace(

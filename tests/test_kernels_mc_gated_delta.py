@@ -16,6 +16,7 @@ from mnemo.kernels.mc_gated_delta import (
 )
 
 H, K, V = 2, 4, 3
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton paths: the interpreter on the CPU
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -185,6 +186,67 @@ def test_step_equals_chunk_for_gated_aggregations():
         closing = (clock + 1) % S == 0
         pushed = after.with_slots(ref_cached.slots).push(closing, count, new)
         _assert_carry_close((pushed,), (ref_cached,))
+
+
+@pytest.mark.parametrize("dk, dv", [(24, 40), (80, 100)])
+@pytest.mark.parametrize("splits", [None, 1, 4, 6])
+def test_the_routed_read_takes_the_states_where_they_lie(dk, dv, splits):
+    """:func:`routed_read_triton` (Triton's interpreter here) equals gathering each sequence's row of the stack
+    and reading it, with rows repeated and skipped, zero gates (skipped slots) and the slots split in shares;
+    widths that are not powers of two, and wider than one tile, are masked. Reading another row differs."""
+    pytest.importorskip("triton")
+    from mnemo.kernels.mc_gated_delta_triton import routed_read_triton
+
+    gen = torch.Generator().manual_seed(11)
+    R, N, heads = 5, 6, 2
+    states = torch.randn(R, N, heads, dk, dv, generator=gen)
+    rows = torch.tensor([3, 0, 3, 4])
+    q = torch.randn(len(rows), heads, dk, generator=gen)
+    gates = torch.rand(len(rows), heads, N, generator=gen)
+    gates[:, :, -2:] = 0.0  # empty slots
+    gates[1, 0, 1] = 0.0
+    got = routed_read_triton(*(x.to(DEVICE) for x in (q, gates, states, rows)), splits=splits).cpu()
+    want = torch.einsum("phk,pnhkv,phn->phv", q.double(), states[rows].double(), gates.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    other = routed_read_triton(*(x.to(DEVICE) for x in (q, gates, states, torch.tensor([3, 1, 3, 4]))),
+                               splits=splits).cpu()
+    assert (other - got)[1].abs().max() > 1e-3 and torch.equal(other[0], got[0])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_step_reads_a_stack_of_states_as_the_gathered_ones(backend):
+    """``state_rows``: the one-token step given a layer's whole stack of cached states (rows of sequences
+    picked by index, as the MoM layer's decode does) equals the step given each sequence's gathered states,
+    for every gated aggregation, on the PyTorch path and on the Triton one (the routed read)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    from mnemo.kernels.backend import use_backend
+
+    N, slots, R = 4, 3, 6
+    g0 = torch.Generator().manual_seed(12)
+    stack = torch.randn(R, slots, H, K, V, generator=g0)
+    rows = torch.tensor([5, 2, 2, 0])
+    key_sum, key_count = torch.randn(N, slots, H, K, generator=g0), torch.tensor([[2.0, 1.0, 0.0]] * N)
+    online = (torch.randn(N, H, K, generator=g0), torch.tensor([1.0, 0.0, 2.0, 1.0]))
+    count = torch.tensor([2, 1, 0, 2])
+    q, k, v, g, beta = _inputs(N, True, seed=13)
+    u = torch.randn(N, H, K, generator=g0)
+    state = torch.randn(N, H, K, V, generator=g0)
+    valid = torch.arange(slots)[None] < count[:, None]
+    to = lambda *xs: [x.to(DEVICE if backend == "triton" else "cpu") for x in xs]  # noqa: E731
+    q, k, v, g, beta, u, state, valid, stack, rows, key_sum, key_count = to(q, k, v, g, beta, u, state, valid, stack,
+                                                                            rows, key_sum, key_count)
+    online = tuple(to(*online))
+    for aggregation in GATED_AGGREGATIONS:
+        with use_backend(backend):
+            got = step_mc_gated_delta(q, k, v, g, beta, u, state, CachedStates(stack, key_sum, key_count, *online),
+                                      valid, aggregation=aggregation, ssc_topk=1, state_rows=rows)
+            want = step_mc_gated_delta(q, k, v, g, beta, u, state,
+                                       CachedStates(stack[rows], key_sum, key_count, *online), valid,
+                                       aggregation=aggregation, ssc_topk=1)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[2].online_key_sum, want[2].online_key_sum)
 
 
 def test_read_states_matches_a_loop():

@@ -208,6 +208,47 @@ def test_memory_caching_decode_step_equals_packed_path(variant):
     assert cache["mc_count"].tolist() == [v // config.segment_size for v in cache["mc_seen"].tolist()]
 
 
+@pytest.mark.parametrize("variant", sorted(GATED_VARIANTS))
+def test_memory_caching_decode_step_on_triton_reads_the_cache_in_place(variant, monkeypatch):
+    """The gated aggregations' decode step on the Triton backend reads the routed memories' cached states
+    where they lie in the cache (one launch of the routed read a step, no gather of the states): the
+    PyTorch step's outputs and cache across segment ends and with padded tokens."""
+    pytest.importorskip("triton")
+    import mnemo.kernels.mc_gated_delta as mc_gated_delta
+    from mnemo.kernels.backend import use_backend
+
+    launches = []
+    real = mc_gated_delta.routed_read_triton
+    monkeypatch.setattr(mc_gated_delta, "routed_read_triton", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton path: the interpreter on the CPU
+    config = tiny_mom_config(**GATED_VARIANTS[variant])
+    torch.manual_seed(5)
+    layer = MoMLayer(config, 0).eval().to(device)
+    with torch.no_grad():
+        layer.u_proj.weight.normal_(0, 1.0)
+        cache = LayerCache()
+        mask = torch.ones(2, 7, dtype=torch.long, device=device)
+        mask[1, :3] = 0
+        layer(torch.randn(2, 7, config.hidden_size, device=device), mask, cache)
+        cache.seen_tokens = 7
+        for step_mask in ([1, 1], [1, 0], [1, 1], [0, 1], [1, 1], [1, 1]):
+            token = torch.randn(2, 1, config.hidden_size, device=device)
+            step_mask = torch.tensor(step_mask, device=device)[:, None]
+            results = {}
+            for backend in ("torch", "triton"):
+                step_cache = LayerCache()
+                step_cache.states, step_cache.seen_tokens = dict(cache.states), cache.seen_tokens
+                with use_backend(backend):
+                    results[backend] = layer._decode_step(token, step_mask, step_cache), step_cache
+            (want, want_cache), (got, got_cache) = results["torch"], results["triton"]
+            live = step_mask.bool()[:, 0]
+            torch.testing.assert_close(got[0][live], want[0][live], rtol=1e-5, atol=1e-6)
+            for name, expected in want_cache.states.items():
+                torch.testing.assert_close(got_cache[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+            cache.states, cache.seen_tokens = want_cache.states, cache.seen_tokens + 1
+    assert len(launches) == 6
+
+
 @pytest.mark.parametrize("update", ["gated_deltanet", "deltanet"])
 def test_single_memory_path_equals_packed_path(update):
     """One memory and no padding take the path without routing: the packed path's outputs, aux loss, cache
