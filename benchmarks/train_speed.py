@@ -104,6 +104,13 @@ def _layers(recorder: Recorder, args: argparse.Namespace) -> None:
     layer_args = bench_layers.parse(["--tf32", "--iters", str(args.iters), "--warmup", str(args.warmup)])
     warm_up_gpu()
     rows = [name for name in LAYER_ROWS if name in names(args.only) or not args.only]
+    if rows:
+        # The first row once more, its result dropped (its JSON line is printed all the same): a process's first
+        # training steps pay set-up that the warm-up's products do not (the autograd engine's threads, cuDNN's
+        # attention plans), which made the ratios to the first row, SDPA, meaningless (benchmarks/RESULTS.md).
+        T = ints(args.lengths)[0]
+        bench_layers.measure(Recorder(), rows[0], bench_layers.LAYERS[rows[0]], max(1, args.tokens // T), T,
+                             layer_args, (None, None))
     for T in ints(args.lengths):
         for name in rows:
             bench_layers.measure(recorder, name, bench_layers.LAYERS[name], max(1, args.tokens // T), T, layer_args,

@@ -96,7 +96,8 @@ __all__ = ["BLOCKS", "PersistentResult", "covers", "first_pass_wanted", "loop_fi
 # Slice of the hidden layer per step; warps of the forward and of the backward for narrow problems (head
 # width and chunk up to 32) and for wider ones. Module-level so that tests can shrink the slice (several
 # slices at small hidden widths) and benchmarks try others.
-BLOCKS = {"slice": 64, "warps_narrow": 4, "warps_wide": 8, "backward_warps_narrow": 4, "backward_warps_wide": 8}
+BLOCKS = {"slice": 64, "warps_narrow": 4, "warps_wide": 8, "backward_warps_narrow": 4, "backward_warps_wide": 8,
+          "stages": 1}
 
 # Whether :func:`~.titans.chunk_titans` takes this kernel where it covers the call; benchmarks set it
 # False to time the per-chunk launches of :mod:`.titans_triton_forward` instead.
@@ -374,7 +375,7 @@ def persistent_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tens
             CW1, CW2, CS1, CS2, stop, ST1, ST2, float(clip) if clip is not None else 0.0, n, G, C, D, F,
             checkpoint_every or 1,
             HAS_S=has_s, L2=spec.objective == "l2", CLIP=clip is not None, CKPT=ckpt, TRACK=track, READ=read,
-            BC=BC, BD=BD, BF=BF, PRECISION=_precision(), num_warps=warps, num_stages=1)
+            BC=BC, BD=BD, BF=BF, PRECISION=_precision(), num_warps=warps, num_stages=BLOCKS["stages"])
     checkpoints = None
     if ckpt:
         checkpoints = ({"w1": CW1, "w2": CW2}, {"w1": CS1, "w2": CS2} if has_s else None)
