@@ -94,8 +94,10 @@ __all__ = ["BLOCKS", "PersistentResult", "covers", "first_pass_wanted", "loop_fi
            "persistent_forward", "persistent_memory", "wanted"]
 
 # Slice of the hidden layer per step; warps of the forward and of the backward for narrow problems (head
-# width and chunk up to 32) and for wider ones. Module-level so that tests can shrink the slice (several
-# slices at small hidden widths) and benchmarks try others.
+# width and chunk up to 32) and for wider ones; the forward's software-pipelining stages (two pipeline the
+# slices' loads but ask about 213 KB of shared memory at head 64, hidden 256, chunk 64 for sm_90, more than
+# GPUs before Hopper give a block, for little: benchmarks/RESULTS.md). Module-level so that tests can shrink
+# the slice (several slices at small hidden widths) and benchmarks try others.
 BLOCKS = {"slice": 64, "warps_narrow": 4, "warps_wide": 8, "backward_warps_narrow": 4, "backward_warps_wide": 8,
           "stages": 1}
 
