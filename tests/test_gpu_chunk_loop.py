@@ -303,3 +303,39 @@ def test_fused_cached_reads_equal_the_reads_memory_by_memory_at_real_shapes(aggr
     assert calls == ["ieee" if operands == "float32" else "tf32"] * launches
     errors = _relative_errors(got, expected, (q, g, *weights), g)
     assert max(errors) < (1e-5 if operands == "float32" else 1e-2), errors
+
+
+@pytest.mark.parametrize("segments", [None, 256], ids=["titans", "mc_titans_grm"])
+def test_training_takes_the_persistent_forward_as_its_first_pass(segments, monkeypatch):
+    """A bf16 Titans / MC-Titans layer of 16 heads of 64 at 8 x 512 tokens (128 rows: the persistent kernel's
+    case, TF32) in training: the chunk loop's forward pass is one persistent launch a call (two for MC-Titans,
+    whose backward recomputes its memory), and the outputs equal those with ``FIRST_PASS`` off bit for bit, the
+    gradients to bf16's rounding (the checkpoints differ from the per-chunk launches' by TF32 rounding)."""
+    import mnemo.kernels.titans_persistent_triton as persistent
+    from mnemo import MCTitansConfig
+    from mnemo.modeling.mc_titans_layer import MCTitansLayer
+
+    calls = []
+    real = persistent.persistent_forward
+    monkeypatch.setattr(persistent, "persistent_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    torch.manual_seed(0)
+    config = MCTitansConfig(hidden_size=1024, num_heads=16, head_dim=64, memory_expansion=4, inner_chunk_size=64,
+                            segment_size=segments)
+    layer = MCTitansLayer(config, 0).cuda().to(torch.bfloat16)
+    for p in layer.memory_init().values():  # a memory that starts at zero reads zero
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(8, 512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    got = {}
+    for first_pass in (False, True):
+        monkeypatch.setattr(persistent, "FIRST_PASS", first_pass)
+        calls.clear()
+        layer.zero_grad()
+        x.grad = None
+        y = layer(x)
+        y = y[0] if isinstance(y, tuple) else y
+        y.float().mul(torch.linspace(-1, 1, y.shape[-1], device="cuda")).sum().backward()
+        got[first_pass] = y.detach(), [x.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
+        assert len(calls) == (0 if not first_pass else (1 if segments is None else 2))
+    assert torch.equal(got[True][0], got[False][0])
+    for a, b in zip(got[True][1], got[False][1]):  # bf16 gradients: 2^-9 of the largest entry is one rounding
+        assert ((a.double() - b.double()).abs().max() / b.double().abs().max()) < 4e-3
