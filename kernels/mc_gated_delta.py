@@ -189,13 +189,16 @@ def read_scored(
     on the linear memory ``M(z) = S^T z``; ``soup`` is computed as ``grm`` (equal for a linear memory).
     ``state_rows`` ``(I,)``: ``cached.states`` is a larger stack ``(R, N, ...)`` (a layer's cache, every
     memory of every row) and sequence ``i`` reads ``cached.states[state_rows[i]]``; its other fields are the
-    sequences' own. For one token a sequence (decoding) the Triton path reads those states where they lie
-    (:func:`~.mc_gated_delta_triton.routed_read_triton`); otherwise they are gathered first.
+    sequences' own. For one token a sequence (decoding) without gradients the Triton path reads those states
+    where they lie (:func:`~.mc_gated_delta_triton.routed_read_triton`, which has no backward); otherwise they
+    are gathered first.
     """
     aggregation = "grm" if aggregation == "soup" else aggregation
     heads_first = lambda x: x.transpose(1, 2)  # noqa: E731  (mc_read's (I, H, L, ·) layout)
     if state_rows is not None:
-        if (ROUTED_READ and q.shape[1] == 1 and cached.states.dtype == torch.float32
+        recording = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (online, q, u, online_summary, *cached.tensors()))
+        if (ROUTED_READ and not recording and q.shape[1] == 1 and cached.states.dtype == torch.float32
                 and resolve_backend(q, True) == "triton"):
             g_cached, g_online = mc_gates(aggregation, ssc_topk, heads_first(u), heads_first(online_summary),
                                           cached.summary(), cached_valid[:, None, None, :], q.dtype)

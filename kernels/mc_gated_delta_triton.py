@@ -33,6 +33,8 @@ _PROGRAMS_PER_SM = 4
 @triton.jit(do_not_specialize=["per_split"])
 def _routed_read_kernel(Q, G, S, ROWS, OUT, H, N, DK, DV, per_split, stride_r, stride_n, stride_h, stride_k,
                         BK: tl.constexpr, BV: tl.constexpr):
+    """Program ``(p * H + h, v-block, split)``: ``sum_n G[p, h, n] (Q[p, h] S[ROWS[p], n, h])[v-block]`` over
+    slots ``split * per_split ..`` of the split, into ``OUT[split, p, h, v-block]``."""
     ph = tl.program_id(0)
     vb = tl.program_id(1)
     split = tl.program_id(2)
@@ -66,8 +68,8 @@ def routed_read_triton(q: torch.Tensor, gates: torch.Tensor, states: torch.Tenso
                        splits: int | None = None) -> torch.Tensor:
     """``sum_n gates[p, h, n] * states[rows[p], n, h]^T q[p, h]``: ``q (P, H, d_k)``, ``gates (P, H, N)``,
     ``states (R, N, H, d_k, d_v)`` (last dimension contiguous), ``rows (P,)`` indices into ``R``; float32.
-    Returns ``(P, H, d_v)``. ``splits``: shares of the slots (default: enough programs for the GPU's SMs;
-    one on the CPU)."""
+    Returns ``(P, H, d_v)``; no backward (a decoding read). ``splits``: shares of the slots (default: enough
+    programs for the GPU's SMs; one on the CPU)."""
     P, H, DK = q.shape
     N, DV = states.shape[1], states.shape[-1]
     if states.stride(-1) != 1:

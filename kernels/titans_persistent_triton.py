@@ -414,6 +414,7 @@ def _applies(spec, chunk_size: int, tensors: list[torch.Tensor], tf32: bool, row
 
 
 def _recording(tensors: list[torch.Tensor]) -> bool:
+    """Whether autograd records a call on ``tensors``."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
@@ -465,11 +466,16 @@ def loop_first_pass(spec, carry: tuple[torch.Tensor, ...], xs: tuple[torch.Tenso
     split = lambda x: x.view(B, H, *x.shape[1:])  # noqa: E731
     res = persistent_forward(spec, {"w1": heads(carry[0]), "w2": heads(carry[1])},
                              {"w1": heads(carry[2]), "w2": heads(carry[3])},
-                             *map(rows, (q, k, v, *coefficients)), checkpoint_every=every)
+                             *map(rows, (q, k, v, *coefficients)), checkpoint_every=every if every < n else None)
     final = (res.weights["w1"], res.weights["w2"], res.momentum["w1"], res.momentum["w2"])
-    kept_w, kept_s = res.checkpoints
-    kept = (kept_w["w1"], kept_w["w2"], kept_s["w1"], kept_s["w2"])
-    checkpoints = [tuple(split(t[i]) for t in kept) for i in range(kept[0].shape[0])]
+    # The memory entering chunk 0 is the carry itself, kept as it came (often a view of the learned initial
+    # weights): the kernel's copy of it, the first of its checkpoints, is dropped with its buffer (the later
+    # ones are copied out of it), so that the backward holds what the per-chunk forward has it hold.
+    checkpoints = [tuple(carry)]
+    if res.checkpoints is not None:
+        kept_w, kept_s = res.checkpoints
+        later = [t[1:].clone() for t in (kept_w["w1"], kept_w["w2"], kept_s["w1"], kept_s["w2"])]
+        checkpoints += [tuple(split(t[i]) for t in later) for i in range(later[0].shape[0])]
     return (res.y.view(n, B, H, C, D),), tuple(split(x) for x in final), checkpoints
 
 

@@ -212,10 +212,14 @@ def test_a_first_pass_takes_the_forwards_place_and_the_backward_is_the_steps(eve
         ys, carry = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), first_pass=_first_pass_of_the_toy_loop(calls))
         _, _, snaps = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=every, snapshots=True,
                                  first_pass=_first_pass_of_the_toy_loop(calls))
+        _, _, plain_snaps = run_chunks(toy_step, (h0, kept), (inp, mask), (w,), checkpoint_every=every,
+                                       snapshots=True)
     assert calls == [N, every]  # without gradients it is the whole loop: one stretch, or the snapshots' spacing
     for a, b in zip(ys + carry, plain_ys + plain_carry):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert len(snaps) == -(-N // every) - 1
+    assert len(snaps) == len(plain_snaps) == -(-N // every) - 1
+    for a, b in zip([t for s in snaps for t in s], [t for s in plain_snaps for t in s]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_uncaptured_loops_run_under_plain_autograd_unless_asked():

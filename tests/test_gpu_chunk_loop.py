@@ -309,8 +309,9 @@ def test_fused_cached_reads_equal_the_reads_memory_by_memory_at_real_shapes(aggr
 def test_training_takes_the_persistent_forward_as_its_first_pass(segments, monkeypatch):
     """A bf16 Titans / MC-Titans layer of 16 heads of 64 at 8 x 512 tokens (128 rows: the persistent kernel's
     case, TF32) in training: the chunk loop's forward pass is one persistent launch a call (two for MC-Titans,
-    whose backward recomputes its memory), and the outputs equal those with ``FIRST_PASS`` off bit for bit, the
-    gradients to bf16's rounding (the checkpoints differ from the per-chunk launches' by TF32 rounding)."""
+    whose backward recomputes its memory), and the outputs and every gradient equal those with ``FIRST_PASS``
+    off to two bf16 roundings (the kernels sum their TF32 products in another order; the outputs came out
+    bit-equal on an H200)."""
     import mnemo.kernels.titans_persistent_triton as persistent
     from mnemo import MCTitansConfig
     from mnemo.modeling.mc_titans_layer import MCTitansLayer
@@ -334,8 +335,11 @@ def test_training_takes_the_persistent_forward_as_its_first_pass(segments, monke
         y = layer(x)
         y = y[0] if isinstance(y, tuple) else y
         y.float().mul(torch.linspace(-1, 1, y.shape[-1], device="cuda")).sum().backward()
-        got[first_pass] = y.detach(), [x.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
+        got[first_pass] = {"output": y.detach(), "x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
         assert len(calls) == (0 if not first_pass else (1 if segments is None else 2))
-    assert torch.equal(got[True][0], got[False][0])
-    for a, b in zip(got[True][1], got[False][1]):  # bf16 gradients: 2^-9 of the largest entry is one rounding
-        assert ((a.double() - b.double()).abs().max() / b.double().abs().max()) < 4e-3
+    assert got[True].keys() == got[False].keys()
+    for name, b in got[False].items():  # bf16: 2^-9 of the largest entry is one rounding
+        a = got[True][name]
+        assert (a is None) == (b is None), name
+        if b is not None:
+            assert ((a.double() - b.double()).abs().max() / b.double().abs().max()) < 4e-3, name

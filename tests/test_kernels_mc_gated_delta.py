@@ -214,13 +214,19 @@ def test_the_routed_read_takes_the_states_where_they_lie(dk, dv, splits):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_the_step_reads_a_stack_of_states_as_the_gathered_ones(backend):
+def test_the_step_reads_a_stack_of_states_as_the_gathered_ones(backend, monkeypatch):
     """``state_rows``: the one-token step given a layer's whole stack of cached states (rows of sequences
     picked by index, as the MoM layer's decode does) equals the step given each sequence's gathered states,
-    for every gated aggregation, on the PyTorch path and on the Triton one (the routed read)."""
+    for every gated aggregation, on the PyTorch path and on the Triton one (the routed read, one launch a
+    step)."""
     if backend == "triton":
         pytest.importorskip("triton")
+    import mnemo.kernels.mc_gated_delta as mc_gated_delta
     from mnemo.kernels.backend import use_backend
+
+    launches = []
+    real = mc_gated_delta.routed_read_triton
+    monkeypatch.setattr(mc_gated_delta, "routed_read_triton", lambda *a, **kw: launches.append(1) or real(*a, **kw))
 
     N, slots, R = 4, 3, 6
     g0 = torch.Generator().manual_seed(12)
@@ -247,6 +253,42 @@ def test_the_step_reads_a_stack_of_states_as_the_gathered_ones(backend):
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
         assert torch.equal(got[1], want[1])
         torch.testing.assert_close(got[2].online_key_sum, want[2].online_key_sum)
+    assert len(launches) == (len(GATED_AGGREGATIONS) if backend == "triton" else 0)
+
+
+def test_a_read_of_a_stack_that_records_gradients_gathers_the_states(monkeypatch):
+    """The routed read has no backward: with gradients recorded, the Triton backend's read of a stack gathers
+    the states (no launch), and the gradients of the gate inputs, queries and states equal the gathered
+    read's."""
+    pytest.importorskip("triton")
+    import mnemo.kernels.mc_gated_delta as mc_gated_delta
+    from mnemo.kernels.backend import use_backend
+    from mnemo.kernels.mc_gated_delta import read_scored
+
+    launches = []
+    real = mc_gated_delta.routed_read_triton
+    monkeypatch.setattr(mc_gated_delta, "routed_read_triton", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    g0 = torch.Generator().manual_seed(14)
+    N, slots, R = 3, 4, 5
+    rows = torch.tensor([4, 1, 4])
+    leaves = [torch.randn(N, 1, H, V, generator=g0), torch.randn(N, 1, H, K, generator=g0),
+              torch.randn(N, 1, H, K, generator=g0), torch.randn(N, 1, H, K, generator=g0),
+              torch.randn(R, slots, H, K, V, generator=g0)]
+    key_sum, key_count = torch.randn(N, slots, H, K, generator=g0), torch.tensor([[2.0, 1.0, 3.0, 0.0]] * N)
+    valid = torch.tensor([[True, True, True, False]] * N)
+    grads = {}
+    for stacked in (True, False):
+        x = [t.clone().to(DEVICE).requires_grad_() for t in leaves]
+        online, q, u, summary, states = x
+        cached = CachedStates(states if stacked else states[rows.to(DEVICE)], key_sum.to(DEVICE),
+                              key_count.to(DEVICE), torch.zeros(N, H, K, device=DEVICE), torch.zeros(N, device=DEVICE))
+        with use_backend("triton"):
+            y = read_scored(online, q, u, summary, cached, valid.to(DEVICE), "grm", 1,
+                            rows.to(DEVICE) if stacked else None)
+        grads[stacked] = torch.autograd.grad((y * torch.arange(y.numel(), device=DEVICE).view_as(y).sin()).sum(), x)
+    assert launches == []
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_read_states_matches_a_loop():
