@@ -94,12 +94,9 @@ __all__ = ["BLOCKS", "PersistentResult", "covers", "first_pass_wanted", "loop_fi
            "persistent_forward", "persistent_memory", "wanted"]
 
 # Slice of the hidden layer per step; warps of the forward and of the backward for narrow problems (head
-# width and chunk up to 32) and for wider ones; the forward's software-pipelining stages (two pipeline the
-# slices' loads but ask about 213 KB of shared memory at head 64, hidden 256, chunk 64 for sm_90, more than
-# GPUs before Hopper give a block, for little: benchmarks/RESULTS.md). Module-level so that tests can shrink
-# the slice (several slices at small hidden widths) and benchmarks try others.
-BLOCKS = {"slice": 64, "warps_narrow": 4, "warps_wide": 8, "backward_warps_narrow": 4, "backward_warps_wide": 8,
-          "stages": 1}
+# width and chunk up to 32) and for wider ones. Module-level so that tests can shrink the slice (several
+# slices at small hidden widths) and benchmarks try others.
+BLOCKS = {"slice": 64, "warps_narrow": 4, "warps_wide": 8, "backward_warps_narrow": 4, "backward_warps_wide": 8}
 
 # Whether :func:`~.titans.chunk_titans` takes this kernel where it covers the call; benchmarks set it
 # False to time the per-chunk launches of :mod:`.titans_triton_forward` instead.
@@ -377,7 +374,10 @@ def persistent_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tens
             CW1, CW2, CS1, CS2, stop, ST1, ST2, float(clip) if clip is not None else 0.0, n, G, C, D, F,
             checkpoint_every or 1,
             HAS_S=has_s, L2=spec.objective == "l2", CLIP=clip is not None, CKPT=ckpt, TRACK=track, READ=read,
-            BC=BC, BD=BD, BF=BF, PRECISION=_precision(), num_warps=warps, num_stages=BLOCKS["stages"])
+            BC=BC, BD=BD, BF=BF, PRECISION=_precision(), num_warps=warps,
+            # one stage: two pipeline the slices' loads for little, at 213 KB of shared memory (head 64, hidden
+            # 256, chunk 64, sm_90), more than a block gets before Hopper (benchmarks/history/, 2026-11-28)
+            num_stages=1)
     checkpoints = None
     if ckpt:
         checkpoints = ({"w1": CW1, "w2": CW2}, {"w1": CS1, "w2": CS2} if has_s else None)
@@ -446,6 +446,19 @@ def first_pass_wanted(spec, chunk_size: int, on_boundaries: bool, tensors: list[
     return FIRST_PASS and on_boundaries and not track_start and _applies(spec, chunk_size, tensors, tf32, rows)
 
 
+def _by_row(carry: tuple[torch.Tensor, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            coefficients: tuple[torch.Tensor, ...]):
+    """A Titans chunk loop's ``(B, H, ...)`` weights and momenta (the carry's first four) and ``(n, B, H, ...)``
+    inputs in the kernels' rows (``G = B * H``): ``W``, ``S`` dicts ``(G, ...)``, the inputs chunk-first
+    ``(n, G, ...)``, and the inverse of the merge for ``(G, ...)`` results."""
+    n, B, H = q.shape[:3]
+    heads = lambda x: x.flatten(0, 1)  # noqa: E731
+    W = {"w1": heads(carry[0]), "w2": heads(carry[1])}
+    S = {"w1": heads(carry[2]), "w2": heads(carry[3])}
+    inputs = [x.reshape(n, B * H, *x.shape[3:]) for x in (q, k, v, *coefficients)]
+    return W, S, inputs, lambda x: x.view(B, H, *x.shape[1:])
+
+
 def loop_first_pass(spec, carry: tuple[torch.Tensor, ...], xs: tuple[torch.Tensor, ...],
                     consts: tuple[torch.Tensor, ...], every: int
                     ) -> tuple[tuple[torch.Tensor], tuple[torch.Tensor, ...], list[tuple[torch.Tensor, ...]]]:
@@ -458,15 +471,10 @@ def loop_first_pass(spec, carry: tuple[torch.Tensor, ...], xs: tuple[torch.Tenso
     from the per-chunk launches' by rounding only (both TF32, summed in another order)."""
     if consts or len(carry) != 4:
         raise ValueError("the persistent first pass takes the loop without stored or chunk-start weights")
-    q, k, v = xs[:3]
-    coefficients = xs[-5:]
-    n, B, H, C, D = q.shape
-    rows = lambda x: x.reshape(n, B * H, *x.shape[3:])  # noqa: E731
-    heads = lambda x: x.flatten(0, 1)  # noqa: E731
-    split = lambda x: x.view(B, H, *x.shape[1:])  # noqa: E731
-    res = persistent_forward(spec, {"w1": heads(carry[0]), "w2": heads(carry[1])},
-                             {"w1": heads(carry[2]), "w2": heads(carry[3])},
-                             *map(rows, (q, k, v, *coefficients)), checkpoint_every=every if every < n else None)
+    q = xs[0]
+    n = q.shape[0]
+    W, S, inputs, split = _by_row(carry, *xs[:3], xs[-5:])
+    res = persistent_forward(spec, W, S, *inputs, checkpoint_every=every if every < n else None)
     final = (res.weights["w1"], res.weights["w2"], res.momentum["w1"], res.momentum["w2"])
     # The memory entering chunk 0 is the carry itself, kept as it came (often a view of the learned initial
     # weights): the kernel's copy of it, the first of its checkpoints, is dropped with its buffer (the later
@@ -476,7 +484,7 @@ def loop_first_pass(spec, carry: tuple[torch.Tensor, ...], xs: tuple[torch.Tenso
         kept_w, kept_s = res.checkpoints
         later = [t[1:].clone() for t in (kept_w["w1"], kept_w["w2"], kept_s["w1"], kept_s["w2"])]
         checkpoints += [tuple(split(t[i]) for t in later) for i in range(later[0].shape[0])]
-    return (res.y.view(n, B, H, C, D),), tuple(split(x) for x in final), checkpoints
+    return (res.y.view(q.shape),), tuple(split(x) for x in final), checkpoints
 
 
 # Left to run as it is under torch.compile (a graph break), as the chunk loop it replaces is.
@@ -490,29 +498,21 @@ def titans_chunks(spec, carry: tuple[torch.Tensor, ...], q: torch.Tensor, k: tor
     :func:`~.titans.titans_coefficients`; ``stops (n, B)``, the chunk each row's last token falls inside.
     Where gradients are recorded (:data:`TRAINING`, no ``track_start``), through :func:`persistent_memory`
     with checkpoints every ``checkpoint_every`` chunks."""
-    n, B, H, C, D = q.shape
-    G = B * H
-    rows = lambda x: x.reshape(n, G, *x.shape[3:])  # noqa: E731  chunk-first, heads merged
-    heads = lambda x: x.flatten(0, 1)  # noqa: E731
-    W = {"w1": heads(carry[0]), "w2": heads(carry[1])}
-    S = {"w1": heads(carry[2]), "w2": heads(carry[3])}
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (*carry, q, k, v, *coefficients)):
+    W, S, inputs, split = _by_row(carry, q, k, v, coefficients)
+    if _recording([*carry, q, k, v, *coefficients]):
         with tf32_products(tf32):
-            y, W_new, S_new = persistent_memory(spec, W, S, *map(rows, (q, k, v, *coefficients)),
-                                                checkpoint_every=checkpoint_every)
-        return y.view(n, B, H, C, D), tuple(x.view(B, H, *x.shape[1:]) for x in (*W_new.values(), *S_new.values()))
+            y, W_new, S_new = persistent_memory(spec, W, S, *inputs, checkpoint_every=checkpoint_every)
+        return y.view(q.shape), tuple(split(x) for x in (*W_new.values(), *S_new.values()))
     stop_chunk = start = None
     if track_start:
-        stop_chunk = torch.where(stops.any(0), stops.to(torch.int32).argmax(0), -1).repeat_interleave(H)
-        start = {"w1": heads(carry[4]), "w2": heads(carry[5])}
+        stop_chunk = torch.where(stops.any(0), stops.to(torch.int32).argmax(0), -1).repeat_interleave(q.shape[2])
+        start = {"w1": carry[4].flatten(0, 1), "w2": carry[5].flatten(0, 1)}
     with tf32_products(tf32):
-        res = persistent_forward(spec, W, S, *map(rows, (q, k, v, *coefficients)), stop_chunk=stop_chunk,
-                                 chunk_start=start)
-    split = lambda x: x.view(B, H, *x.shape[1:])  # noqa: E731
+        res = persistent_forward(spec, W, S, *inputs, stop_chunk=stop_chunk, chunk_start=start)
     out = (res.weights["w1"], res.weights["w2"], res.momentum["w1"], res.momentum["w2"])
     if track_start:
         out += (res.chunk_start["w1"], res.chunk_start["w2"])
-    return res.y.view(n, B, H, C, D), tuple(split(x) for x in out)
+    return res.y.view(q.shape), tuple(split(x) for x in out)
 
 
 # --------------------------------------------------------------------------- the backward

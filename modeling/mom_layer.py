@@ -422,8 +422,8 @@ class MoMLayer(nn.Module):
         # The routed memories' key sums are gathered; their cached states, the bulk of the cache, are read
         # where they lie: sequence (b, s) reads row b * M + memory[b, s] of the stack.
         rows = (torch.arange(B, device=x.device)[:, None] * M + memory).reshape(B * S)
-        mine = entries.map(lambda t: t[where].reshape((B * S,) + t.shape[2:]) if t is not entries.states
-                           else t.flatten(0, 1))
+        mine = CachedStates(entries.states.flatten(0, 1),
+                            *(t[where].reshape((B * S,) + t.shape[2:]) for t in entries.tensors()[1:]))
         slots_valid = torch.arange(entries.slots, device=x.device)[None] < count[:, None]  # (B, N)
         u = self.u_proj(x).view(B, 1, H, K).expand(B, S, H, K).reshape(B * S, H, K)
         o, new, mine = step_mc_gated_delta(
