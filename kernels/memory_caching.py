@@ -31,7 +31,10 @@ from functools import partial
 
 import torch
 
+from .backend import resolve_backend
 from .chunk_loop import recompute_in_backward
+from .mc_mlp_read_triton import cached_mlp_read_triton
+from .mc_mlp_read_triton import covers as one_token_read_covers
 from .mlp_memory import MLPMemorySpec, memory_apply, static_apply
 
 __all__ = [
@@ -64,6 +67,11 @@ AGGREGATIONS = LINEAR_AGGREGATIONS + GATED_AGGREGATIONS
 SSC_TIE_TOLERANCE = 2.0**-16
 SEGMENTATIONS = ("constant", "logarithmic")
 CACHE_MODES = ("checkpoint", "independent")
+# Whether one token's read of cached MLP memories without gradients (decoding) takes one Triton launch on the
+# Triton backend (:func:`~.mc_mlp_read_triton.cached_mlp_read_triton`) instead of the batched products. Off until
+# the kernel's present form (shares dealt slot by slot, so that a captured step replays the eager one to the bit)
+# has run the decode tests and benchmarks on the GPU; set it to take the kernel (benchmarks/RESULTS.md).
+ONE_TOKEN_READ = False
 
 
 def check_aggregation(aggregation: str, u: torch.Tensor | None, memories: str) -> bool:
@@ -207,9 +215,31 @@ def mc_read(
         return memory_apply(spec, mixed, q)
     y = g_online * (online if isinstance(online, torch.Tensor) else memory_apply(spec, online, q))
     if cached_valid.shape[1]:
+        if _one_token_read(spec, q, g_cached, pieces):
+            by_name = dict(zip(names, pieces))
+            # the linear aggregations' gates come broadcast over heads and tokens
+            gates = g_cached.expand(*q.shape[:3], g_cached.shape[-1])[:, :, 0]
+            read = cached_mlp_read_triton(q[:, :, 0], gates, by_name["w1"][0], by_name["w2"][0])
+            return y + read[:, :, None].to(y.dtype)
         read = partial(_gated_reads, spec, 1 if q.is_cuda else n_pieces)
         y = y + from_cached(read, q, *(t for p in pieces for t in p))
     return y
+
+
+def _one_token_read(spec: MLPMemorySpec, q: torch.Tensor, g: torch.Tensor, pieces: list[tuple[torch.Tensor, ...]]
+                    ) -> bool:
+    """Whether :func:`mc_read` reads its cached memories in one launch (:data:`ONE_TOKEN_READ`): one token a row
+    (decoding) without gradients, float32 memories ``z + W1 gelu(W2 z)`` in one piece, on the Triton backend."""
+    if not ONE_TOKEN_READ or q.shape[2] != 1 or spec.depth != 2 or spec.gated or spec.linear_skip:
+        return False
+    if not one_token_read_covers(spec.d_k) or any(len(p) != 1 for p in pieces):
+        return False
+    tensors = [q, g, *(p[0] for p in pieces)]
+    if any(t.dtype != torch.float32 for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False  # the kernel has no backward
+    return resolve_backend(q, has_triton_impl=True) == "triton"
 
 
 def _mixed_products(x: torch.Tensor, g: torch.Tensor, *pieces: torch.Tensor) -> torch.Tensor:
