@@ -20,7 +20,9 @@ How: per (model, B, P): the prefill's wall time (the first one of a run includes
 autotuning), then ``--warmup`` untimed and ``--steps`` timed eager steps, then the same on the graph
 (the first graphed step captures). Peak memory over the prefill and the steps. With ``--generate``,
 ``generate()``'s tokens per second for ``--generate-tokens`` new tokens, eager and with
-``cuda_graph=True``. Shapes with ``B * P`` above ``--max-tokens`` are skipped.
+``cuda_graph=True``. Shapes with ``B * P`` above ``--max-tokens`` are skipped. ``--sweep module.NAME=0,1``
+measures every shape once with each value of a kernel module's switch (an A/B in one process, e.g.
+``memory_caching.ONE_TOKEN_READ``), the rows named ``model module.NAME=value``.
 
 Prints one JSON line per (model, B, P), then a markdown table; writes ``bench_decode.json`` to ``--out``
 (default ``$OUT`` or the current directory). Run on a GPU machine with mnemo importable, e.g.
@@ -36,8 +38,8 @@ from collections.abc import Callable
 
 import torch
 
-from benchlib import (DEVICE, DTYPE, HIDDEN, VOCAB, Recorder, ints, lift_fla_hopper_guard, names, out_dir,
-                      peak_gib, picked, reset_peak)
+from benchlib import (DEVICE, DTYPE, HIDDEN, VOCAB, Recorder, ints, launch_constant, lift_fla_hopper_guard, names,
+                      out_dir, peak_gib, picked, reset_peak, sweep_values)
 
 
 def titans(segment_size: int | None, aggregation: str = "grm"):
@@ -162,12 +164,16 @@ def static_generate_ms(model, ids: torch.Tensor) -> float:
         return (run(136) - run(8)) / 128 * 1e3
 
 
-def measure(recorder: Recorder, name: str, model, B: int, P: int, args: argparse.Namespace) -> None:
+def measure(recorder: Recorder, name: str, model, B: int, P: int, args: argparse.Namespace,
+            label: str | None = None) -> None:
+    """One row: ``name``'s decode steps after a prompt of ``P`` tokens at batch ``B``, recorded as ``label``
+    (default ``name``)."""
+    label = label or name
     graphable = is_mnemo(model) and not model.decode_graph_obstacle(model.config) and not args.no_graph
     try:
         reset_peak()
         cache, token, seconds = prefill(model, B, P)
-        row = dict(model=name, B=B, prompt=P, prefill_s=round(seconds, 2),
+        row = dict(model=label, B=B, prompt=P, prefill_s=round(seconds, 2),
                    eager_ms=round(decode_ms(model, cache, token, False, args.steps, args.warmup), 3))
         if graphable:
             row["graph_ms"] = round(decode_ms(model, cache, token, True, args.steps, args.warmup), 3)
@@ -183,7 +189,7 @@ def measure(recorder: Recorder, name: str, model, B: int, P: int, args: argparse
                 row["static_compiled_ms"] = round(static_generate_ms(model, ids), 3)
     except Exception as exc:  # noqa: BLE001  (a model that fails is a result too)
         traceback.print_exc()
-        row = dict(model=name, B=B, prompt=P, err=repr(exc)[:300])
+        row = dict(model=label, B=B, prompt=P, err=repr(exc)[:300])
     recorder.record(**row)
 
 
@@ -201,6 +207,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-graph", action="store_true", help="eager steps only")
     parser.add_argument("--generate", action="store_true", help="also generate()'s tokens per second")
     parser.add_argument("--generate-tokens", type=int, default=64, help="new tokens per timed generate()")
+    parser.add_argument("--sweep", metavar="KEY=V1,V2",
+                        help="time each shape with each value of a kernel module's switch, as module.NAME "
+                             "(memory_caching.ONE_TOKEN_READ=0,1)")
     parser.add_argument("--out", help="folder for bench_decode.json (default $OUT or .)")
     return parser.parse_args(argv)
 
@@ -221,8 +230,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             recorder.record(model=name, skipped=f"not installed: {exc.name or exc}")
             continue
-        for B, P in shapes:
-            measure(recorder, name, model, B, P, args)
+        for key, value in sweep_values(args.sweep):
+            label = f"{name} {key}={value}" if key else name
+            with launch_constant(key, value):
+                for B, P in shapes:
+                    measure(recorder, name, model, B, P, args, label)
         del model
     recorder.table(["model", "B", "prompt", "eager_ms", "graph_ms", "prefill_s", "peak_gib", "generate_tok_per_s",
                     "graph_generate_tok_per_s", "static_compiled_ms", "skipped", "err"])

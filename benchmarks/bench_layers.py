@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,8 +40,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import (DEVICE, DTYPE, HIDDEN, LENGTHS, TOKENS, Recorder, ints, lift_fla_hopper_guard, median_ms,
-                      names, out_dir, peak_gib, picked, release_chunk_graphs, reset_peak, warm_up_gpu)
+from benchlib import (DEVICE, DTYPE, HIDDEN, LENGTHS, TOKENS, Recorder, ints, launch_constant, lift_fla_hopper_guard,
+                      median_ms, names, out_dir, peak_gib, picked, release_chunk_graphs, reset_peak, sweep_values,
+                      warm_up_gpu)
 
 
 class SdpaAttention(nn.Module):
@@ -179,38 +179,6 @@ def loop_context(args: argparse.Namespace) -> contextlib.ExitStack:
 
         stack.enter_context(comparison_paths(chunk_forward=args.chunk_forward, chunk_backward=args.chunk_backward))
     return stack
-
-
-@contextlib.contextmanager
-def launch_constant(key: str | None, value: int | None):
-    """For the block, ``titans_triton_forward.BLOCKS[key] = value`` or, for a dotted ``module.NAME`` key,
-    ``mnemo.kernels.module.NAME = value`` (a module's switch, e.g. ``titans_persistent_triton.FIRST_PASS``);
-    the default restored after."""
-    if key is None:
-        yield
-        return
-    if "." in key:
-        module, name = key.rsplit(".", 1)
-        holder = importlib.import_module(f"mnemo.kernels.{module}")
-        get, put = (lambda: getattr(holder, name)), (lambda x: setattr(holder, name, x))
-    else:
-        from mnemo.kernels.titans_triton_forward import BLOCKS
-
-        get, put = (lambda: BLOCKS[key]), (lambda x: BLOCKS.__setitem__(key, x))
-    saved = get()
-    put(type(saved)(value))
-    try:
-        yield
-    finally:
-        put(saved)
-
-
-def sweep_values(spec: str | None) -> list[tuple[str | None, int | None]]:
-    """``--sweep key=v1,v2`` -> ``[(key, v1), (key, v2)]``; none: one variant with the defaults."""
-    if not spec:
-        return [(None, None)]
-    key, _, values = spec.partition("=")
-    return [(key, value) for value in ints(values)]
 
 
 def measure(recorder: Recorder, name: str, row: Row, B: int, T: int, args: argparse.Namespace,

@@ -7,12 +7,14 @@ at module level, so every script's ``--help`` works on a machine without a GPU, 
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -106,6 +108,40 @@ def picked(name: str, only: Iterable[str]) -> bool:
     """Whether ``name`` is selected by ``--only`` substrings (none given: everything)."""
     only = list(only)
     return not only or any(part in name for part in only)
+
+
+@contextlib.contextmanager
+def launch_constant(key: str | None, value: int | None) -> Iterator[None]:
+    """For the block, ``titans_triton_forward.BLOCKS[key] = value`` or, for a dotted ``module.NAME`` key,
+    ``mnemo.kernels.module.NAME = value`` (a module's switch, e.g. ``titans_persistent_triton.FIRST_PASS``);
+    the default restored after."""
+    if key is None:
+        yield
+        return
+    if "." in key:
+        module, name = key.rsplit(".", 1)
+        holder = importlib.import_module(f"mnemo.kernels.{module}")
+        if not hasattr(holder, name):
+            raise ValueError(f"--sweep: mnemo.kernels.{module} has no {name}")
+        get, put = (lambda: getattr(holder, name)), (lambda x: setattr(holder, name, x))
+    else:
+        from mnemo.kernels.titans_triton_forward import BLOCKS
+
+        get, put = (lambda: BLOCKS[key]), (lambda x: BLOCKS.__setitem__(key, x))
+    saved = get()
+    put(type(saved)(value))
+    try:
+        yield
+    finally:
+        put(saved)
+
+
+def sweep_values(spec: str | None) -> list[tuple[str | None, int | None]]:
+    """``--sweep key=v1,v2`` -> ``[(key, v1), (key, v2)]``; none: one variant with the defaults."""
+    if not spec:
+        return [(None, None)]
+    key, _, values = spec.partition("=")
+    return [(key, value) for value in ints(values)]
 
 
 def out_dir(arg: str | None) -> Path:

@@ -10,7 +10,8 @@ Targets (``--layer``, comma-separated substrings of their names; ``--list`` prin
 - ``model_<row>``: a whole model of ``models.py`` (``--model-layers`` blocks), forward with the loss from
   labels under bf16 autocast and backward, no optimizer;
 - with ``--mode decode``, the models of ``bench_decode.py``: one eager decode step after a prompt of
-  ``--prompt`` tokens, per batch of ``--batches``.
+  ``--prompt`` tokens, per batch of ``--batches`` (with ``--graph``, replays of the captured step instead,
+  the path of ``generate(cuda_graph=True)``).
 
 Modes:
 
@@ -22,7 +23,8 @@ Modes:
 - ``memory``: one step under the allocator's history, replayed to the moment of the peak; the blocks
   alive then, summed by the line of mnemo's source that allocated them (the innermost frame in mnemo,
   else the innermost frame), largest first.
-- ``decode``: kernels per decode step and their time, and the kernels by time.
+- ``decode``: kernels per decode step and their time, and the kernels by time (``--graph``: over
+  ``--graph-steps`` replays of the captured step).
 
 Prints markdown tables; writes nothing. Run on a GPU machine with mnemo importable, e.g.
 ``python benchmarks/profile_layers.py --tf32 --layer titans_4x256 --lengths 8192 --ops --gaps``.
@@ -245,18 +247,23 @@ def profile_decode(name: str, B: int, args: argparse.Namespace) -> None:
         def step():
             return model(input_ids=token, past_key_values=cache, use_cache=True)
 
+        if args.graph:  # what generate(cuda_graph=True) sets: the first step captures, the next ones replay
+            cache.decode_graphs = True
+        steps = args.graph_steps if args.graph else 1
         for _ in range(3):
             step()
         torch.cuda.synchronize()
         start = time.perf_counter()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
+            for _ in range(steps):
+                step()
             torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+        wall = (time.perf_counter() - start) / steps
     kernels = kernel_events(prof)
-    print(f"\n## decode step of {name}, B={B} after {args.prompt} tokens: {len(kernels)} kernels, "
-          f"{sum(e.time_range.elapsed_us() for e in kernels) / 1e3:.3f} ms of kernel time in {wall * 1e3:.2f} ms "
-          "of wall time (profiled)")
+    kind = "graphed decode step" if args.graph else "decode step"
+    print(f"\n## {kind} of {name}, B={B} after {args.prompt} tokens: {len(kernels) / steps:.0f} kernels, "
+          f"{sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / steps:.3f} ms of kernel time in "
+          f"{wall * 1e3:.2f} ms of wall time a step (profiled; totals below over {steps} step(s))")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
 
 
@@ -280,6 +287,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="blocks of the whole-model targets model_* (default %(default)s)")
     parser.add_argument("--batches", default="1,16", help="decode: batch sizes (default %(default)s)")
     parser.add_argument("--prompt", type=int, default=1024, help="decode: prompt length (default %(default)s)")
+    parser.add_argument("--graph", action="store_true", help="decode: profile replays of the captured step")
+    parser.add_argument("--graph-steps", type=int, default=5, help="decode --graph: replays profiled (default %(default)s)")
     args = parser.parse_args(argv)
     if not args.list and not args.layer:
         parser.error("--layer is required (see --list)")
