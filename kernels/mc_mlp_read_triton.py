@@ -37,12 +37,15 @@ _MAX_WIDTH = 256
 _PROGRAMS_PER_SM = 4
 _MAX_SHARES = 16
 
+
 def covers(d: int) -> bool:
     """Whether the kernel reads memories of width ``d`` (``d_k = d_v``, up to 256)."""
     return 1 <= d <= _MAX_WIDTH
 
 
-@triton.jit
+# Not specialised on the slots' count: a decoding cache grows by one memory a segment, and a variant per count
+# (Triton specialises 1 and multiples of 16) would compile anew as it grows.
+@triton.jit(do_not_specialize=["N"])
 def _read_kernel(Q, G, W1, W2, OUT, H, N, D, F, s1_b, s1_n, s1_h, s2_b, s2_n, s2_h,
                  BD: tl.constexpr, BF: tl.constexpr):
     """Program ``(b * H + h, share, hidden block)``: ``sum_n G[bh, n] (W1_n[:, blk] gelu(W2_n[blk] q))`` over the
@@ -59,14 +62,16 @@ def _read_kernel(Q, G, W1, W2, OUT, H, N, D, F, s1_b, s1_n, s1_h, s2_b, s2_n, s2
     q = tl.load(Q + bh.to(tl.int64) * D + rd, mask=md, other=0.0)
     acc = tl.zeros((BD,), tl.float32)
     shares = tl.num_programs(1)
-    # int64 offsets: a cache of many memories passes 2^31 elements
+    # int64 offsets and steps: a cache of many memories passes 2^31 elements
     w1 = W1 + b * s1_b + h * s1_h + share.to(tl.int64) * s1_n
     w2 = W2 + b * s2_b + h * s2_h + share.to(tl.int64) * s2_n
+    step1 = shares.to(tl.int64) * s1_n
+    step2 = shares.to(tl.int64) * s2_n
     for n in range(share, N, shares):
         g = tl.load(G + bh.to(tl.int64) * N + n)
         base1, base2 = w1, w2
-        w1 += shares * s1_n
-        w2 += shares * s2_n
+        w1 += step1
+        w2 += step2
         if g != 0.0:
             t2 = tl.load(base2 + rf[:, None] * D + rd[None, :], mask=mf[:, None] & md[None, :], other=0.0)  # W2 (F, D)
             hidden = _gelu(tl.sum(t2 * q[None, :], 1))
@@ -104,10 +109,12 @@ def cached_mlp_read_triton(q: torch.Tensor, gates: torch.Tensor, w1: torch.Tenso
     decoding read). ``shares``: programs a row's slots are dealt to (default :func:`shares_for`)."""
     B, H, D = q.shape
     N, F = w1.shape[1], w1.shape[-1]
-    if not covers(D):
-        raise ValueError(f"cached_mlp_read_triton reads memories of width up to {_MAX_WIDTH}, got {D}")
-    if gates.shape != (B, H, N):
-        raise ValueError(f"gates must be (B, H, N) = {(B, H, N)}, got {tuple(gates.shape)}")
+    if not covers(D) or F < 1:
+        raise ValueError(f"cached_mlp_read_triton reads memories of width 1 to {_MAX_WIDTH} with a hidden layer, "
+                         f"got width {D}, hidden {F}")
+    for name, t, shape in (("gates", gates, (B, H, N)), ("w1", w1, (B, N, H, D, F)), ("w2", w2, (B, N, H, F, D))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be {shape} for q {tuple(q.shape)} and {N} slots, got {tuple(t.shape)}")
     shares = shares_for(B * H, F, q.device) if shares is None else shares
     if shares < 1:
         raise ValueError(f"shares must be >= 1, got {shares}")
@@ -115,10 +122,11 @@ def cached_mlp_read_triton(q: torch.Tensor, gates: torch.Tensor, w1: torch.Tenso
     q = q.to(torch.float32).contiguous()
     gates = gates.to(torch.float32).contiguous()
     blocks = triton.cdiv(F, _BF)
-    parts = torch.zeros(shares * blocks, B, H, D, dtype=torch.float32, device=q.device)
-    if B * H and N:
-        _read_kernel[(B * H, shares, blocks)](
-            q, gates, w1, w2, parts, H, N, D, F, w1.stride(0), w1.stride(1), w1.stride(2),
-            w2.stride(0), w2.stride(1), w2.stride(2), BD=max(16, triton.next_power_of_2(D)), BF=_BF, num_warps=8)
+    if not (B * H and N):
+        return q.new_zeros(B, H, D)
+    parts = torch.empty(shares * blocks, B, H, D, dtype=torch.float32, device=q.device)  # every part is written
+    _read_kernel[(B * H, shares, blocks)](
+        q, gates, w1, w2, parts, H, N, D, F, w1.stride(0), w1.stride(1), w1.stride(2),
+        w2.stride(0), w2.stride(1), w2.stride(2), BD=max(16, triton.next_power_of_2(D)), BF=_BF, num_warps=8)
     # as many parts whatever the slots: one reduction of one shape, the same order every time
     return parts.sum(0)

@@ -229,16 +229,19 @@ def mc_read(
 def _one_token_read(spec: MLPMemorySpec, q: torch.Tensor, g: torch.Tensor, pieces: list[tuple[torch.Tensor, ...]]
                     ) -> bool:
     """Whether :func:`mc_read` reads its cached memories in one launch (:data:`ONE_TOKEN_READ`): one token a row
-    (decoding) without gradients, float32 memories ``z + W1 gelu(W2 z)`` in one piece, on the Triton backend."""
+    (decoding) of float32 memories ``z + W1 gelu(W2 z)`` in one piece, none of them asking for gradients, outside
+    autocast (whose products the batched path would round), on the Triton backend."""
     if not ONE_TOKEN_READ or q.shape[2] != 1 or spec.depth != 2 or spec.gated or spec.linear_skip:
         return False
     if not one_token_read_covers(spec.d_k) or any(len(p) != 1 for p in pieces):
         return False
     tensors = [q, g, *(p[0] for p in pieces)]
-    if any(t.dtype != torch.float32 for t in tensors):
+    if any(t.dtype != torch.float32 for t in tensors) or torch.is_autocast_enabled(q.device.type):
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False  # the kernel has no backward
+    # The kernel has no backward. Grad mode is no guide: a read recomputed in the backward
+    # (recompute_in_backward) runs its first pass with it off, on tensors that ask for gradients.
+    if any(t.requires_grad for t in tensors):
+        return False
     return resolve_backend(q, has_triton_impl=True) == "triton"
 
 

@@ -74,18 +74,27 @@ def test_slots_whose_gate_is_zero_are_not_read():
     assert (moved.cpu()[0, 1] - got.cpu()[0, 1]).abs().max() > 1e-3
 
 
-def test_slots_ahead_of_need_leave_the_read_bit_for_bit():
+@pytest.mark.parametrize("shares, exact", [(2, 5), (3, 1), (4, 2), (4, 6)])
+def test_slots_ahead_of_need_leave_the_read_bit_for_bit(shares, exact):
     """A captured decode step's cache holds slots ahead of need (zero gates): its read is the eager step's, to
-    the bit, and it takes the first slots of a larger stack where they lie."""
-    q, gates, w1, w2 = (x.to(DEVICE) for x in _memories(2, 11, 2, 16, 32, seed=2))
-    gates[..., 5:] = 0.0
-    exact = cached_mlp_read_triton(q, gates[..., :5], w1[:, :5].contiguous(), w2[:, :5].contiguous(),
-                                   shares=2)
-    for n in (6, 9, 11):
-        torch.testing.assert_close(cached_mlp_read_triton(q, gates[..., :n], w1[:, :n], w2[:, :n], shares=2),
-                                   exact, rtol=0, atol=0)
-    assert ((exact.cpu().double() - _reference(*(x[..., :5] if i == 1 else x[:, :5] if i > 1 else x
-                                                for i, x in enumerate((q, gates, w1, w2))))).abs().max()).item() < 1e-5
+    the bit, and it takes the first slots of a larger stack where they lie. Three blocks of hidden units."""
+    q, gates, w1, w2 = (x.to(DEVICE) for x in _memories(2, 11, 2, 16, 96, seed=2))
+    gates[..., exact:] = 0.0
+    want = cached_mlp_read_triton(q, gates[..., :exact], w1[:, :exact].contiguous(), w2[:, :exact].contiguous(),
+                                  shares=shares)
+    for n in (exact + 1, 9, 11):
+        got = cached_mlp_read_triton(q, gates[..., :n], w1[:, :n], w2[:, :n], shares=shares)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    reference = _reference(q, gates[..., :exact], w1[:, :exact], w2[:, :exact])
+    assert (want.cpu().double() - reference).abs().max().item() < 1e-5 * reference.abs().max().item()
+
+
+def test_inputs_of_the_wrong_shape_are_named():
+    q, gates, w1, w2 = _memories(1, 3, 2, 16, 32)
+    with pytest.raises(ValueError, match="gates must be"):
+        cached_mlp_read_triton(q, gates[..., :2], w1, w2)
+    with pytest.raises(ValueError, match="w2 must be"):
+        cached_mlp_read_triton(q, gates, w1, w2[:, :, :, :16])
 
 
 def _mc_read_inputs(aggregation: str, seed: int = 0):
@@ -121,6 +130,32 @@ def test_mc_read_of_one_token_takes_one_launch_and_equals_the_torch_read(aggrega
     with use_backend("triton"):
         mc_read(*inputs)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("case", ["two tokens", "bf16", "autocast", "recomputed in the backward"])
+def test_reads_the_kernel_does_not_compute_keep_the_batched_products(case, monkeypatch):
+    """Several tokens a row, memories in another dtype, products autocast rounds, and a read whose first pass
+    runs with grad mode off inside :func:`~mnemo.kernels.chunk_loop.recompute_in_backward`."""
+    from mnemo.kernels.chunk_loop import recompute_in_backward
+
+    monkeypatch.setattr(memory_caching, "cached_mlp_read_triton", lambda *a, **k: pytest.fail("not the kernel's"))
+    spec, aggregation, topk, q, u, online, online_summary, cached, summary, valid = _mc_read_inputs("grm")
+    with use_backend("triton"):
+        if case == "two tokens":
+            mc_read(spec, aggregation, topk, q.expand(-1, -1, 2, -1), u.expand(-1, -1, 2, -1), online,
+                    online_summary.expand(-1, -1, 2, -1), cached, summary, valid)
+        elif case == "bf16":
+            mc_read(spec, aggregation, topk, q, u, online, online_summary, {n: w.bfloat16() for n, w in cached.items()},
+                    summary, valid)
+        elif case == "autocast":
+            with torch.autocast(q.device.type, dtype=torch.bfloat16):
+                mc_read(spec, aggregation, topk, q, u, online, online_summary, cached, summary, valid)
+        else:
+            q = q.clone().requires_grad_()
+            y = recompute_in_backward(lambda q_: mc_read(spec, aggregation, topk, q_, u, online, online_summary,
+                                                         cached, summary, valid), (q,))
+            y.sum().backward()
+            assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
 def test_a_read_that_records_gradients_keeps_the_batched_products(monkeypatch):
