@@ -118,12 +118,12 @@ def cached_mlp_read_triton(q: torch.Tensor, gates: torch.Tensor, w1: torch.Tenso
     shares = shares_for(B * H, F, q.device) if shares is None else shares
     if shares < 1:
         raise ValueError(f"shares must be >= 1, got {shares}")
+    if not (B * H and N):
+        return q.new_zeros(B, H, D, dtype=torch.float32)
     w1, w2 = _rows_major(w1), _rows_major(w2)
     q = q.to(torch.float32).contiguous()
     gates = gates.to(torch.float32).contiguous()
     blocks = triton.cdiv(F, _BF)
-    if not (B * H and N):
-        return q.new_zeros(B, H, D)
     parts = torch.empty(shares * blocks, B, H, D, dtype=torch.float32, device=q.device)  # every part is written
     _read_kernel[(B * H, shares, blocks)](
         q, gates, w1, w2, parts, H, N, D, F, w1.stride(0), w1.stride(1), w1.stride(2),

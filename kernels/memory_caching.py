@@ -33,8 +33,7 @@ import torch
 
 from .backend import resolve_backend
 from .chunk_loop import recompute_in_backward
-from .mc_mlp_read_triton import cached_mlp_read_triton
-from .mc_mlp_read_triton import covers as one_token_read_covers
+from .mc_mlp_read_triton import cached_mlp_read_triton, covers as one_token_read_covers
 from .mlp_memory import MLPMemorySpec, memory_apply, static_apply
 
 __all__ = [
