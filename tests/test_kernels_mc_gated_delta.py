@@ -189,10 +189,10 @@ def test_step_equals_chunk_for_gated_aggregations():
 
 
 @pytest.mark.parametrize("dk, dv", [(24, 40), (80, 100)])
-@pytest.mark.parametrize("splits", [None, 1, 4, 6])
-def test_the_routed_read_takes_the_states_where_they_lie(dk, dv, splits):
+@pytest.mark.parametrize("shares", [None, 1, 4, 6])
+def test_the_routed_read_takes_the_states_where_they_lie(dk, dv, shares):
     """:func:`routed_read_triton` (Triton's interpreter here) equals gathering each sequence's row of the stack
-    and reading it, with rows repeated and skipped, zero gates (skipped slots) and the slots split in shares;
+    and reading it, with rows repeated and skipped, zero gates (skipped slots) and the slots dealt to shares;
     widths that are not powers of two, and wider than one tile, are masked. Reading another row differs."""
     pytest.importorskip("triton")
     from mnemo.kernels.mc_gated_delta_triton import routed_read_triton
@@ -205,12 +205,36 @@ def test_the_routed_read_takes_the_states_where_they_lie(dk, dv, splits):
     gates = torch.rand(len(rows), heads, N, generator=gen)
     gates[:, :, -2:] = 0.0  # empty slots
     gates[1, 0, 1] = 0.0
-    got = routed_read_triton(*(x.to(DEVICE) for x in (q, gates, states, rows)), splits=splits).cpu()
+    got = routed_read_triton(*(x.to(DEVICE) for x in (q, gates, states, rows)), shares=shares).cpu()
     want = torch.einsum("phk,pnhkv,phn->phv", q.double(), states[rows].double(), gates.double())
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     other = routed_read_triton(*(x.to(DEVICE) for x in (q, gates, states, torch.tensor([3, 1, 3, 4]))),
-                               splits=splits).cpu()
+                               shares=shares).cpu()
     assert (other - got)[1].abs().max() > 1e-3 and torch.equal(other[0], got[0])
+
+
+@pytest.mark.parametrize("shares, exact", [(2, 5), (3, 1), (4, 2), (4, 7)])
+def test_routed_slots_ahead_of_need_leave_the_read_bit_for_bit(shares, exact):
+    """A captured decode step's cache holds slots ahead of need (zero gates): the routed read is the eager
+    step's, to the bit, whatever the slots' count, and it reads the first slots of a larger stack in place."""
+    pytest.importorskip("triton")
+    from mnemo.kernels.mc_gated_delta_triton import routed_read_triton
+
+    gen = torch.Generator().manual_seed(17)
+    R, N, heads, dk, dv = 3, 12, 2, 32, 48
+    states = torch.randn(R, N, heads, dk, dv, generator=gen).to(DEVICE)
+    rows = torch.tensor([2, 0]).to(DEVICE)
+    q = torch.randn(len(rows), heads, dk, generator=gen).to(DEVICE)
+    gates = torch.rand(len(rows), heads, N, generator=gen).to(DEVICE)
+    gates[..., exact:] = 0.0
+    want = routed_read_triton(q, gates[..., :exact].contiguous(), states[:, :exact].contiguous(), rows,
+                              shares=shares)
+    for n in (exact + 1, 9, N):
+        got = routed_read_triton(q, gates[..., :n].contiguous(), states[:, :n], rows, shares=shares)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    reference = torch.einsum("phk,pnhkv,phn->phv", q.double().cpu(), states[rows, :exact].double().cpu(),
+                             gates[..., :exact].double().cpu())
+    torch.testing.assert_close(want.double().cpu(), reference, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
