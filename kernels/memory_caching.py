@@ -67,10 +67,10 @@ SSC_TIE_TOLERANCE = 2.0**-16
 SEGMENTATIONS = ("constant", "logarithmic")
 CACHE_MODES = ("checkpoint", "independent")
 # Whether one token's read of cached MLP memories without gradients (decoding) takes one Triton launch on the
-# Triton backend (:func:`~.mc_mlp_read_triton.cached_mlp_read_triton`) instead of the batched products. Off until
-# the kernel's present form (shares dealt slot by slot, so that a captured step replays the eager one to the bit)
-# has run the decode tests and benchmarks on the GPU; set it to take the kernel (benchmarks/RESULTS.md).
-ONE_TOKEN_READ = False
+# Triton backend (:func:`~.mc_mlp_read_triton.cached_mlp_read_triton`) instead of the batched products: the
+# launch skips the memories whose gate is zero, which the batched products read anyway. Off gives the batched
+# products back (an A/B: ``bench_decode.py --sweep memory_caching.ONE_TOKEN_READ=0,1``).
+ONE_TOKEN_READ = True
 
 
 def check_aggregation(aggregation: str, u: torch.Tensor | None, memories: str) -> bool:
