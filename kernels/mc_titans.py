@@ -360,14 +360,18 @@ def step_mc_titans(
     # Normalised once here, for the memory's step and the segment's key sum and cache read alike.
     qn, kn = normalized_features(q, dtype=dtype), normalized_features(k, dtype=dtype)
     y_online, mem = step_titans(spec, qn, kn, v, retention, momentum, lr, mem, chunk_size=options.chunk_size, live=live,
-                                use_qk_l2norm=False)
+                                use_qk_l2norm=False, out_dtype=dtype)
     state.memory = mem
     state.key_sum = state.key_sum + kn * live[:, None, None]
     state.key_count = state.key_count + live.to(state.key_count.dtype)
-    qn = qn[:, :, None]
-    online_summary = key_mean(state.key_sum, state.key_count)[:, :, None]
-    y = mc_read(spec, options.aggregation, options.ssc_topk, qn, u.to(dtype)[:, :, None], static_apply(mem.weights),
-                online_summary, state.cached, state.cached_summary(), state.cached_valid)[:, :, 0]
+    if options.logarithmic or S_seg:
+        # The step has read the online memory already; soup mixes its weights instead of reads.
+        online = static_apply(mem.weights) if options.aggregation == "soup" else y_online[:, :, None]
+        y = mc_read(spec, options.aggregation, options.ssc_topk, qn[:, :, None], u.to(dtype)[:, :, None], online,
+                    key_mean(state.key_sum, state.key_count)[:, :, None], state.cached, state.cached_summary(),
+                    state.cached_valid)[:, :, 0]
+    else:  # Titans: no memory is ever cached, the online memory's read is the output
+        y = y_online
     state.seen = n + live.long()
     if not options.logarithmic and S_seg:
         state.push(live & (state.seen % S_seg == 0), mem.weights, slots=slots)

@@ -155,11 +155,14 @@ def raw_grad_factors(spec: MLPMemorySpec, weights: dict[str, torch.Tensor], k: t
         pre3 = apply("w3", k)
         factors["w2"] = (back * pre3 * gelu_derivative(pre2), k)
         factors["w3"] = (back * act, k)
-    else:
+    elif keep is not None:
         slope = gelu_derivative(pre2)
         factors["w2"] = (back * slope, k)
-        if keep is not None:
-            keep.update(pre=pre2, back=back, slope=slope)
+        keep.update(pre=pre2, back=back, slope=slope)
+    else:
+        # back * GELU'(pre) in one kernel: a decoding step's dozen elementwise launches were most of its
+        # gradient's time (the same erf GELU's derivative, to rounding)
+        factors["w2"] = (torch.ops.aten.gelu_backward(back, pre2), k)
     return factors
 
 

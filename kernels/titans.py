@@ -128,10 +128,13 @@ def step_titans(
     chunk_size: int = 64,
     live: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, TitansState]:
-    """One token per row: ``q, k, v`` ``(B, H, D)``, gates ``(B, H)``, ``live`` ``(B,)`` bool (default all)."""
+    """One token per row: ``q, k, v`` ``(B, H, D)``, gates ``(B, H)``, ``live`` ``(B,)`` bool (default all).
+    The read comes in ``out_dtype`` (default ``v``'s)."""
     with tf32_products(tf32_wanted(v)):
-        return _step_titans(spec, q, k, v, retention, momentum, lr, state, chunk_size, live, use_qk_l2norm)
+        y, state = _step_titans(spec, q, k, v, retention, momentum, lr, state, chunk_size, live, use_qk_l2norm)
+    return y.to(v.dtype if out_dtype is None else out_dtype), state
 
 
 def _step_titans(spec, q, k, v, retention, momentum, lr, state, chunk_size, live, use_qk_l2norm):
@@ -158,7 +161,7 @@ def _step_titans(spec, q, k, v, retention, momentum, lr, state, chunk_size, live
             state.weights[n], state.momentum[n], state.chunk_start[n], A[:, :, 0], Bf[:, :, 0], *gates, live, first)
     y = memory_apply(spec, static_apply(weights), q[:, :, None])[:, :, 0]
     position = torch.where(live, (state.position + 1) % chunk_size, state.position)
-    return y.to(v.dtype), TitansState(weights, momenta, chunk_start, position)
+    return y, TitansState(weights, momenta, chunk_start, position)
 
 
 def step_update(W: torch.Tensor, S: torch.Tensor, C: torch.Tensor, A: torch.Tensor, Bf: torch.Tensor,

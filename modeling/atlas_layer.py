@@ -34,6 +34,7 @@ from .gates import GateProjection
 from .normalization import GatedRMSNorm
 from .outputs import LayerOutput
 from .padding import RowCompaction
+from .projections import project_together
 from .short_conv import ShortConvolution, convolve_qkv
 
 
@@ -140,15 +141,24 @@ class AtlasLayer(nn.Module):
         B, T, _ = hidden_states.shape
         H, D = self.num_heads, self.head_dim
         mask = valid.bool() if valid is not None else torch.ones(B, T, dtype=torch.bool, device=hidden_states.device)
-        q, k, v = convolve_qkv(self, hidden_states, None if valid is None else mask, cache, H, D)
+        # the projections without a bias first: project_together then builds one block of zeros for them
+        linears = {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj, "gate": self.g_proj}
+        if self.gated:
+            linears["u"] = self.u_proj
+        linears.update(retention=self.retention_proj, lr=self.lr_proj, gamma=self.window_gate_proj)
+        if hasattr(self, "momentum_proj"):
+            linears["momentum"] = self.momentum_proj
+        x = dict(zip(linears, project_together(hidden_states, tuple(linears.values()))))
+        q, k, v = convolve_qkv(self, hidden_states, None if valid is None else mask, cache, H, D,
+                               projected=(x["q"], x["k"], x["v"]))
         coefficients = getattr(self, "feature_coefficients", None)
         q = normalized_features(q, self.feature_map, coefficients)
         k = normalized_features(k, self.feature_map, coefficients)
-        retention = torch.sigmoid(self.retention_proj(hidden_states).float())
-        lr = self.max_lr * torch.sigmoid(self.lr_proj(hidden_states).float())
-        momentum = torch.sigmoid(self.momentum_proj(hidden_states).float()) if hasattr(self, "momentum_proj") else None
-        gamma = torch.sigmoid(self.window_gate_proj(hidden_states).float())
-        u = self.u_proj(hidden_states).float().view(B, T, H, self.spec.d_k) if self.gated else None
+        retention = torch.sigmoid(x["retention"].float())
+        lr = self.max_lr * torch.sigmoid(x["lr"].float())
+        momentum = torch.sigmoid(x["momentum"].float()) if "momentum" in x else None
+        gamma = torch.sigmoid(x["gamma"].float())
+        u = x["u"].float().view(B, T, H, self.spec.d_k) if self.gated else None
 
         if cache is not None and "memory.position" in cache:
             state = AtlasState.from_tensors(cache.group("memory."))
@@ -173,6 +183,5 @@ class AtlasLayer(nn.Module):
             o = rows.restore(o)
         if cache is not None:
             cache.update(**{f"memory.{name}": t for name, t in state.tensors().items()}, **mc_states)
-        gate = self.g_proj(hidden_states).view(B, T, H, D)
-        out = self.o_norm(o.to(hidden_states.dtype), gate)
+        out = self.o_norm(o.to(hidden_states.dtype), x["gate"].view(B, T, H, D))
         return LayerOutput(self.o_proj(out.reshape(B, T, H * D)))

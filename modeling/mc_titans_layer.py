@@ -26,6 +26,7 @@ from .gates import GateProjection
 from .normalization import GatedRMSNorm
 from .outputs import LayerOutput
 from .padding import RowCompaction
+from .projections import project_together
 from .short_conv import ShortConvolution, convolve_qkv
 
 
@@ -102,14 +103,18 @@ class MCTitansLayer(nn.Module):
         valid = attention_mask
         B, T, _ = hidden_states.shape
         H, D = self.num_heads, self.head_dim
+        q, k, v, u, gate, retention, momentum, lr = project_together(hidden_states, (
+            self.q_proj, self.k_proj, self.v_proj, self.u_proj, self.g_proj, self.retention_proj, self.momentum_proj,
+            self.lr_proj))
         if self.conv_size:
-            q, k, v = convolve_qkv(self, hidden_states, None if valid is None else valid.bool(), cache, H, D)
+            q, k, v = convolve_qkv(self, hidden_states, None if valid is None else valid.bool(), cache, H, D,
+                                   projected=(q, k, v))
         else:
-            q, k, v = (proj(hidden_states).view(B, T, H, D) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        u = self.u_proj(hidden_states).view(B, T, H, D)
-        retention = torch.sigmoid(self.retention_proj(hidden_states).float())
-        momentum = torch.sigmoid(self.momentum_proj(hidden_states).float())
-        lr = self.max_lr * torch.sigmoid(self.lr_proj(hidden_states).float())
+            q, k, v = (x.view(B, T, H, D) for x in (q, k, v))
+        u = u.view(B, T, H, D)
+        retention = torch.sigmoid(retention.float())
+        momentum = torch.sigmoid(momentum.float())
+        lr = self.max_lr * torch.sigmoid(lr.float())
         rows, lengths = None, None
         if valid is not None:
             rows = RowCompaction(valid)
@@ -138,6 +143,5 @@ class MCTitansLayer(nn.Module):
                 cache.update(**state.tensors())
         if rows is not None:
             o = rows.restore(o)
-        gate = self.g_proj(hidden_states).view(B, T, H, D)
-        out = self.o_norm(o.to(hidden_states.dtype), gate)
+        out = self.o_norm(o.to(hidden_states.dtype), gate.view(B, T, H, D))
         return LayerOutput(self.o_proj(out.reshape(B, T, H * D)))

@@ -31,6 +31,7 @@ from .cache import LayerCache
 from .outputs import LayerOutput
 from .normalization import GatedRMSNorm
 from .recompute import RecomputedSaves, gathered_rows, shared_parts
+from .projections import plain_linear, project_together
 from .routing import balance_loss, route, top_memories
 from .short_conv import ConvWindows, ShortConvolution
 
@@ -86,8 +87,9 @@ def _grouped_product(x: torch.Tensor, weights: list[torch.Tensor], plan) -> torc
 
 
 def _plain_linears(modules: list[nn.Module]) -> bool:
-    """Whether ``modules`` are bias-free ``nn.Linear`` (no adapters), so their weights can be concatenated."""
-    return all(type(p) is nn.Linear and p.bias is None for p in modules)
+    """Whether ``modules`` are bias-free plain ``nn.Linear`` (no adapters, no hooks), so their weights can be
+    concatenated."""
+    return all(plain_linear(p) and p.bias is None for p in modules)
 
 
 class MoMLayer(nn.Module):
@@ -265,7 +267,8 @@ class MoMLayer(nn.Module):
         H = self.num_heads
         x = hidden_states[:, 0]
         valid = torch.ones(B, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask[:, -1].bool()
-        probs, weight, memory = top_memories(self.gate(x), self.topk)
+        router, q, gate = project_together(x, (self.gate, self.q_proj, self.g_proj))
+        probs, weight, memory = top_memories(router, self.topk)
         aux_loss = balance_loss(probs, memory, valid)
         if self.shared_memory:
             memory = torch.cat([memory, memory.new_full((B, 1), self.num_memories)], dim=-1)
@@ -273,7 +276,7 @@ class MoMLayer(nn.Module):
         rows = torch.arange(B, device=x.device)[:, None]
         k, v, b, a = self._routed_projections(x, rows, memory)
         beta = b.float().sigmoid() * valid[:, None, None]
-        q = self.q_proj(x)[:, None].expand_as(k)
+        q = q[:, None].expand_as(k)
         windows = {}
         # A cache stepped in place (a CUDA-graph decode owns its tensors) is written where it lies.
         in_place = cache.in_place
@@ -312,8 +315,8 @@ class MoMLayer(nn.Module):
             cache.update(recurrent=state.index_put((rows.expand_as(memory), memory), new.view((B, S) + state.shape[2:]).to(state.dtype)),
                          **windows)
         mixed = (o.float().view(B, S, H, self.head_v_dim) * weight[..., None, None]).sum(1)
-        gate = self.g_proj(hidden_states).view(B, 1, H, self.head_v_dim)
-        out = self.o_norm(mixed.view(B, 1, H, self.head_v_dim).to(hidden_states.dtype), gate)
+        out = self.o_norm(mixed.view(B, 1, H, self.head_v_dim).to(hidden_states.dtype),
+                          gate.view(B, 1, H, self.head_v_dim))
         return LayerOutput(self.o_proj(out.reshape(B, 1, self.value_dim)), aux_loss)
 
     def _memory_projections(self, packed: torch.Tensor, plan) -> tuple:
