@@ -24,7 +24,8 @@ Modes:
   alive then, summed by the line of mnemo's source that allocated them (the innermost frame in mnemo,
   else the innermost frame), largest first.
 - ``decode``: kernels per decode step and their time, and the kernels by time (``--graph``: over
-  ``--graph-steps`` replays of the captured step).
+  ``--graph-steps`` replays of the captured step); ``--sequence`` adds the first profiled step's kernels in
+  the order they ran, with their start (us from the first) and duration: where a layer's launches go.
 
 Prints markdown tables; writes nothing. Run on a GPU machine with mnemo importable, e.g.
 ``python benchmarks/profile_layers.py --tf32 --layer titans_4x256 --lengths 8192 --ops --gaps``.
@@ -265,6 +266,12 @@ def profile_decode(name: str, B: int, args: argparse.Namespace) -> None:
           f"{sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / steps:.3f} ms of kernel time in "
           f"{wall * 1e3:.2f} ms of wall time a step (profiled; totals below over {steps} step(s))")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+    if args.sequence:
+        ordered = sorted(kernels, key=lambda e: e.time_range.start)[:len(kernels) // steps]
+        t0 = ordered[0].time_range.start if ordered else 0.0
+        print("| start us | us | kernel |\n|---|---|---|")
+        for e in ordered:
+            print(f"| {e.time_range.start - t0:.1f} | {e.time_range.elapsed_us():.2f} | {e.name[:100]} |")
 
 
 # --------------------------------------------------------------------------------------------------- main
@@ -288,6 +295,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", default="1,16", help="decode: batch sizes (default %(default)s)")
     parser.add_argument("--prompt", type=int, default=1024, help="decode: prompt length (default %(default)s)")
     parser.add_argument("--graph", action="store_true", help="decode: profile replays of the captured step")
+    parser.add_argument("--sequence", action="store_true",
+                        help="decode: one step's kernels in the order they ran, with start and duration")
     parser.add_argument("--graph-steps", type=int, default=5, help="decode --graph: replays profiled (default %(default)s)")
     args = parser.parse_args(argv)
     if not args.list and not args.layer:
