@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 L2_EPS = 1e-6
-_TINY_NORM = 1e-15  # a zero gradient keeps a finite scale (clip_scale clamps its square at 1e-30)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
@@ -26,10 +25,8 @@ def clip_rank_one(factors: dict, clip: float) -> dict:
     and never forms a matrix; the scale rides on ``A``.
     """
     wide = lambda x: x.to(torch.promote_types(x.dtype, torch.float32))  # noqa: E731  (bf16 inputs: norms in fp32)
-    # Norms, not sums of squares: a kernel each instead of two (a decoding step's clip was a score of
-    # elementwise launches). Joined by a norm too, not hypot, whose gradient at zero (a padded token's) is NaN.
-    norms = [torch.linalg.vector_norm(wide(a), dim=-1) * torch.linalg.vector_norm(wide(b), dim=-1)
-             for a, b in factors.values()]
-    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), dim=0)
-    scale = (norm.clamp_min(_TINY_NORM).reciprocal() * clip).clamp(max=1.0)
+    # Sums of squares, not norms: a norm's gradient is 0/0 at a zero vector (a padded token's factors), masked to
+    # zero only to first order, and the clip must stay differentiable to every order there.
+    squared = sum(wide(a).pow(2).sum(-1) * wide(b).pow(2).sum(-1) for a, b in factors.values())
+    scale = clip_scale(squared, clip)
     return {name: (a * scale.unsqueeze(-1).to(a.dtype), b) for name, (a, b) in factors.items()}

@@ -96,6 +96,23 @@ def test_the_clips_bind_on_some_tokens_only():
         assert (norms > spec.grad_clip).any() and (norms < spec.grad_clip).any(), name
 
 
+def test_the_clip_stays_differentiable_at_a_zero_gradient():
+    """A padded token's factors are zero: the clip's first and second derivatives there are finite (a norm's
+    backward is 0/0 at a zero vector, masked to first order only)."""
+    from mnemo.kernels.norms import clip_rank_one
+
+    gen = torch.Generator().manual_seed(3)
+    leaves = [torch.randn(3, n, generator=gen, dtype=torch.float64) for n in (4, 5, 4, 6)]
+    for leaf in leaves:
+        leaf[1] = 0.0  # one token without a gradient
+        leaf.requires_grad_()
+    clipped = clip_rank_one({"w1": (leaves[0], leaves[1]), "w2": (leaves[2], leaves[3])}, 0.5)
+    total = sum((a * b.sum(-1, keepdim=True)).pow(2).sum() for a, b in clipped.values())
+    first = torch.autograd.grad(total, leaves, create_graph=True)
+    second = torch.autograd.grad(sum(g.pow(2).sum() for g in first), leaves)
+    assert all(torch.isfinite(g).all() for g in (*first, *second))
+
+
 def test_uncovered_memories_are_refused_by_name():
     gated = MLPMemorySpec(depth=2, gated=True, d_k=4, d_v=4)
     assert not supported(gated)
