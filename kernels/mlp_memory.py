@@ -159,12 +159,10 @@ def raw_grad_factors(spec: MLPMemorySpec, weights: dict[str, torch.Tensor], k: t
         slope = gelu_derivative(pre2)
         factors["w2"] = (back * slope, k)
         keep.update(pre=pre2, back=back, slope=slope)
-    elif torch.is_grad_enabled() and (back.requires_grad or pre2.requires_grad):
-        # under autograd the formula whose derivatives the chunked paths' float32 tests were measured with
-        factors["w2"] = (back * gelu_derivative(pre2), k)
     else:
         # back * GELU'(pre) in one kernel: a decoding step's dozen elementwise launches were most of its
-        # gradient's time (the same erf GELU's derivative, to rounding)
+        # gradient's time (the same erf GELU's derivative, to rounding). Whatever the grad mode: a checkpointed
+        # block runs its forward without it and its recompute with it, and the two must agree.
         factors["w2"] = (torch.ops.aten.gelu_backward(back, pre2), k)
     return factors
 
