@@ -72,6 +72,7 @@ from .memory_caching import (
     mc_read,
     ssc_select,
     with_extra_slots,
+    write_slots_,
 )
 from .mlp_memory import MLPMemorySpec
 
@@ -157,13 +158,7 @@ class CachedStates:
         if in_place:
             if self.slots == 0:  # no slot: nothing can close yet (the caller reserved what the host knows)
                 return self
-            lead = slot.shape
-            where = tuple(torch.arange(n, device=slot.device).view([-1 if i == d else 1 for i in range(len(lead))])
-                          .expand(lead) for d, n in enumerate(lead))
-            # each memory's slot ``slot`` (clamped: a full one that closes nothing writes back what it holds)
-            where += (slot.clamp(max=self.slots - 1),)
-            self.states[where] = torch.where(closing[..., None, None, None], state.to(self.states.dtype),
-                                             self.states[where])
+            write_slots_(self.states, state, closing, slot)
             states = self.states
         else:
             states = torch.where(at[..., None, None, None], state.unsqueeze(-4).to(self.states.dtype), self.states)

@@ -32,6 +32,7 @@ from functools import partial
 import torch
 
 from .backend import resolve_backend
+from .cache_slots_triton import write_slots_triton
 from .chunk_loop import recompute_in_backward
 from .mc_mlp_read_triton import cached_mlp_read_triton, covers as one_token_read_covers
 from .mlp_memory import MLPMemorySpec, memory_apply, static_apply
@@ -55,6 +56,7 @@ __all__ = [
     "ssc_select",
     "with_extra_slots",
     "write_memories",
+    "write_slots_",
 ]
 
 
@@ -366,17 +368,37 @@ def grown_slots(rows: torch.Tensor, count: torch.Tensor) -> int | None:
     return int((count + rows.long()).max())
 
 
+def write_slots_(cache: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> None:
+    """``cache[..., index, :] = values`` where ``rows``, in place: ``cache`` ``(*lead, N, *inner)``, ``values``
+    ``(*lead, *inner)``, ``rows`` (bool) and ``index`` ``(*lead)``, clamped to ``N - 1`` (``N >= 1``).
+
+    A graphed decode step's segment-end write, which runs every step. On the Triton backend, one launch whose
+    programs return at once where a row closes nothing (:func:`~.cache_slots_triton.write_slots_triton`); in
+    PyTorch, each row's slot gathered, chosen and put back (a full row that closes nothing writes back what it
+    holds). Autograd never records it: the cache is a captured step's own buffer."""
+    lead = rows.shape
+    L = rows.numel()
+    if (not (torch.is_grad_enabled() and (cache.requires_grad or values.requires_grad))
+            and resolve_backend(cache, has_triton_impl=True) == "triton"):
+        flat = cache.view(L, *cache.shape[len(lead):]) if cache.is_contiguous() else None
+        if flat is not None:
+            write_slots_triton(flat, values.reshape(L, *values.shape[len(lead):]), rows.reshape(L), index.reshape(L))
+            return
+    where = tuple(torch.arange(n, device=rows.device).view([-1 if i == d else 1 for i in range(len(lead))]).expand(lead)
+                  for d, n in enumerate(lead))
+    where += (index.clamp(max=cache.shape[len(lead)] - 1),)
+    cache[where] = torch.where(rows.view(*lead, *([1] * (values.dim() - len(lead)))), values.to(cache.dtype),
+                               cache[where])
+
+
 def write_memories(cached: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], rows: torch.Tensor,
                    count: torch.Tensor, slot: torch.Tensor, *, in_place: bool) -> dict[str, torch.Tensor]:
     """``weights`` ``{name: (B, ...)}`` of ``rows`` (bool ``(B,)``) in the slot ``count`` ``(B,)`` of each row's
     cached ``{name: (B, N, ...)}`` (``slot`` ``(B, N)``: that slot, where ``rows``). ``in_place`` writes into
     the cached tensors themselves (``N >= 1``) and returns them; otherwise new tensors."""
     if in_place:
-        N = next(iter(cached.values())).shape[1]
-        # Row b's slot count[b] (clamped: a full row that closes nothing writes back what it holds)
-        at = (torch.arange(rows.shape[0], device=rows.device), count.clamp(max=N - 1))
         for n, c in cached.items():
-            c[at] = torch.where(rows.view(-1, *([1] * (c.dim() - 2))), weights[n].to(c.dtype), c[at])
+            write_slots_(c, weights[n], rows, count)
         return cached
     s = slot.view(*slot.shape, *([1] * (next(iter(cached.values())).dim() - 2)))
     return {n: torch.where(s, weights[n][:, None].to(c.dtype), c) for n, c in cached.items()}

@@ -434,7 +434,10 @@ class MoMLayer(nn.Module):
             slots_valid.repeat_interleave(S, 0), aggregation=self.aggregation, ssc_topk=self.ssc_topk,
             live=valid.repeat_interleave(S), state_rows=rows,
         )
-        recurrent = state.index_put(where, new.view((B, S) + state.shape[2:]).to(state.dtype))
+        # A cache stepped in place (a CUDA-graph decode owns its tensors) takes the routed states where they lie,
+        # not in a copy of every memory's state that the graph would copy back.
+        put = state.index_put_ if cache.in_place else state.index_put
+        recurrent = put(where, new.view((B, S) + state.shape[2:]).to(state.dtype))
         entries = replace(
             entries,
             online_key_sum=entries.online_key_sum.index_put(where, mine.online_key_sum.view(B, S, H, K)),
