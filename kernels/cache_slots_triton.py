@@ -23,7 +23,9 @@ __all__ = ["write_slots_triton"]
 _BLOCK = 2048
 
 
-@triton.jit
+# Not specialised on the slots' count: a decoding cache grows by one memory a segment, and a variant per count would
+# compile anew as it grows.
+@triton.jit(do_not_specialize=["N", "s_row"])
 def _write_kernel(CACHE, VALUES, ROWS, INDEX, N, E, s_row, s_slot, BLOCK: tl.constexpr):
     """Program ``(row, block)``: where ``ROWS[row]``, elements ``block * BLOCK ...`` of ``VALUES[row]`` into
     ``CACHE[row, min(INDEX[row], N - 1)]``."""
