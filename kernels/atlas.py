@@ -247,25 +247,39 @@ def _fused_muon_step(state: AtlasState, inputs: Sequence[torch.Tensor]) -> bool:
 
 
 class MuonChunk:
-    """Muon is not linear in the gradients: materialise every token's momentum and weights."""
+    """Muon's chunk: every token's momentum ``S_t`` and update ``N_t = NS(S_t)`` materialised (Newton-Schulz is not
+    linear in the gradients), its weights ``W_t = a_t W0 + sum_m X[t, m] N_m`` never.
+
+    A read ``W_t x_t`` is ``a_t W0 x_t + sum_m X[t, m] (N_m x_t)``: one product of the chunk's inputs with every
+    token's update, ``P[t, m] = N_m x_t`` (``C x C`` vectors), then each token's gated sum over ``m``. That is as
+    many FLOPs as forming the weights (``X`` times the stacked updates) and reading them, without a
+    ``(C, d_out, d_in)`` tensor of weights written, scaled, summed and read again, nor its gradient."""
 
     def __init__(self, W0, S0, factors, band, dM, gm, dS, ns_steps):
         helper = ChunkOperator(W0, S0, factors, band, dM, torch.ones_like(gm), dS, torch.ones_like(gm))
-
-        X = segment_products(dM.clamp(min=1e-30).log()) * gm[..., None, :]
-        self.weights = {}
+        self.a, self.W0 = helper.a, W0
+        self.X = segment_products(dM.clamp(min=1e-30).log()) * gm[..., None, :]  # (B, H, C, C)
+        self.updates = {}
         self.momenta = {}
         for n, (A, Bf) in factors.items():
-            S_t = helper.sa[..., None, None] * S0[n][:, :, None] + torch.einsum("bhtk,bhko,bhki->bhtoi", helper.sc, A, Bf)
-            N_t = newton_schulz(S_t, ns_steps)
-            self.weights[n] = helper.a[..., None, None] * W0[n][:, :, None] + torch.einsum("bhtm,bhmoi->bhtoi", X, N_t)
+            S_t = torch.einsum("bhtk,bhko,bhki->bhtoi", helper.sc, A, Bf)
+            # in place: no copy of the token-sized momenta (the product's backward keeps its inputs, not its output)
+            S_t = S_t.addcmul_(helper.sa[..., None, None], S0[n][:, :, None])
+            self.updates[n] = newton_schulz(S_t, ns_steps)
             self.momenta[n] = S_t
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("bhtoi,bhti->bhto", self.weights[name], x)
+        """``W_t x_t`` for every token ``t`` of the chunk; ``x`` ``(B, H, C, d_in)``."""
+        N = self.updates[name]
+        B, H, C, d_out, d_in = N.shape
+        P = x @ N.reshape(B, H, C * d_out, d_in).transpose(-1, -2)  # (B, H, C_t, C_m * d_out): N_m x_t
+        read = (self.X.unsqueeze(-2) @ P.view(B, H, C, C, d_out)).squeeze(-2)
+        return read + self.a[..., None] * (x @ self.W0[name].transpose(-1, -2))
 
     def final(self):
-        return ({n: w[:, :, -1] for n, w in self.weights.items()}, {n: s[:, :, -1] for n, s in self.momenta.items()})
+        weights = {n: self.a[..., -1, None, None] * self.W0[n] + torch.einsum("bhm,bhmoi->bhoi", self.X[..., -1, :], N)
+                   for n, N in self.updates.items()}
+        return weights, {n: s[:, :, -1] for n, s in self.momenta.items()}
 
 
 def atlas_gates(optimizer: str, inside: torch.Tensor, gamma, retention, lr, mom, live) -> dict[str, torch.Tensor]:
