@@ -262,9 +262,10 @@ class MuonChunk:
         self.updates = {}
         self.momenta = {}
         for n, (A, Bf) in factors.items():
-            S_t = torch.einsum("bhtk,bhko,bhki->bhtoi", helper.sc, A, Bf)
-            # in place: no copy of the token-sized momenta (the product's backward keeps its inputs, not its output)
-            S_t = S_t.addcmul_(helper.sa[..., None, None], S0[n][:, :, None])
+            # One pass for the decayed start (not in place: the product's output is a view, whose in-place
+            # update autograd would undo in the backward with copies of every token's momentum).
+            S_t = torch.addcmul(torch.einsum("bhtk,bhko,bhki->bhtoi", helper.sc, A, Bf), helper.sa[..., None, None],
+                                S0[n][:, :, None])
             self.updates[n] = newton_schulz(S_t, ns_steps)
             self.momenta[n] = S_t
 
