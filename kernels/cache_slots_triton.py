@@ -28,11 +28,11 @@ _BLOCK = 2048
 @triton.jit(do_not_specialize=["N", "s_row"])
 def _write_kernel(CACHE, VALUES, ROWS, INDEX, N, E, s_row, s_slot, BLOCK: tl.constexpr):
     """Program ``(row, block)``: where ``ROWS[row]``, elements ``block * BLOCK ...`` of ``VALUES[row]`` into
-    ``CACHE[row, min(INDEX[row], N - 1)]``."""
+    ``CACHE[row, INDEX[row]]`` (clamped to the slots)."""
     r = tl.program_id(0).to(tl.int64)
     if tl.load(ROWS + r) == 0:  # the row closes no segment: its slots keep what they hold
         return
-    n = tl.minimum(tl.load(INDEX + r), N - 1)
+    n = tl.maximum(tl.minimum(tl.load(INDEX + r), N - 1), 0)
     e = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = e < E
     x = tl.load(VALUES + r * E + e, mask=m)
@@ -42,9 +42,9 @@ def _write_kernel(CACHE, VALUES, ROWS, INDEX, N, E, s_row, s_slot, BLOCK: tl.con
 def write_slots_triton(cache: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> None:
     """``cache[r, index[r]] = values[r]`` (in ``cache``'s dtype) for every row ``r`` with ``rows[r]``, in place.
 
-    ``cache`` ``(R, N, *inner)`` with each slot contiguous, ``values`` ``(R, *inner)``, ``rows`` ``(R,)`` bool,
-    ``index`` ``(R,)`` integer, clamped to ``N - 1``. Nothing is read back to the host: the step a CUDA graph
-    captures is the step it replays."""
+    ``cache`` ``(R, N, *inner)`` with each slot contiguous, ``values`` ``(R, *inner)`` apart from it (rows are
+    written in any order), ``rows`` ``(R,)`` bool, ``index`` ``(R,)`` integer, clamped to ``0 .. N - 1``. Nothing
+    is read back to the host: the step a CUDA graph captures is the step it replays."""
     R, N = cache.shape[:2]
     inner = cache.shape[2:]
     if values.shape != (R, *inner):

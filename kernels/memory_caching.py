@@ -370,23 +370,27 @@ def grown_slots(rows: torch.Tensor, count: torch.Tensor) -> int | None:
 
 def write_slots_(cache: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> None:
     """``cache[..., index, :] = values`` where ``rows``, in place: ``cache`` ``(*lead, N, *inner)``, ``values``
-    ``(*lead, *inner)``, ``rows`` (bool) and ``index`` ``(*lead)``, clamped to ``N - 1`` (``N >= 1``).
+    ``(*lead, *inner)``, ``rows`` (bool) and ``index`` ``(*lead)``, clamped to ``0 .. N - 1``; nothing without slots.
 
     A graphed decode step's segment-end write, which runs every step. On the Triton backend, one launch whose
     programs return at once where a row closes nothing (:func:`~.cache_slots_triton.write_slots_triton`); in
     PyTorch, each row's slot gathered, chosen and put back (a full row that closes nothing writes back what it
-    holds). Autograd never records it: the cache is a captured step's own buffer."""
+    holds). Either way the cache's version moves on, so a backward that saved it refuses to run."""
     lead = rows.shape
+    N = cache.shape[len(lead)]
+    if N == 0:
+        return
     L = rows.numel()
-    if (not (torch.is_grad_enabled() and (cache.requires_grad or values.requires_grad))
-            and resolve_backend(cache, has_triton_impl=True) == "triton"):
-        flat = cache.view(L, *cache.shape[len(lead):]) if cache.is_contiguous() else None
-        if flat is not None:
-            write_slots_triton(flat, values.reshape(L, *values.shape[len(lead):]), rows.reshape(L), index.reshape(L))
-            return
+    if (resolve_backend(cache, has_triton_impl=True) == "triton" and cache.is_contiguous()
+            and not (torch.is_grad_enabled() and (cache.requires_grad or values.requires_grad))
+            and values.untyped_storage().data_ptr() != cache.untyped_storage().data_ptr()):
+        write_slots_triton(cache.view(L, *cache.shape[len(lead):]), values.reshape(L, *values.shape[len(lead):]),
+                           rows.reshape(L), index.reshape(L))
+        torch.autograd.graph.increment_version(cache)
+        return
     where = tuple(torch.arange(n, device=rows.device).view([-1 if i == d else 1 for i in range(len(lead))]).expand(lead)
                   for d, n in enumerate(lead))
-    where += (index.clamp(max=cache.shape[len(lead)] - 1),)
+    where += (index.clamp(0, N - 1),)
     cache[where] = torch.where(rows.view(*lead, *([1] * (values.dim() - len(lead)))), values.to(cache.dtype),
                                cache[where])
 

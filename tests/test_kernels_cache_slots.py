@@ -20,9 +20,9 @@ def _case(lead, N, inner, dtype, seed=0):
     cache = torch.randn(*lead, N, *inner, generator=gen).to(dtype)
     values = torch.randn(*lead, *inner, generator=gen)
     rows = torch.rand(*lead, generator=gen) < 0.5
-    rows.view(-1)[0], rows.view(-1)[-1] = True, False  # at least one row closes and one does not
+    rows.view(-1)[0], rows.view(-1)[1], rows.view(-1)[-1] = True, True, False  # rows that close and one that does not
     index = torch.randint(0, N + 2, lead, generator=gen)  # past N: clamped to the last slot
-    index.view(-1)[0] = N + 1
+    index.view(-1)[0], index.view(-1)[1] = N + 1, -1  # below 0: clamped to the first
     return (x.to(DEVICE) for x in (cache, values, rows, index))
 
 
@@ -32,7 +32,7 @@ def _loop(cache, values, rows, index):
     flat, N = out.view(rows.numel(), *cache.shape[rows.dim():]), cache.shape[rows.dim()]
     for r, (close, n) in enumerate(zip(rows.reshape(-1).tolist(), index.reshape(-1).tolist())):
         if close:
-            flat[r, min(n, N - 1)] = values.reshape(rows.numel(), *values.shape[rows.dim():])[r].to(cache.dtype)
+            flat[r, max(0, min(n, N - 1))] = values.reshape(rows.numel(), *values.shape[rows.dim():])[r].to(cache.dtype)
     return out
 
 
@@ -53,6 +53,42 @@ def test_the_kernel_writes_what_the_torch_path_writes(lead, N, inner, dtype):
             write_slots_(got, values, rows, index)
         assert got.data_ptr() == where
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=backend)
+
+
+def test_slots_apart_and_rows_apart_are_written_where_they_lie():
+    """A cache whose slots and rows are padded in memory (strides above their sizes): the kernel's offsets."""
+    from mnemo.kernels.cache_slots_triton import write_slots_triton
+
+    cache, values, rows, index = _case((6,), 3, (5,), torch.float32, seed=2)
+    store = torch.full((12, 3, 8), -7.0, device=DEVICE)
+    padded = store[::2, :, :5]  # rows 48 floats apart, slots 8: neither the dense 15 and 5
+    padded.copy_(cache)
+    write_slots_triton(padded, values, rows, index)
+    torch.testing.assert_close(padded, _loop(cache, values, rows, index), rtol=0, atol=0)
+    untouched = torch.ones_like(store, dtype=torch.bool)
+    untouched[::2, :, :5] = False
+    assert bool((store[untouched] == -7.0).all())
+
+
+def test_a_cache_without_slots_is_left_as_it_is():
+    cache, values, rows, index = _case((3,), 1, (4,), torch.float32)
+    empty = cache[:, :0]
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            write_slots_(empty, values, rows, index)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_cache_saved_for_a_backward_refuses_it_after_the_write(backend):
+    """The write moves the cache's version on either path: a backward that saved the cache does not run on
+    what the write left there."""
+    cache, values, rows, index = _case((3,), 2, (4,), torch.float32)
+    weight = torch.ones(4, device=DEVICE, requires_grad=True)
+    out = (cache * weight).sum()  # saves the cache
+    with use_backend(backend):
+        write_slots_(cache, values, rows, index)
+    with pytest.raises(RuntimeError, match="inplace"):
+        out.backward()
 
 
 def test_rows_that_close_nothing_are_not_read():
@@ -77,6 +113,8 @@ def test_the_kernel_is_the_triton_path_and_autograd_keeps_the_torch_one(monkeypa
         assert calls == [1]
         leaf = torch.zeros_like(values, requires_grad=True)
         write_slots_(cache.clone(), leaf, rows, index)
+        assert calls == [1]
+        write_slots_(cache, cache[:, 1], rows, index)  # values inside the cache: rows read before any is written
         assert calls == [1]
     with use_backend("torch"):
         write_slots_(cache, values, rows, index)
