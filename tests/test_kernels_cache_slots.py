@@ -91,6 +91,16 @@ def test_a_cache_saved_for_a_backward_refuses_it_after_the_write(backend):
         out.backward()
 
 
+def test_a_cache_made_under_inference_mode_is_written():
+    """Generation under ``torch.inference_mode()``: tensors without a version counter take the write too."""
+    with torch.inference_mode():
+        cache, values, rows, index = _case((3,), 2, (4,), torch.float32)
+        want = _loop(cache, values, rows, index)
+        with use_backend("triton"):
+            write_slots_(cache, values, rows, index)
+    torch.testing.assert_close(cache, want, rtol=0, atol=0)
+
+
 def test_rows_that_close_nothing_are_not_read():
     """A closing row's memory is all the kernel reads: the others' may hold anything."""
     cache, values, rows, index = _case((4,), 3, (2, 3), torch.float32, seed=1)
