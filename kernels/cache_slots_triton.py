@@ -59,5 +59,6 @@ def write_slots_triton(cache: torch.Tensor, values: torch.Tensor, rows: torch.Te
         raise ValueError("each slot of the cache must be contiguous")
     values = values.contiguous()
     grid = (R, triton.cdiv(E, _BLOCK))
-    _write_kernel[grid](cache, values, rows.contiguous().view(torch.uint8), index.long().contiguous(), N, E, cache.stride(0), cache.stride(1),
+    flags = rows.contiguous().view(torch.uint8)
+    _write_kernel[grid](cache, values, flags, index.long().contiguous(), N, E, cache.stride(0), cache.stride(1),
                         BLOCK=_BLOCK, num_warps=4)
