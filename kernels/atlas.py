@@ -33,6 +33,7 @@ from .backend import requested_backend, resolve_backend
 from .chunk_loop import tf32_products, tf32_wanted
 from .mlp_memory import (
     ChunkOperator,
+    add_rank_update,
     MLPMemorySpec,
     segment_products,
     align_rows,
@@ -260,14 +261,19 @@ class MuonChunk:
         self.a, self.W0 = helper.a, W0
         self.X = segment_products(dM.clamp(min=1e-30).log()) * gm[..., None, :]  # (B, H, C, C)
         self.updates = {}
-        self.momenta = {}
+        self.momenta = {}  # the last token's, the chunk's final momentum
         for n, (A, Bf) in factors.items():
+            if ns_steps >= 1 and momentum_kernels_wanted(S0[n]):
+                self.updates[n] = _MomentumNewtonSchulz.apply(A, Bf, helper.sc, helper.sa, S0[n], ns_steps, 1e-7)
+                self.momenta[n] = add_rank_update(helper.sa[..., -1, None, None] * S0[n],
+                                                   A * helper.sc[..., -1, :, None], Bf)
+                continue
             # One pass for the decayed start (not in place: the product's output is a view, whose in-place
             # update autograd would undo in the backward with copies of every token's momentum).
             S_t = torch.addcmul(torch.einsum("bhtk,bhko,bhki->bhtoi", helper.sc, A, Bf), helper.sa[..., None, None],
                                 S0[n][:, :, None])
             self.updates[n] = newton_schulz(S_t, ns_steps)
-            self.momenta[n] = S_t
+            self.momenta[n] = S_t[:, :, -1]
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """``W_t x_t`` for every token ``t`` of the chunk; ``x`` ``(B, H, C, d_in)``."""
@@ -280,7 +286,7 @@ class MuonChunk:
     def final(self):
         weights = {n: self.a[..., -1, None, None] * self.W0[n] + torch.einsum("bhm,bhmoi->bhoi", self.X[..., -1, :], N)
                    for n, N in self.updates.items()}
-        return weights, {n: s[:, :, -1] for n, s in self.momenta.items()}
+        return weights, self.momenta
 
 
 def atlas_gates(optimizer: str, inside: torch.Tensor, gamma, retention, lr, mom, live) -> dict[str, torch.Tensor]:
@@ -662,3 +668,74 @@ class _NewtonSchulzTriton(torch.autograd.Function):
         S, norms, kept = ctx.saved_tensors
         return newton_schulz_backward_triton(S, norms, kept, dN, ctx.steps, ctx.eps, ctx.products,
                                              coefficients=NS_COEFFICIENTS), None, None
+
+
+# Muon's chunk forms every token's momentum inside the Newton-Schulz kernels where they take it; off, it forms
+# them in memory and orthogonalises them there (the path before, kept to compare: benchmarks/RESULTS.md).
+MOMENTA_IN_KERNELS = True
+
+
+def momentum_kernels_wanted(S0: torch.Tensor) -> bool:
+    """Whether Muon's chunk forms its per-token momenta inside the Newton-Schulz kernels
+    (:class:`_MomentumNewtonSchulz`): float32 momenta ``S0 (..., d_out, d_in)`` the kernels take."""
+    return MOMENTA_IN_KERNELS and S0.dtype == torch.float32 and triton_wanted(wide(S0))
+
+
+class _MomentumNewtonSchulz(torch.autograd.Function):
+    """``NS(S_t)`` for every token's momentum ``S_t = sa_t S_0 + sum_k sc[t, k] A_k Bf_k^T`` of a chunk
+    (``A (..., K, d_out)``, ``Bf (..., K, d_in)``, ``sc (..., T, K)``, ``sa (..., T)``, ``S0 (..., d_out, d_in)``),
+    as ``(..., T, d_out, d_in)``, contiguous.
+
+    The Triton kernels form each ``S_t`` block by block from the factors, on chip, in both passes: no
+    token's momentum is written to memory in the forward, and the backward writes only ``dS_t``, from
+    which the factors' gradients are a few batched products here (the momenta and their clones,
+    sums and products through autograd had been about a quarter of Muon's training step).
+    """
+
+    @staticmethod
+    def forward(ctx, A, Bf, sc, sa, S0, steps: int, eps: float):
+        from .atlas_triton import MomentumFactors, momentum_newton_schulz_forward_triton, products  # noqa: PLC0415
+
+        lead, (d_out, d_in) = S0.shape[:-2], S0.shape[-2:]
+        tall = d_out > d_in
+        K, T = A.shape[-2], sc.shape[-2]
+        flat = lambda x: x.reshape(-1, *x.shape[len(lead):])  # noqa: E731
+        A_, Bf_, S0_ = flat(A), flat(Bf), flat(S0)
+        f = MomentumFactors(short=Bf_ if tall else A_, long=A_ if tall else Bf_, sc=flat(sc).contiguous(),
+                            sa=flat(sa).contiguous(), S0=S0_.transpose(1, 2) if tall else S0_, tall=tall)
+        ctx.products = products(torch.float32)
+        keep = any(ctx.needs_input_grad[:5])
+        N, norms, kept = momentum_newton_schulz_forward_triton(f, steps, eps, ctx.products, keep=keep,
+                                                               coefficients=NS_COEFFICIENTS)
+        ctx.save_for_backward(A_, Bf_, f.sc, f.sa, S0_, norms, kept)
+        ctx.steps, ctx.eps, ctx.tall, ctx.lead, ctx.K = steps, eps, tall, lead, K
+        return N.view(*lead, T, d_out, d_in)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dN: torch.Tensor):
+        from .atlas_triton import MomentumFactors, momentum_newton_schulz_backward_triton  # noqa: PLC0415
+
+        A, Bf, sc, sa, S0, norms, kept = ctx.saved_tensors
+        tall, lead, K = ctx.tall, ctx.lead, ctx.K
+        short, long = (Bf, A) if tall else (A, Bf)
+        f = MomentumFactors(short=short, long=long, sc=sc, sa=sa, S0=S0.transpose(1, 2) if tall else S0, tall=tall)
+        dN = dN.reshape(-1, *dN.shape[len(lead):]).to(torch.float32).contiguous()
+        dS, d_sa = momentum_newton_schulz_backward_triton(f, norms, kept, dN, ctx.steps, ctx.eps, ctx.products,
+                                                          coefficients=NS_COEFFICIENTS)
+        n, T, r, L = dS.shape
+        with torch.autocast(dS.device.type, enabled=False):
+            # Z[t, :, k] = dS_t long_k: the gradients of sc[t, k] and of short_k
+            Z = torch.bmm(dS.view(n, T * r, L), long.transpose(1, 2)).view(n, T, r, K)
+            d_sc = (Z * short.transpose(1, 2)[:, None]).sum(2)
+            d_short = (Z * sc[:, :, None, :]).sum(1).transpose(1, 2)
+            # D[k] = sum_t sc[t, k] dS_t, then long_k's gradient short_k^T D[k]; S_0's is sum_t sa_t dS_t (its own
+            # product: a slice of one stacked product is a copy of all of it for the next batched product)
+            flat = dS.view(n, T, r * L)
+            D = torch.bmm(sc.transpose(1, 2), flat).view(n, K, r, L)
+            d_long = (short[:, :, None, :] @ D).squeeze(2)
+            d_S0 = torch.bmm(sa[:, None, :], flat).view(n, r, L)
+            d_S0 = d_S0.transpose(1, 2) if tall else d_S0
+        d_A, d_Bf = (d_long, d_short) if tall else (d_short, d_long)
+        unflat = lambda x: x.reshape(*lead, *x.shape[1:])  # noqa: E731
+        return unflat(d_A), unflat(d_Bf), unflat(d_sc), unflat(d_sa), unflat(d_S0), None, None

@@ -38,13 +38,18 @@ some thirty kernels per weight: a decode step is a string of small launches.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .backend import tl, triton
 
 
 __all__ = [
+    "MomentumFactors",
     "faster",
+    "momentum_newton_schulz_backward_triton",
+    "momentum_newton_schulz_forward_triton",
     "muon_step_triton",
     "newton_schulz_backward_triton",
     "newton_schulz_forward_triton",
@@ -171,6 +176,37 @@ def _iterate(G, eye, steps, BUF, rr, r, a, b, c, DT: tl.constexpr, PRECISION: tl
 
 
 @triton.jit
+def _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK: tl.constexpr,
+              DT: tl.constexpr, PRECISION: tl.constexpr, FACTORS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The ``(R, BL)`` block ``S[rr, cols]`` of the matrix a program orthogonalises (``TRANSPOSED``: its
+    ``(BL, R)`` transpose). ``FACTORS``: the matrix is Muon's momentum ``S_t = sa_t S_0 + sum_k sc[t, k] short_k
+    long_k^T``, formed here block by block (``X`` is ``S_0``, ``SCT`` the row ``sc[t, :]``) so that no token's
+    momentum is written to memory; otherwise it is read from ``X``."""
+    if TRANSPOSED:
+        acc = _block_t(X, s_r, s_l, rr, cols, r, L).to(tl.float32)
+    else:
+        acc = _block(X, s_r, s_l, rr, cols, r, L).to(tl.float32)
+    if FACTORS:
+        acc = sa * acc
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            w = tl.load(SCT + ks, mask=ks < K, other=0.0)
+            if TRANSPOSED:
+                lo = tl.load(LO + ks[None, :] * lo_k + cols[:, None] * lo_l, mask=(ks[None, :] < K) & (cols[:, None] < L),
+                             other=0.0)
+                sh = tl.load(SH + ks[:, None] * sh_k + rr[None, :] * sh_r, mask=(ks[:, None] < K) & (rr[None, :] < r),
+                             other=0.0)
+                acc += _mm(lo, sh * w[:, None], DT, PRECISION)
+            else:
+                sh = tl.load(SH + ks[None, :] * sh_k + rr[:, None] * sh_r, mask=(ks[None, :] < K) & (rr[:, None] < r),
+                             other=0.0)
+                lo = tl.load(LO + ks[:, None] * lo_k + cols[None, :] * lo_l, mask=(ks[:, None] < K) & (cols[None, :] < L),
+                             other=0.0)
+                acc += _mm(sh * w[None, :], lo, DT, PRECISION)
+    return acc
+
+
+@triton.jit
 def _store_square(BUF, x, rr, r):
     tl.store(BUF + rr[:, None] * r + rr[None, :], x, mask=(rr[:, None] < r) & (rr[None, :] < r))
 
@@ -190,22 +226,34 @@ def _square_t(BUF, rr, r):
 
 
 @triton.jit
-def _forward_kernel(S, N, NORM, KEPT, s_n, s_r, s_l, r, L, eps, a, b, c, STEPS: tl.constexpr, R: tl.constexpr,
-                    BL: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr, KEEP: tl.constexpr):
-    """``KEEP``: the iterates ``M_1 .. M_STEPS`` and ``G`` go to ``KEPT`` (``STEPS + 1`` tiles of ``r x r`` per
-    matrix, in the input's dtype: each was rounded to the products' precision when formed, so the copy is
-    exact) for the backward."""
+def _forward_kernel(S, N, NORM, KEPT, s_n, s_r, s_l, y_r, y_l, r, L, eps, a, b, c,
+                    SH, LO, SC, SA, sh_n, sh_k, sh_r, lo_n, lo_k, lo_l, sc_n, sc_t, sa_n, K, T,
+                    STEPS: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, DT: tl.constexpr,
+                    PRECISION: tl.constexpr, KEEP: tl.constexpr, FACTORS: tl.constexpr, BK: tl.constexpr):
+    """Program ``i``'s ``N = NS(S)``, stored through the strides ``(y_r, y_l)`` at ``N + i r L``. ``KEEP``: the
+    iterates ``M_1 .. M_STEPS`` and ``G`` go to ``KEPT`` (``STEPS + 1`` tiles of ``r x r`` per matrix, in the
+    input's dtype: each was rounded to the products' precision when formed, so the copy is exact) for the
+    backward. ``FACTORS``: program ``i`` is token ``i % T`` of row ``i // T``, whose momentum :func:`_momentum`
+    forms from the row's factors (``S`` holds the rows' ``S_0``)."""
     i = tl.program_id(0).to(tl.int64)
-    X = S + i * s_n
+    row, t = i // T, i % T  # T = 1 without factors: row i
+    X = S + row * s_n
+    SH, LO, SCT = SH + row * sh_n, LO + row * lo_n, SC + row * sc_n + t * sc_t
+    sa = 1.0
+    if FACTORS:
+        sa = tl.load(SA + row * sa_n + t)
     Y = N + i * r * L
     rr = tl.arange(0, R)
     gram = tl.zeros((R, R), tl.float32)
     squares = tl.zeros((R, BL), tl.float32)
     for l0 in range(0, L, BL):
         cols = l0 + tl.arange(0, BL)
-        x = _block(X, s_r, s_l, rr, cols, r, L)
-        gram += _mm(x, _block_t(X, s_r, s_l, rr, cols, r, L), DT, PRECISION)
-        squares += x.to(tl.float32) * x.to(tl.float32)
+        x = _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK, DT, PRECISION,
+                      FACTORS, False)
+        xt = _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK, DT, PRECISION,
+                       FACTORS, True)
+        gram += _mm(x, xt, DT, PRECISION)
+        squares += x * x
     norm = tl.sqrt(tl.sum(squares))
     d = norm + eps
     G = _rnd(gram / (d * d), DT, PRECISION)
@@ -220,19 +268,29 @@ def _forward_kernel(S, N, NORM, KEPT, s_n, s_r, s_l, r, L, eps, a, b, c, STEPS: 
     tl.store(NORM + i, norm)
     for l0 in range(0, L, BL):
         cols = l0 + tl.arange(0, BL)
-        y = _mm(M, _block(X, s_r, s_l, rr, cols, r, L), DT, PRECISION)
-        tl.store(Y + rr[:, None] * L + cols[None, :], y.to(N.dtype.element_ty),
+        x = _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK, DT, PRECISION,
+                      FACTORS, False)
+        y = _mm(M, x, DT, PRECISION)
+        tl.store(Y + rr[:, None] * y_r + cols[None, :] * y_l, y.to(N.dtype.element_ty),
                  mask=(rr[:, None] < r) & (cols[None, :] < L))
 
 
 @triton.jit
-def _backward_kernel(S, NORM, KEPT, DN, DS, s_n, s_r, s_l, d_n, d_r, d_l, r, L, eps, tiny, a, b, c,
+def _backward_kernel(S, NORM, KEPT, DN, DS, DSA, s_n, s_r, s_l, d_n, d_r, d_l, r, L, eps, tiny, a, b, c,
+                     SH, LO, SC, SA, sh_n, sh_k, sh_r, lo_n, lo_k, lo_l, sc_n, sc_t, sa_n, K, T,
                      STEPS: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, DT: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, FACTORS: tl.constexpr, BK: tl.constexpr):
     """From the forward's kept ``G`` and iterates: one pass for ``dN X_0^T``, the PyTorch path's backward over
-    the steps in reverse (``A_k``, ``P_k`` recomputed from ``M_k``), one pass for ``dS``."""
+    the steps in reverse (``A_k``, ``P_k`` recomputed from ``M_k``), one pass for ``dS``. ``FACTORS`` (as in
+    :func:`_forward_kernel`): the momentum is formed again from its factors, and ``DSA + i`` gets
+    ``<dS, S_0>``, its ``sa_t``'s gradient."""
     i = tl.program_id(0).to(tl.int64)
-    X = S + i * s_n
+    row, t = i // T, i % T
+    X = S + row * s_n
+    SH, LO, SCT = SH + row * sh_n, LO + row * lo_n, SC + row * sc_n + t * sc_t
+    sa = 1.0
+    if FACTORS:
+        sa = tl.load(SA + row * sa_n + t)
     Y = DN + i * d_n
     Z = DS + i * r * L  # also the transposes' scratch, before the last pass writes it
     kept = KEPT + i * (STEPS + 1) * r * r
@@ -242,7 +300,9 @@ def _backward_kernel(S, NORM, KEPT, DN, DS, s_n, s_r, s_l, d_n, d_r, d_l, r, L, 
     dM = tl.zeros((R, R), tl.float32)
     for l0 in range(0, L, BL):
         cols = l0 + tl.arange(0, BL)
-        dM += _mm(_block(Y, d_r, d_l, rr, cols, r, L), _block_t(X, s_r, s_l, rr, cols, r, L), DT, PRECISION)
+        xt = _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK, DT, PRECISION,
+                       FACTORS, True)
+        dM += _mm(_block(Y, d_r, d_l, rr, cols, r, L), xt, DT, PRECISION)
     norm = tl.load(NORM + i)
     d = norm + eps
     dM = _rnd(dM / d, DT, PRECISION)  # dN X_0^T
@@ -266,12 +326,18 @@ def _backward_kernel(S, NORM, KEPT, DN, DS, s_n, s_r, s_l, d_n, d_r, d_l, r, L, 
     # dS = (dX_0 - along X_0) / d with dX_0 = M^T dN + (dG + dG^T) X_0 and X_0 = S / d
     Mt_last = _square_t(kept + (STEPS - 1) * r * r, rr, r) / d
     C = (dG - along * eye) / (d * d)
+    start = tl.zeros((R, BL), tl.float32)  # <dS, S_0>'s terms
     for l0 in range(0, L, BL):
         cols = l0 + tl.arange(0, BL)
-        z = _mm(Mt_last, _block(Y, d_r, d_l, rr, cols, r, L), DT, PRECISION) \
-            + _mm(C, _block(X, s_r, s_l, rr, cols, r, L), DT, PRECISION)
+        x = _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK, DT, PRECISION,
+                      FACTORS, False)
+        z = _mm(Mt_last, _block(Y, d_r, d_l, rr, cols, r, L), DT, PRECISION) + _mm(C, x, DT, PRECISION)
         tl.store(Z + rr[:, None] * L + cols[None, :], z.to(DS.dtype.element_ty),
                  mask=(rr[:, None] < r) & (cols[None, :] < L))
+        if FACTORS:
+            start += z * _block(X, s_r, s_l, rr, cols, r, L)
+    if FACTORS:
+        tl.store(DSA + i, tl.sum(start))
 
 
 @triton.jit
@@ -346,6 +412,15 @@ def _rows(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
+# The factor arguments of the kernels where the matrices are read, not formed (their loops never run).
+def _no_factors(S: torch.Tensor) -> tuple:
+    return (S, S, S, S, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1)
+
+
+def _block_of_tokens(K: int) -> int:
+    return min(32, max(16, triton.next_power_of_2(K)))
+
+
 def newton_schulz_forward_triton(S: torch.Tensor, steps: int, eps: float, precision: str | None = None,
                                  keep: bool = True, *, coefficients: tuple[float, float, float]
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -359,9 +434,10 @@ def newton_schulz_forward_triton(S: torch.Tensor, steps: int, eps: float, precis
     norms = torch.empty(n, device=S.device, dtype=torch.float32)
     kept = torch.empty(n, steps + 1, r, r, device=S.device, dtype=S.dtype) if keep else None
     if n:
-        _forward_kernel[(n,)](S, N, norms, N if kept is None else kept, *S.stride(), r, L, eps, *coefficients,
-                              STEPS=steps, R=_rows(r), BL=_BL, DT=_OPERANDS[S.dtype],
-                              PRECISION=precision or products(S.dtype), KEEP=keep, num_warps=_FORWARD_WARPS)
+        _forward_kernel[(n,)](S, N, norms, N if kept is None else kept, *S.stride(), L, 1, r, L, eps, *coefficients,
+                              *_no_factors(S), STEPS=steps, R=_rows(r), BL=_BL, DT=_OPERANDS[S.dtype],
+                              PRECISION=precision or products(S.dtype), KEEP=keep, FACTORS=False, BK=16,
+                              num_warps=_FORWARD_WARPS)
     return N, norms, kept
 
 
@@ -373,8 +449,69 @@ def newton_schulz_backward_triton(S: torch.Tensor, norms: torch.Tensor, kept: to
     n, r, L = S.shape
     dS = torch.empty(n, r, L, device=S.device, dtype=S.dtype)
     if n:
-        _backward_kernel[(n,)](S, norms, kept, dN, dS, *S.stride(), *dN.stride(), r, L, eps,
-                               torch.finfo(torch.float32).tiny, *coefficients, STEPS=steps, R=_rows(r),
-                               BL=_BL, DT=_OPERANDS[S.dtype], PRECISION=precision or products(S.dtype),
-                               num_warps=_BACKWARD_WARPS)
+        _backward_kernel[(n,)](S, norms, kept, dN, dS, norms, *S.stride(), *dN.stride(), r, L, eps,
+                               torch.finfo(torch.float32).tiny, *coefficients, *_no_factors(S), STEPS=steps,
+                               R=_rows(r), BL=_BL, DT=_OPERANDS[S.dtype], PRECISION=precision or products(S.dtype),
+                               FACTORS=False, BK=16, num_warps=_BACKWARD_WARPS)
     return dS
+
+
+class MomentumFactors(NamedTuple):
+    """Muon's per-token momenta of one weight in a chunk, as the kernels take them: ``S_t = sa_t S_0 +
+    sum_k sc[t, k] short_k long_k^T`` for rows ``(n, ...)``: ``short (n, K, r)``, ``long (n, K, L)``, ``sc (n, T, K)``,
+    ``sa (n, T)`` and ``S0 (n, r, L)`` (any strides), with ``r <= L`` (the weight's wide orientation); ``tall``:
+    the weight is ``(L, r)``, and ``N`` is stored in that orientation."""
+
+    short: torch.Tensor
+    long: torch.Tensor
+    sc: torch.Tensor
+    sa: torch.Tensor
+    S0: torch.Tensor
+    tall: bool
+
+    def arguments(self) -> tuple:
+        n, K, r = self.short.shape
+        T = self.sc.shape[1]
+        return (self.short, self.long, self.sc, self.sa, self.short.stride(0), self.short.stride(1),
+                self.short.stride(2), self.long.stride(0), self.long.stride(1), self.long.stride(2),
+                self.sc.stride(0), self.sc.stride(1), self.sa.stride(0), K, T)
+
+
+def momentum_newton_schulz_forward_triton(f: MomentumFactors, steps: int, eps: float, precision: str | None = None,
+                                          keep: bool = True, *, coefficients: tuple[float, float, float]
+                                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`newton_schulz_forward_triton` of every token's momentum ``S_t`` (:class:`MomentumFactors`, float32,
+    ``sc`` and ``sa`` with unit last stride), each formed on chip from its factors: ``N`` ``(n, T, d_out, d_in)``
+    contiguous in the weight's orientation, ``norms`` and ``kept`` ``(n * T, ...)``."""
+    n, K, r = f.short.shape
+    L, T = f.long.shape[-1], f.sc.shape[1]
+    N = torch.empty(n, T, *((L, r) if f.tall else (r, L)), device=f.S0.device, dtype=torch.float32)
+    norms = torch.empty(n * T, device=f.S0.device, dtype=torch.float32)
+    kept = torch.empty(n * T, steps + 1, r, r, device=f.S0.device, dtype=torch.float32) if keep else None
+    if n * T:
+        _forward_kernel[(n * T,)](f.S0, N, norms, N if kept is None else kept, *f.S0.stride(),
+                                  *((1, r) if f.tall else (L, 1)), r, L, eps, *coefficients, *f.arguments(),
+                                  STEPS=steps, R=_rows(r), BL=_BL, DT=tl.float32,
+                                  PRECISION=precision or products(torch.float32), KEEP=keep, FACTORS=True,
+                                  BK=_block_of_tokens(K), num_warps=_FORWARD_WARPS)
+    return N, norms, kept
+
+
+def momentum_newton_schulz_backward_triton(f: MomentumFactors, norms: torch.Tensor, kept: torch.Tensor,
+                                           dN: torch.Tensor, steps: int, eps: float, precision: str | None = None, *,
+                                           coefficients: tuple[float, float, float]
+                                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dS, dsa)`` for the forward's factors, ``norms`` and ``kept``, and ``dN`` (``(n, T, d_out, d_in)``,
+    contiguous): every token's ``dS_t`` ``(n, T, r, L)`` in the wide orientation, and ``<dS_t, S_0>``
+    ``(n, T)``, the gradient of ``sa_t``. The factors' other gradients are products of ``dS`` (the caller's)."""
+    n, K, r = f.short.shape
+    L, T = f.long.shape[-1], f.sc.shape[1]
+    dS = torch.empty(n, T, r, L, device=dN.device, dtype=torch.float32)
+    dsa = torch.empty(n, T, device=dN.device, dtype=torch.float32)
+    if n * T:
+        _backward_kernel[(n * T,)](f.S0, norms, kept, dN, dS, dsa, *f.S0.stride(), r * L, *((1, r) if f.tall else (L, 1)),
+                                   r, L, eps, torch.finfo(torch.float32).tiny, *coefficients, *f.arguments(),
+                                   STEPS=steps, R=_rows(r), BL=_BL, DT=tl.float32,
+                                   PRECISION=precision or products(torch.float32), FACTORS=True,
+                                   BK=_block_of_tokens(K), num_warps=_BACKWARD_WARPS)
+    return dS, dsa

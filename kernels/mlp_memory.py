@@ -32,6 +32,7 @@ __all__ = [
     "Apply",
     "ChunkOperator",
     "MLPMemorySpec",
+    "add_rank_update",
     "align_rows",
     "chunk_coefficients",
     "chunks_first",
@@ -235,13 +236,13 @@ class ChunkOperator:
             base = self.a[..., -1, None, None] * self.W0[n]
             if self.S0 is not None:
                 base = torch.addcmul(base, self.b[..., -1, None, None], self.S0[n])
-            weights[n] = _add_rank_update(base, A * self.c[..., -1, :, None], Bf)
-            momentum[n] = _add_rank_update(
+            weights[n] = add_rank_update(base, A * self.c[..., -1, :, None], Bf)
+            momentum[n] = add_rank_update(
                 None if self.S0 is None else self.sa[..., -1, None, None] * self.S0[n], A * self.sc[..., -1, :, None], Bf)
         return weights, momentum
 
 
-def _add_rank_update(base: torch.Tensor | None, A: torch.Tensor, Bf: torch.Tensor) -> torch.Tensor:
+def add_rank_update(base: torch.Tensor | None, A: torch.Tensor, Bf: torch.Tensor) -> torch.Tensor:
     """``base + A^T Bf`` for ``A (..., K, d_out)``, ``Bf (..., K, d_in)``, summed in ``base``'s precision.
 
     Without autocast the sum is the matmul's epilogue (``baddbmm``): the weight-sized ``base`` is read

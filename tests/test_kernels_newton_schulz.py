@@ -110,7 +110,8 @@ def _count_launches(monkeypatch) -> list[str]:
     from mnemo.kernels import atlas_triton as newton_schulz_triton
 
     calls = []
-    for name in ("newton_schulz_forward_triton", "newton_schulz_backward_triton"):
+    for name in ("newton_schulz_forward_triton", "newton_schulz_backward_triton",
+                 "momentum_newton_schulz_forward_triton", "momentum_newton_schulz_backward_triton"):
         original = getattr(newton_schulz_triton, name)
 
         def spy(*args, _original=original, _name=name, **kwargs):
@@ -182,8 +183,8 @@ def test_newton_schulz_keeps_the_torch_path_past_the_kernels_limits():
 
 
 def test_atlas_muon_with_triton_newton_schulz(monkeypatch):
-    """Atlas with Muon, chunked (with gradients) and step by step, with every Newton-Schulz call in the
-    Triton kernels, float32: outputs and gradients against float64, within 3x the PyTorch path's float32
+    """Atlas with Muon, chunked (with gradients, every token's momentum formed inside the kernels) and step by
+    step, with every Newton-Schulz call in the Triton kernels, float32: outputs and gradients against float64, within 3x the PyTorch path's float32
     error (its momenta are near-singular, where Newton-Schulz amplifies rounding; measured 0.6-1.05x) or 2e-5
     of the gradient's largest value, where both paths' errors sit (one gradient of 6.9: 2.6e-5 / 4.9e-5 with
     the GELU's slope as an explicit formula, 6.3e-5 / 1.8e-5 with it as one kernel, rounding either way)."""
@@ -214,7 +215,9 @@ def test_atlas_muon_with_triton_newton_schulz(monkeypatch):
         return out, torch.stack(steps, 1), grads
 
     out, stepped, grads = run(True)
-    assert calls.count("newton_schulz_forward_triton") > T and "newton_schulz_backward_triton" in calls
+    # The chunks form their momenta inside the kernels; the decode steps orthogonalise theirs.
+    assert calls.count("newton_schulz_forward_triton") == T * len(spec.shapes)
+    assert "momentum_newton_schulz_forward_triton" in calls and "momentum_newton_schulz_backward_triton" in calls
     torch_out, torch_stepped, torch_grads = run(False)
     for got, ours in ((out, torch_out), (stepped, torch_stepped)):
         bound = 3 * (ours.double().cpu() - ref).abs().max().item()
@@ -272,3 +275,81 @@ def test_fused_muon_decode_step_equals_the_torch_step(monkeypatch, live, positio
     for key, ours, theirs, exact in pairs:
         error = (ours.double() - exact).abs().max().item()
         assert error <= max(3 * (theirs.double() - exact).abs().max().item(), 1e-6), key
+
+
+def _momenta(A, Bf, sc, sa, S0):
+    """Every token's momentum ``sa_t S0 + sum_k sc[t, k] A_k Bf_k^T`` as the PyTorch path forms it."""
+    return torch.einsum("ntk,nko,nki->ntoi", sc, A, Bf) + sa[..., None, None] * S0[:, None]
+
+
+# (rows, window tokens K, chunk tokens T, d_out, d_in): a wide and a tall weight, K over one block of tokens
+# and not a multiple of it, a short side padded to 16 and one not a power of two
+MOMENTUM_CASES = [(2, 7, 5, 8, 20), (2, 7, 5, 20, 8), (1, 37, 3, 16, 64), (2, 5, 4, 70, 12)]
+
+
+@pytest.mark.parametrize("n,K,T,d_out,d_in", MOMENTUM_CASES)
+def test_momenta_formed_inside_the_kernels_equal_the_torch_path(n, K, T, d_out, d_in):
+    """Muon's chunk with every token's momentum formed inside the Newton-Schulz kernels
+    (:class:`_MomentumNewtonSchulz`) against the PyTorch path (the momenta formed, then orthogonalised) in
+    float64: the output and the gradients of every factor, the gates and the start momentum, with exact
+    float32 products, within 3x the PyTorch path's own float32 error or 1e-5 of the largest value (the plain
+    kernels' bound)."""
+    from mnemo.kernels.atlas import _MomentumNewtonSchulz
+
+    gen = torch.Generator().manual_seed(n + K + d_out)
+    make = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    # Momenta led by their decayed start, as Muon's are: well conditioned, so that both paths' float32
+    # errors stay near rounding (near-singular momenta amplify it 100x: the plain kernels' tests above).
+    A, Bf, sc, S0 = make(n, K, d_out) / 2, make(n, K, d_in) / 2, make(n, T, K) / 2, make(n, d_out, d_in)
+    sa = 0.5 + torch.rand(n, T, generator=gen) / 2
+    dN = make(n, T, d_out, d_in)
+
+    def torch_path(dtype):
+        xs = [x.to(dtype).requires_grad_() for x in (A, Bf, sc, sa, S0)]
+        S = _momenta(*xs)
+        N = _NewtonSchulz.apply(S.reshape(-1, d_out, d_in).transpose(1, 2) if d_out > d_in else S.reshape(-1, d_out, d_in),
+                                5, 1e-7)
+        N = (N.transpose(1, 2) if d_out > d_in else N).reshape(S.shape)
+        return N.detach(), torch.autograd.grad(N, [*xs, S], dN.to(dtype))
+
+    ours = [x.to(DEVICE).requires_grad_() for x in (A, Bf, sc, sa, S0)]
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        got = _MomentumNewtonSchulz.apply(*ours, 5, 1e-7)
+        grads = torch.autograd.grad(got, ours, dN.to(DEVICE))
+        theirs, their_grads = torch_path(torch.float32)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    want, (*want_grads, want_dS) = torch_path(torch.float64)
+    # sa_t's gradient <dS_t, S_0> cancels: Newton-Schulz does not see its input's scale, so <dS_t, S_t> = 0 and
+    # S_0 leads S_t. Its float32 rounding is that of the sum's terms (1e-6 of ||dS_t|| ||S_0||; measured
+    # 2.7e-5 on CUDA and 3.3e-5 on the interpreter, 9x and 2.7x the PyTorch path's, against terms of 72), not of
+    # the small result.
+    terms = (want_dS.flatten(2).norm(dim=-1) * S0.double().flatten(1).norm(dim=-1)[:, None]).max().item()
+    assert got.shape == (n, T, d_out, d_in) and got.is_contiguous()
+    for name, x, t, y in zip(("N", "A", "Bf", "sc", "sa", "S0"), (got, *grads), (theirs, *their_grads[:5]),
+                             (want, *want_grads)):
+        error, bound = (x.double().cpu() - y).abs().max().item(), (t.double() - y).abs().max().item()
+        floor = 1e-6 * terms if name == "sa" else 1e-5 * y.abs().max().item()
+        assert error <= max(3 * bound, floor), (name, error, bound)
+
+
+def test_momenta_inside_the_kernels_without_a_gradient_keep_nothing(monkeypatch):
+    """Without a gradient wanted (the chunk loop's first pass) the fused forward keeps no iterates, and its
+    output equals the one that keeps them."""
+    from mnemo.kernels import atlas_triton
+    from mnemo.kernels.atlas import _MomentumNewtonSchulz
+
+    kept = []
+    original = atlas_triton.momentum_newton_schulz_forward_triton
+    monkeypatch.setattr(atlas_triton, "momentum_newton_schulz_forward_triton",
+                        lambda *a, **k: kept.append(original(*a, **k)) or kept[-1])
+    gen = torch.Generator().manual_seed(3)
+    args = [torch.randn(*shape, generator=gen).to(DEVICE) for shape in ((2, 6, 8), (2, 6, 20), (2, 4, 6), (2, 4),
+                                                                       (2, 8, 20))]
+    with torch.no_grad():
+        plain = _MomentumNewtonSchulz.apply(*args, 5, 1e-7)
+    kept_one = _MomentumNewtonSchulz.apply(*(x.requires_grad_() for x in args), 5, 1e-7)
+    assert kept[0][2] is None and kept[1][2].shape == (8, 6, 8, 8)
+    assert torch.equal(plain, kept_one.detach())
