@@ -31,6 +31,16 @@ precision when formed (:func:`_rnd`), sums stay float32. Matrices are ``(n, r, L
 ``r <= L`` and ``r <= 64`` (:func:`supported`); the output is contiguous. Exact float32 products
 are slower here than in cuBLAS (:func:`faster`).
 
+In Muon's training chunk each token's momentum ``S_t = sa_t S_0 + sum_k sc[t, k] short_k long_k^T`` is a
+rank-``K`` update of the chunk's start momentum (``K`` the window's tokens). Formed in memory it was a
+``(C, r, L)`` tensor a weight and chunk, written, cloned, orthogonalised and back-propagated through
+autograd, about a quarter of the step. The ``FACTORS`` variant of both kernels
+(:func:`momentum_newton_schulz_forward_triton`, :func:`momentum_newton_schulz_backward_triton`) forms it
+block by block from the factors instead (:func:`_momentum`, one ``r x K x BL`` product a block), once a
+program: into the output's place, where the Gram pass reads it back transposed and the last pass reads it
+before writing the result over it. The backward writes ``dS_t`` (the factors' gradients are products of
+it) and ``<dS_t, S_0>``.
+
 :func:`muon_step_triton` is Atlas' whole Muon decode step on a weight in one launch (the momentum's
 update, its Newton-Schulz, the weight's update and the row selects), where the PyTorch path runs
 some thirty kernels per weight: a decode step is a string of small launches.
@@ -177,33 +187,24 @@ def _iterate(G, eye, steps, BUF, rr, r, a, b, c, DT: tl.constexpr, PRECISION: tl
 
 @triton.jit
 def _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK: tl.constexpr,
-              DT: tl.constexpr, PRECISION: tl.constexpr, FACTORS: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """The ``(R, BL)`` block ``S[rr, cols]`` of the matrix a program orthogonalises (``TRANSPOSED``: its
-    ``(BL, R)`` transpose). ``FACTORS``: the matrix is Muon's momentum ``S_t = sa_t S_0 + sum_k sc[t, k] short_k
-    long_k^T``, formed here block by block (``X`` is ``S_0``, ``SCT`` the row ``sc[t, :]``) so that no token's
-    momentum is written to memory; otherwise it is read from ``X``."""
-    if TRANSPOSED:
-        acc = _block_t(X, s_r, s_l, rr, cols, r, L).to(tl.float32)
-    else:
-        acc = _block(X, s_r, s_l, rr, cols, r, L).to(tl.float32)
-    if FACTORS:
-        acc = sa * acc
-        for k0 in range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
-            w = tl.load(SCT + ks, mask=ks < K, other=0.0)
-            if TRANSPOSED:
-                lo = tl.load(LO + ks[None, :] * lo_k + cols[:, None] * lo_l, mask=(ks[None, :] < K) & (cols[:, None] < L),
-                             other=0.0)
-                sh = tl.load(SH + ks[:, None] * sh_k + rr[None, :] * sh_r, mask=(ks[:, None] < K) & (rr[None, :] < r),
-                             other=0.0)
-                acc += _mm(lo, sh * w[:, None], DT, PRECISION)
-            else:
-                sh = tl.load(SH + ks[None, :] * sh_k + rr[:, None] * sh_r, mask=(ks[None, :] < K) & (rr[:, None] < r),
-                             other=0.0)
-                lo = tl.load(LO + ks[:, None] * lo_k + cols[None, :] * lo_l, mask=(ks[:, None] < K) & (cols[None, :] < L),
-                             other=0.0)
-                acc += _mm(sh * w[None, :], lo, DT, PRECISION)
+              DT: tl.constexpr, PRECISION: tl.constexpr):
+    """The ``(R, BL)`` block ``S_t[rr, cols]`` of Muon's momentum ``S_t = sa_t S_0 + sum_k sc[t, k] short_k
+    long_k^T``, formed from its factors (``X`` is ``S_0``, ``SCT`` the row ``sc[t, :]``): no token's momentum is
+    read from memory."""
+    acc = sa * _block(X, s_r, s_l, rr, cols, r, L).to(tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        w = tl.load(SCT + ks, mask=ks < K, other=0.0)
+        sh = tl.load(SH + ks[None, :] * sh_k + rr[:, None] * sh_r, mask=(ks[None, :] < K) & (rr[:, None] < r), other=0.0)
+        lo = tl.load(LO + ks[:, None] * lo_k + cols[None, :] * lo_l, mask=(ks[:, None] < K) & (cols[None, :] < L),
+                     other=0.0)
+        acc += _mm(sh * w[None, :], lo, DT, PRECISION)
     return acc
+
+
+@triton.jit
+def _store_block(Y, y_r, y_l, x, rr, cols, r, L):
+    tl.store(Y + rr[:, None] * y_r + cols[None, :] * y_l, x, mask=(rr[:, None] < r) & (cols[None, :] < L))
 
 
 @triton.jit
@@ -226,7 +227,7 @@ def _square_t(BUF, rr, r):
 
 
 @triton.jit
-def _forward_kernel(S, N, NORM, KEPT, s_n, s_r, s_l, y_r, y_l, r, L, eps, a, b, c,
+def _forward_kernel(S, N, NORM, KEPT, SCRATCH, s_n, s_r, s_l, y_r, y_l, r, L, eps, a, b, c,
                     SH, LO, SC, SA, sh_n, sh_k, sh_r, lo_n, lo_k, lo_l, sc_n, sc_t, sa_n, K, T,
                     STEPS: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, DT: tl.constexpr,
                     PRECISION: tl.constexpr, KEEP: tl.constexpr, FACTORS: tl.constexpr, BK: tl.constexpr):
@@ -234,7 +235,9 @@ def _forward_kernel(S, N, NORM, KEPT, s_n, s_r, s_l, y_r, y_l, r, L, eps, a, b, 
     iterates ``M_1 .. M_STEPS`` and ``G`` go to ``KEPT`` (``STEPS + 1`` tiles of ``r x r`` per matrix, in the
     input's dtype: each was rounded to the products' precision when formed, so the copy is exact) for the
     backward. ``FACTORS``: program ``i`` is token ``i % T`` of row ``i // T``, whose momentum :func:`_momentum`
-    forms from the row's factors (``S`` holds the rows' ``S_0``)."""
+    forms from the row's factors (``S`` holds the rows' ``S_0``) once, into ``N``'s place, where the Gram
+    product reads it back transposed and the last pass reads it before writing ``N`` over it; the iteration's
+    transposes then go through ``SCRATCH`` (``r x r`` a program) unless ``KEEP``."""
     i = tl.program_id(0).to(tl.int64)
     row, t = i // T, i % T  # T = 1 without factors: row i
     X = S + row * s_n
@@ -248,12 +251,17 @@ def _forward_kernel(S, N, NORM, KEPT, s_n, s_r, s_l, y_r, y_l, r, L, eps, a, b, 
     squares = tl.zeros((R, BL), tl.float32)
     for l0 in range(0, L, BL):
         cols = l0 + tl.arange(0, BL)
-        x = _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK, DT, PRECISION,
-                      FACTORS, False)
-        xt = _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK, DT, PRECISION,
-                       FACTORS, True)
+        if FACTORS:
+            x = _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK, DT, PRECISION)
+            _store_block(Y, y_r, y_l, x, rr, cols, r, L)
+            tl.debug_barrier()
+            xt = tl.load(Y + rr[None, :] * y_r + cols[:, None] * y_l, mask=(rr[None, :] < r) & (cols[:, None] < L),
+                         other=0.0)
+        else:
+            x = _block(X, s_r, s_l, rr, cols, r, L)
+            xt = _block_t(X, s_r, s_l, rr, cols, r, L)
         gram += _mm(x, xt, DT, PRECISION)
-        squares += x * x
+        squares += x.to(tl.float32) * x.to(tl.float32)
     norm = tl.sqrt(tl.sum(squares))
     d = norm + eps
     G = _rnd(gram / (d * d), DT, PRECISION)
@@ -262,28 +270,33 @@ def _forward_kernel(S, N, NORM, KEPT, s_n, s_r, s_l, y_r, y_l, r, L, eps, a, b, 
         kept = KEPT + i * (STEPS + 1) * r * r
         _store_square(kept + STEPS * r * r, G, rr, r)
         M = _iterate(G, eye, STEPS, kept, rr, r, a, b, c, DT, PRECISION, True)
+    elif FACTORS:
+        M = _iterate(G, eye, STEPS, SCRATCH + i * r * r, rr, r, a, b, c, DT, PRECISION, False)
     else:
         M = _iterate(G, eye, STEPS, Y, rr, r, a, b, c, DT, PRECISION, False)
     M = M / d  # N = M X_0 = (M / d) S
     tl.store(NORM + i, norm)
     for l0 in range(0, L, BL):
         cols = l0 + tl.arange(0, BL)
-        x = _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK, DT, PRECISION,
-                      FACTORS, False)
+        if FACTORS:
+            x = tl.load(Y + rr[:, None] * y_r + cols[None, :] * y_l, mask=(rr[:, None] < r) & (cols[None, :] < L),
+                        other=0.0)
+        else:
+            x = _block(X, s_r, s_l, rr, cols, r, L)
         y = _mm(M, x, DT, PRECISION)
-        tl.store(Y + rr[:, None] * y_r + cols[None, :] * y_l, y.to(N.dtype.element_ty),
-                 mask=(rr[:, None] < r) & (cols[None, :] < L))
+        tl.debug_barrier()  # the block is read before it is written over
+        _store_block(Y, y_r, y_l, y.to(N.dtype.element_ty), rr, cols, r, L)
 
 
 @triton.jit
-def _backward_kernel(S, NORM, KEPT, DN, DS, DSA, s_n, s_r, s_l, d_n, d_r, d_l, r, L, eps, tiny, a, b, c,
+def _backward_kernel(S, NORM, KEPT, DN, DS, DSA, SCRATCH, s_n, s_r, s_l, d_n, d_r, d_l, r, L, eps, tiny, a, b, c,
                      SH, LO, SC, SA, sh_n, sh_k, sh_r, lo_n, lo_k, lo_l, sc_n, sc_t, sa_n, K, T,
                      STEPS: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, DT: tl.constexpr,
                      PRECISION: tl.constexpr, FACTORS: tl.constexpr, BK: tl.constexpr):
     """From the forward's kept ``G`` and iterates: one pass for ``dN X_0^T``, the PyTorch path's backward over
     the steps in reverse (``A_k``, ``P_k`` recomputed from ``M_k``), one pass for ``dS``. ``FACTORS`` (as in
-    :func:`_forward_kernel`): the momentum is formed again from its factors, and ``DSA + i`` gets
-    ``<dS, S_0>``, its ``sa_t``'s gradient."""
+    :func:`_forward_kernel`): the momentum is formed again from its factors once, into ``dS``'s place (the
+    transposes then go through ``SCRATCH``), and ``DSA + i`` gets ``<dS, S_0>``, its ``sa_t``'s gradient."""
     i = tl.program_id(0).to(tl.int64)
     row, t = i // T, i % T
     X = S + row * s_n
@@ -292,7 +305,10 @@ def _backward_kernel(S, NORM, KEPT, DN, DS, DSA, s_n, s_r, s_l, d_n, d_r, d_l, r
     if FACTORS:
         sa = tl.load(SA + row * sa_n + t)
     Y = DN + i * d_n
-    Z = DS + i * r * L  # also the transposes' scratch, before the last pass writes it
+    Z = DS + i * r * L  # dS; without factors also the transposes' scratch, before the last pass writes it
+    BUF = Z
+    if FACTORS:
+        BUF = SCRATCH + i * r * r
     kept = KEPT + i * (STEPS + 1) * r * r
     rr = tl.arange(0, R)
     eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
@@ -300,8 +316,13 @@ def _backward_kernel(S, NORM, KEPT, DN, DS, DSA, s_n, s_r, s_l, d_n, d_r, d_l, r
     dM = tl.zeros((R, R), tl.float32)
     for l0 in range(0, L, BL):
         cols = l0 + tl.arange(0, BL)
-        xt = _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK, DT, PRECISION,
-                       FACTORS, True)
+        if FACTORS:
+            x = _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK, DT, PRECISION)
+            _store_block(Z, L, 1, x, rr, cols, r, L)
+            tl.debug_barrier()
+            xt = tl.load(Z + rr[None, :] * L + cols[:, None], mask=(rr[None, :] < r) & (cols[:, None] < L), other=0.0)
+        else:
+            xt = _block_t(X, s_r, s_l, rr, cols, r, L)
         dM += _mm(_block(Y, d_r, d_l, rr, cols, r, L), xt, DT, PRECISION)
     norm = tl.load(NORM + i)
     d = norm + eps
@@ -315,12 +336,12 @@ def _backward_kernel(S, NORM, KEPT, DN, DS, DSA, s_n, s_r, s_l, d_n, d_r, d_l, r
         A, P = _gram_poly(M, Mt, G, b, c, DT, PRECISION)
         dP = _rnd(_mm(dM, Mt, DT, PRECISION), DT, PRECISION)
         dA = _rnd(b * dP + c * (_mm(dP, A, DT, PRECISION) + _mm(A, dP, DT, PRECISION)), DT, PRECISION)
-        dA_sym = _rnd(dA + _transpose(dA, Z, rr, r), DT, PRECISION)
+        dA_sym = _rnd(dA + _transpose(dA, BUF, rr, r), DT, PRECISION)
         MG = _rnd(_mm(M, G, DT, PRECISION), DT, PRECISION)
         dM = _rnd(a * dM + _mm(P, dM, DT, PRECISION) + _mm(dA_sym, MG, DT, PRECISION), DT, PRECISION)
         dG += _mm(Mt, _rnd(_mm(dA, M, DT, PRECISION), DT, PRECISION), DT, PRECISION)
     dG += b * dM + c * (_mm(dM, G, DT, PRECISION) + _mm(G, dM, DT, PRECISION))  # M_1 = a I + b G + c G^2
-    dG += _transpose(dG, Z, rr, r)
+    dG += _transpose(dG, BUF, rr, r)
     inner += tl.sum(dG * G)  # + <(dG + dG^T) X_0, X_0>
     along = inner * d / tl.maximum(norm, tiny)
     # dS = (dX_0 - along X_0) / d with dX_0 = M^T dN + (dG + dG^T) X_0 and X_0 = S / d
@@ -329,11 +350,13 @@ def _backward_kernel(S, NORM, KEPT, DN, DS, DSA, s_n, s_r, s_l, d_n, d_r, d_l, r
     start = tl.zeros((R, BL), tl.float32)  # <dS, S_0>'s terms
     for l0 in range(0, L, BL):
         cols = l0 + tl.arange(0, BL)
-        x = _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK, DT, PRECISION,
-                      FACTORS, False)
+        if FACTORS:
+            x = tl.load(Z + rr[:, None] * L + cols[None, :], mask=(rr[:, None] < r) & (cols[None, :] < L), other=0.0)
+        else:
+            x = _block(X, s_r, s_l, rr, cols, r, L)
         z = _mm(Mt_last, _block(Y, d_r, d_l, rr, cols, r, L), DT, PRECISION) + _mm(C, x, DT, PRECISION)
-        tl.store(Z + rr[:, None] * L + cols[None, :], z.to(DS.dtype.element_ty),
-                 mask=(rr[:, None] < r) & (cols[None, :] < L))
+        tl.debug_barrier()  # the block is read before it is written over
+        _store_block(Z, L, 1, z.to(DS.dtype.element_ty), rr, cols, r, L)
         if FACTORS:
             start += z * _block(X, s_r, s_l, rr, cols, r, L)
     if FACTORS:
@@ -434,7 +457,7 @@ def newton_schulz_forward_triton(S: torch.Tensor, steps: int, eps: float, precis
     norms = torch.empty(n, device=S.device, dtype=torch.float32)
     kept = torch.empty(n, steps + 1, r, r, device=S.device, dtype=S.dtype) if keep else None
     if n:
-        _forward_kernel[(n,)](S, N, norms, N if kept is None else kept, *S.stride(), L, 1, r, L, eps, *coefficients,
+        _forward_kernel[(n,)](S, N, norms, N if kept is None else kept, N, *S.stride(), L, 1, r, L, eps, *coefficients,
                               *_no_factors(S), STEPS=steps, R=_rows(r), BL=_BL, DT=_OPERANDS[S.dtype],
                               PRECISION=precision or products(S.dtype), KEEP=keep, FACTORS=False, BK=16,
                               num_warps=_FORWARD_WARPS)
@@ -449,7 +472,7 @@ def newton_schulz_backward_triton(S: torch.Tensor, norms: torch.Tensor, kept: to
     n, r, L = S.shape
     dS = torch.empty(n, r, L, device=S.device, dtype=S.dtype)
     if n:
-        _backward_kernel[(n,)](S, norms, kept, dN, dS, norms, *S.stride(), *dN.stride(), r, L, eps,
+        _backward_kernel[(n,)](S, norms, kept, dN, dS, norms, dS, *S.stride(), *dN.stride(), r, L, eps,
                                torch.finfo(torch.float32).tiny, *coefficients, *_no_factors(S), STEPS=steps,
                                R=_rows(r), BL=_BL, DT=_OPERANDS[S.dtype], PRECISION=precision or products(S.dtype),
                                FACTORS=False, BK=16, num_warps=_BACKWARD_WARPS)
@@ -489,7 +512,9 @@ def momentum_newton_schulz_forward_triton(f: MomentumFactors, steps: int, eps: f
     norms = torch.empty(n * T, device=f.S0.device, dtype=torch.float32)
     kept = torch.empty(n * T, steps + 1, r, r, device=f.S0.device, dtype=torch.float32) if keep else None
     if n * T:
-        _forward_kernel[(n * T,)](f.S0, N, norms, N if kept is None else kept, *f.S0.stride(),
+        # the iteration's transposes: in the kept iterates' place, or r x r of scratch a program
+        scratch = kept if keep else torch.empty(n * T, r, r, device=N.device, dtype=torch.float32)
+        _forward_kernel[(n * T,)](f.S0, N, norms, scratch, scratch, *f.S0.stride(),
                                   *((1, r) if f.tall else (L, 1)), r, L, eps, *coefficients, *f.arguments(),
                                   STEPS=steps, R=_rows(r), BL=_BL, DT=tl.float32,
                                   PRECISION=precision or products(torch.float32), KEEP=keep, FACTORS=True,
@@ -509,7 +534,9 @@ def momentum_newton_schulz_backward_triton(f: MomentumFactors, norms: torch.Tens
     dS = torch.empty(n, T, r, L, device=dN.device, dtype=torch.float32)
     dsa = torch.empty(n, T, device=dN.device, dtype=torch.float32)
     if n * T:
-        _backward_kernel[(n * T,)](f.S0, norms, kept, dN, dS, dsa, *f.S0.stride(), r * L, *((1, r) if f.tall else (L, 1)),
+        scratch = torch.empty(n * T, r, r, device=dN.device, dtype=torch.float32)  # the transposes'
+        _backward_kernel[(n * T,)](f.S0, norms, kept, dN, dS, dsa, scratch, *f.S0.stride(), r * L,
+                                   *((1, r) if f.tall else (L, 1)),
                                    r, L, eps, torch.finfo(torch.float32).tiny, *coefficients, *f.arguments(),
                                    STEPS=steps, R=_rows(r), BL=_BL, DT=tl.float32,
                                    PRECISION=precision or products(torch.float32), FACTORS=True,
