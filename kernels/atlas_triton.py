@@ -9,14 +9,16 @@ the long side only in passes over column blocks:
 
 - forward: one pass for ``||S||`` and the Gram matrix ``S S^T``, the iteration
   (``M_1 = a I + b G + c G^2``, ``M_{k+1} = a M_k + (b A_k + c A_k^2) M_k``, ``A_k = M_k G M_k^T``),
-  one pass for ``N = M S / (||S|| + eps)``. When a gradient is wanted it keeps ``G`` and the iterates
-  ``M_1 .. M_steps`` (``r x r`` each, exact in the input's dtype: 1.5x the size of a 64 x 256 input);
-- backward: one pass for ``dN X_0^T``, the PyTorch path's backward over the kept iterates in reverse
-  (``A_k``, ``P_k`` recomputed from ``M_k``), one pass for ``dS``. The scalar ``<dX_0, X_0>`` comes from
+  one pass for ``N = M S / (||S|| + eps)``. When a gradient is wanted it keeps ``G``, the iterates
+  ``M_1 .. M_steps`` and each later step's ``A_k`` and ``P_k`` (``r x r`` each, exact in the input's dtype:
+  3.5x the size of a 64 x 256 input at five steps);
+- backward: one pass for ``dN X_0^T``, the PyTorch path's backward over the kept iterates in reverse, one
+  pass for ``dS``. The scalar ``<dX_0, X_0>`` comes from
   ``r x r`` quantities (``<dN X_0^T, M> + <dG + dG^T, G>``), so ``dS`` is written in that one pass.
   Re-running the iteration here instead, in a per-program cache, made the backward 83 dependent
   ``r x r x r`` products per matrix against 58 now, and it was slower (benchmarks/RESULTS.md): the
-  programs are latency-bound, so products saved are time saved.
+  programs are latency-bound, so products saved are time saved (the same reason ``A_k`` and ``P_k`` are kept,
+  not formed again from ``M_k``: 12 of the 58).
 
 The iterates are polynomials in ``G`` (symmetric in exact arithmetic), but the kernels transpose
 them where the PyTorch path does: ``A = M G M^T`` is the Gram matrix of the iterate actually held,
@@ -58,6 +60,7 @@ from .backend import tl, triton
 __all__ = [
     "MomentumFactors",
     "faster",
+    "kept_tiles",
     "momentum_newton_schulz_backward_triton",
     "momentum_newton_schulz_forward_triton",
     "muon_step_triton",
@@ -163,23 +166,30 @@ def _gram_poly(M, Mt, G, b, c, DT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _step(M, G, BUF, rr, r, a, b, c, DT: tl.constexpr, PRECISION: tl.constexpr):
-    """The next iterate ``a M + P M`` (:func:`_gram_poly`), ``M^T`` through ``BUF``."""
-    _, P = _gram_poly(M, _transpose(M, BUF, rr, r), G, b, c, DT, PRECISION)
+def _step(M, G, BUF, rr, r, a, b, c, DT: tl.constexpr, PRECISION: tl.constexpr, KEEP: tl.constexpr, A_BUF, P_BUF):
+    """The next iterate ``a M + P M`` (:func:`_gram_poly`), ``M^T`` through ``BUF``; ``KEEP``: ``A`` and ``P``
+    stored at ``A_BUF`` and ``P_BUF``."""
+    A, P = _gram_poly(M, _transpose(M, BUF, rr, r), G, b, c, DT, PRECISION)
+    if KEEP:
+        _store_square(A_BUF, A, rr, r)
+        _store_square(P_BUF, P, rr, r)
     return _rnd(a * M + _mm(P, M, DT, PRECISION), DT, PRECISION)
 
 
 @triton.jit
 def _iterate(G, eye, steps, BUF, rr, r, a, b, c, DT: tl.constexpr, PRECISION: tl.constexpr,
              KEEP: tl.constexpr):
-    """``M_steps`` (``steps >= 1``). ``KEEP``: ``BUF`` holds ``steps`` tiles of ``r x r`` and ``M_k`` is left in
-    tile ``k - 1`` (the transpose of each step stores it there anyway); otherwise one tile of scratch."""
+    """``M_steps`` (``steps >= 1``). ``KEEP``: ``BUF`` holds :func:`kept_tiles` tiles of ``r x r``: ``M_k`` is left
+    in tile ``k - 1`` (the transpose of each step stores it there anyway), and the ``A`` and ``P`` formed from the
+    iterate in tile ``j`` in tiles ``steps + 1 + j`` and ``2 steps + j`` (tile ``steps`` is the caller's, for
+    ``G``); otherwise one tile of scratch."""
     M = _first(G, eye, a, b, c, DT, PRECISION)
     for k in range(steps - 1):
         if KEEP:
-            M = _step(M, G, BUF + k * r * r, rr, r, a, b, c, DT, PRECISION)
+            M = _step(M, G, BUF + k * r * r, rr, r, a, b, c, DT, PRECISION, True, BUF + (steps + 1 + k) * r * r,
+                      BUF + (2 * steps + k) * r * r)
         else:
-            M = _step(M, G, BUF, rr, r, a, b, c, DT, PRECISION)
+            M = _step(M, G, BUF, rr, r, a, b, c, DT, PRECISION, False, BUF, BUF)
     if KEEP:
         _store_square(BUF + (steps - 1) * r * r, M, rr, r)
     return M
@@ -232,9 +242,9 @@ def _forward_kernel(S, N, NORM, KEPT, SCRATCH, s_n, s_r, s_l, y_r, y_l, r, L, ep
                     STEPS: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, DT: tl.constexpr,
                     PRECISION: tl.constexpr, KEEP: tl.constexpr, FACTORS: tl.constexpr, BK: tl.constexpr):
     """Program ``i``'s ``N = NS(S)``, stored through the strides ``(y_r, y_l)`` at ``N + i r L``. ``KEEP``: the
-    iterates ``M_1 .. M_STEPS`` and ``G`` go to ``KEPT`` (``STEPS + 1`` tiles of ``r x r`` per matrix, in the
-    input's dtype: each was rounded to the products' precision when formed, so the copy is exact) for the
-    backward. ``FACTORS``: program ``i`` is token ``i % T`` of row ``i // T``, whose momentum :func:`_momentum`
+    iterates ``M_1 .. M_STEPS``, ``G`` and each step's ``A`` and ``P`` go to ``KEPT`` (:func:`kept_tiles` tiles of
+    ``r x r`` per matrix, in the input's dtype: each was rounded to the products' precision when formed, so the
+    copy is exact) for the backward. ``FACTORS``: program ``i`` is token ``i % T`` of row ``i // T``, whose momentum :func:`_momentum`
     forms from the row's factors (``S`` holds the rows' ``S_0``) once, into ``N``'s place, where the Gram
     product reads it back transposed and the last pass reads it before writing ``N`` over it; the iteration's
     transposes then go through ``SCRATCH`` (``r x r`` a program) unless ``KEEP``."""
@@ -267,7 +277,7 @@ def _forward_kernel(S, N, NORM, KEPT, SCRATCH, s_n, s_r, s_l, y_r, y_l, r, L, ep
     G = _rnd(gram / (d * d), DT, PRECISION)
     eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
     if KEEP:
-        kept = KEPT + i * (STEPS + 1) * r * r
+        kept = KEPT + i * (3 * STEPS - 1) * r * r
         _store_square(kept + STEPS * r * r, G, rr, r)
         M = _iterate(G, eye, STEPS, kept, rr, r, a, b, c, DT, PRECISION, True)
     elif FACTORS:
@@ -293,8 +303,8 @@ def _backward_kernel(S, NORM, KEPT, DN, DS, DSA, SCRATCH, s_n, s_r, s_l, d_n, d_
                      SH, LO, SC, SA, sh_n, sh_k, sh_r, lo_n, lo_k, lo_l, sc_n, sc_t, sa_n, K, T,
                      STEPS: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, DT: tl.constexpr,
                      PRECISION: tl.constexpr, FACTORS: tl.constexpr, BK: tl.constexpr):
-    """From the forward's kept ``G`` and iterates: one pass for ``dN X_0^T``, the PyTorch path's backward over
-    the steps in reverse (``A_k``, ``P_k`` recomputed from ``M_k``), one pass for ``dS``. ``FACTORS`` (as in
+    """From the forward's kept ``G``, iterates and each step's ``A_k``, ``P_k``: one pass for ``dN X_0^T``, the
+    PyTorch path's backward over the steps in reverse, one pass for ``dS``. ``FACTORS`` (as in
     :func:`_forward_kernel`): the momentum is formed again from its factors once, into ``dS``'s place (the
     transposes then go through ``SCRATCH``), and ``DSA + i`` gets ``<dS, S_0>``, its ``sa_t``'s gradient."""
     i = tl.program_id(0).to(tl.int64)
@@ -309,7 +319,7 @@ def _backward_kernel(S, NORM, KEPT, DN, DS, DSA, SCRATCH, s_n, s_r, s_l, d_n, d_
     BUF = Z
     if FACTORS:
         BUF = SCRATCH + i * r * r
-    kept = KEPT + i * (STEPS + 1) * r * r
+    kept = KEPT + i * (3 * STEPS - 1) * r * r
     rr = tl.arange(0, R)
     eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
     G = _square(kept + STEPS * r * r, rr, r)
@@ -330,10 +340,11 @@ def _backward_kernel(S, NORM, KEPT, DN, DS, DSA, SCRATCH, s_n, s_r, s_l, d_n, d_
     inner = tl.sum(dM * _square(kept + (STEPS - 1) * r * r, rr, r))  # <M^T dN, X_0>
     dG = tl.zeros((R, R), tl.float32)
     for back in range(STEPS - 1):  # the PyTorch path's backward, its step k = STEPS - 2 - back
-        slot = kept + (STEPS - 2 - back) * r * r
-        M = _square(slot, rr, r)
-        Mt = _square_t(slot, rr, r)
-        A, P = _gram_poly(M, Mt, G, b, c, DT, PRECISION)
+        k = STEPS - 2 - back
+        M = _square(kept + k * r * r, rr, r)
+        Mt = _square_t(kept + k * r * r, rr, r)
+        A = _square(kept + (STEPS + 1 + k) * r * r, rr, r)
+        P = _square(kept + (2 * STEPS + k) * r * r, rr, r)
         dP = _rnd(_mm(dM, Mt, DT, PRECISION), DT, PRECISION)
         dA = _rnd(b * dP + c * (_mm(dP, A, DT, PRECISION) + _mm(A, dP, DT, PRECISION)), DT, PRECISION)
         dA_sym = _rnd(dA + _transpose(dA, BUF, rr, r), DT, PRECISION)
@@ -431,6 +442,13 @@ def muon_step_triton(weights: dict[str, torch.Tensor], momenta: dict[str, torch.
     return out
 
 
+def kept_tiles(steps: int) -> int:
+    """The ``r x r`` tiles the forward keeps a matrix for the backward: ``M_1 .. M_steps``, ``G``, and the ``A_k``
+    and ``P_k`` of the ``steps - 1`` steps after the first (read, not formed again: the backward's programs are
+    latency-bound, and these were 12 of its 58 dependent products at five steps)."""
+    return 3 * steps - 1
+
+
 def _rows(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
@@ -449,13 +467,13 @@ def newton_schulz_forward_triton(S: torch.Tensor, steps: int, eps: float, precis
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(N, norms, kept)`` for ``(n, r, L)`` matrices ``S`` (:func:`supported`), ``steps >= 1``: ``N``
     contiguous in ``S``'s dtype, ``norms`` ``(n,)`` float32 and, with ``keep``, the Gram matrices and
-    iterates ``(n, steps + 1, r, r)`` in ``S``'s dtype (``1 + 1 / steps`` times the size of ``S`` for
-    ``L = 4r``, five steps: 1.5x); the last two are the backward's inputs. ``precision``: the products'
+    iterates ``(n, kept_tiles(steps), r, r)`` in ``S``'s dtype (3.5x the size of ``S`` for ``L = 4r``, five
+    steps); the last two are the backward's inputs. ``precision``: the products'
     ``input_precision`` (default :func:`products`); ``coefficients``: the iteration's ``(a, b, c)``."""
     n, r, L = S.shape
     N = torch.empty(n, r, L, device=S.device, dtype=S.dtype)
     norms = torch.empty(n, device=S.device, dtype=torch.float32)
-    kept = torch.empty(n, steps + 1, r, r, device=S.device, dtype=S.dtype) if keep else None
+    kept = torch.empty(n, kept_tiles(steps), r, r, device=S.device, dtype=S.dtype) if keep else None
     if n:
         _forward_kernel[(n,)](S, N, norms, N if kept is None else kept, N, *S.stride(), L, 1, r, L, eps, *coefficients,
                               *_no_factors(S), STEPS=steps, R=_rows(r), BL=_BL, DT=_OPERANDS[S.dtype],
@@ -510,7 +528,7 @@ def momentum_newton_schulz_forward_triton(f: MomentumFactors, steps: int, eps: f
     L, T = f.long.shape[-1], f.sc.shape[1]
     N = torch.empty(n, T, *((L, r) if f.tall else (r, L)), device=f.S0.device, dtype=torch.float32)
     norms = torch.empty(n * T, device=f.S0.device, dtype=torch.float32)
-    kept = torch.empty(n * T, steps + 1, r, r, device=f.S0.device, dtype=torch.float32) if keep else None
+    kept = torch.empty(n * T, kept_tiles(steps), r, r, device=f.S0.device, dtype=torch.float32) if keep else None
     if n * T:
         # the iteration's transposes: in the kept iterates' place, or r x r of scratch a program
         scratch = kept if keep else torch.empty(n * T, r, r, device=N.device, dtype=torch.float32)

@@ -149,8 +149,8 @@ def test_newton_schulz_takes_the_triton_kernels_when_asked(monkeypatch):
 
 
 def test_triton_forward_keeps_iterates_only_for_a_gradient(monkeypatch):
-    """The forward keeps ``G`` and the iterates (``(n, steps + 1, r, r)`` in the input's dtype) when the input
-    wants a gradient, and nothing without one (a decode step's Newton-Schulz)."""
+    """The forward keeps ``G``, the iterates and each later step's ``A`` and ``P`` (``(n, 3 steps - 1, r, r)`` in the
+    input's dtype) when the input wants a gradient, and nothing without one (a decode step's Newton-Schulz)."""
     from mnemo.kernels import atlas_triton as newton_schulz_triton
     from mnemo.kernels.backend import use_backend
 
@@ -168,9 +168,13 @@ def test_triton_forward_keeps_iterates_only_for_a_gradient(monkeypatch):
         newton_schulz(S, 4)
         newton_schulz(S.requires_grad_(), 4)
     assert kept[0] is None
-    assert kept[1].shape == (3, 5, 8, 8) and kept[1].dtype == torch.bfloat16
+    assert kept[1].shape == (3, 11, 8, 8) and kept[1].dtype == torch.bfloat16  # M_1..M_4, G, then A_k and P_k
     G = S.float() @ S.float().transpose(1, 2) / S.float().norm(dim=(1, 2), keepdim=True) ** 2
-    torch.testing.assert_close(kept[1][:, -1].float(), G, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(kept[1][:, 4].float(), G, rtol=1e-2, atol=1e-2)
+    M, A, P = kept[1][:, 1].float(), kept[1][:, 6].float(), kept[1][:, 9].float()  # M_2, A and P formed from it
+    torch.testing.assert_close(A, M @ G @ M.transpose(1, 2), rtol=3e-2, atol=3e-2)
+    a, b, c = NS_COEFFICIENTS
+    torch.testing.assert_close(P, b * A + c * A @ A, rtol=3e-2, atol=3e-2)
 
 
 def test_newton_schulz_keeps_the_torch_path_past_the_kernels_limits():
@@ -351,5 +355,5 @@ def test_momenta_inside_the_kernels_without_a_gradient_keep_nothing(monkeypatch)
     with torch.no_grad():
         plain = _MomentumNewtonSchulz.apply(*args, 5, 1e-7)
     kept_one = _MomentumNewtonSchulz.apply(*(x.requires_grad_() for x in args), 5, 1e-7)
-    assert kept[0][2] is None and kept[1][2].shape == (8, 6, 8, 8)
+    assert kept[0][2] is None and kept[1][2].shape == (8, 14, 8, 8)
     assert torch.equal(plain, kept_one.detach())
