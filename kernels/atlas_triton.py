@@ -178,15 +178,15 @@ def _step(M, G, BUF, rr, r, a, b, c, DT: tl.constexpr, PRECISION: tl.constexpr, 
 
 @triton.jit
 def _iterate(G, eye, steps, BUF, rr, r, a, b, c, DT: tl.constexpr, PRECISION: tl.constexpr,
-             KEEP: tl.constexpr):
+             KEEP: tl.constexpr, KEEP_AP: tl.constexpr = False):
     """``M_steps`` (``steps >= 1``). ``KEEP``: ``BUF`` holds :func:`kept_tiles` tiles of ``r x r``: ``M_k`` is left
-    in tile ``k - 1`` (the transpose of each step stores it there anyway), and the ``A`` and ``P`` formed from the
-    iterate in tile ``j`` in tiles ``steps + 1 + j`` and ``2 steps + j`` (tile ``steps`` is the caller's, for
-    ``G``); otherwise one tile of scratch."""
+    in tile ``k - 1`` (the transpose of each step stores it there anyway) and, ``KEEP_AP``, the ``A`` and ``P``
+    formed from the iterate in tile ``j`` in tiles ``steps + 1 + j`` and ``2 steps + j`` (tile ``steps`` is the
+    caller's, for ``G``); otherwise one tile of scratch."""
     M = _first(G, eye, a, b, c, DT, PRECISION)
     for k in range(steps - 1):
         if KEEP:
-            M = _step(M, G, BUF + k * r * r, rr, r, a, b, c, DT, PRECISION, True, BUF + (steps + 1 + k) * r * r,
+            M = _step(M, G, BUF + k * r * r, rr, r, a, b, c, DT, PRECISION, KEEP_AP, BUF + (steps + 1 + k) * r * r,
                       BUF + (2 * steps + k) * r * r)
         else:
             M = _step(M, G, BUF, rr, r, a, b, c, DT, PRECISION, False, BUF, BUF)
@@ -240,10 +240,11 @@ def _square_t(BUF, rr, r):
 def _forward_kernel(S, N, NORM, KEPT, SCRATCH, s_n, s_r, s_l, y_r, y_l, r, L, eps, a, b, c,
                     SH, LO, SC, SA, sh_n, sh_k, sh_r, lo_n, lo_k, lo_l, sc_n, sc_t, sa_n, K, T,
                     STEPS: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, DT: tl.constexpr,
-                    PRECISION: tl.constexpr, KEEP: tl.constexpr, FACTORS: tl.constexpr, BK: tl.constexpr):
+                    PRECISION: tl.constexpr, KEEP: tl.constexpr, FACTORS: tl.constexpr, BK: tl.constexpr,
+                    KEEP_AP: tl.constexpr):
     """Program ``i``'s ``N = NS(S)``, stored through the strides ``(y_r, y_l)`` at ``N + i r L``. ``KEEP``: the
-    iterates ``M_1 .. M_STEPS``, ``G`` and each step's ``A`` and ``P`` go to ``KEPT`` (:func:`kept_tiles` tiles of
-    ``r x r`` per matrix, in the input's dtype: each was rounded to the products' precision when formed, so the
+    iterates ``M_1 .. M_STEPS``, ``G`` and (``KEEP_AP``) each later step's ``A`` and ``P`` go to ``KEPT``
+    (:func:`kept_tiles` tiles of ``r x r`` per matrix, in the input's dtype: each was rounded to the products' precision when formed, so the
     copy is exact) for the backward. ``FACTORS``: program ``i`` is token ``i % T`` of row ``i // T``, whose momentum :func:`_momentum`
     forms from the row's factors (``S`` holds the rows' ``S_0``) once, into ``N``'s place, where the Gram
     product reads it back transposed and the last pass reads it before writing ``N`` over it; the iteration's
@@ -277,9 +278,12 @@ def _forward_kernel(S, N, NORM, KEPT, SCRATCH, s_n, s_r, s_l, y_r, y_l, r, L, ep
     G = _rnd(gram / (d * d), DT, PRECISION)
     eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
     if KEEP:
-        kept = KEPT + i * (3 * STEPS - 1) * r * r
+        tiles = STEPS + 1
+        if KEEP_AP:
+            tiles = 3 * STEPS - 1
+        kept = KEPT + i * tiles * r * r
         _store_square(kept + STEPS * r * r, G, rr, r)
-        M = _iterate(G, eye, STEPS, kept, rr, r, a, b, c, DT, PRECISION, True)
+        M = _iterate(G, eye, STEPS, kept, rr, r, a, b, c, DT, PRECISION, True, KEEP_AP)
     elif FACTORS:
         M = _iterate(G, eye, STEPS, SCRATCH + i * r * r, rr, r, a, b, c, DT, PRECISION, False)
     else:
@@ -302,9 +306,10 @@ def _forward_kernel(S, N, NORM, KEPT, SCRATCH, s_n, s_r, s_l, y_r, y_l, r, L, ep
 def _backward_kernel(S, NORM, KEPT, DN, DS, DSA, SCRATCH, s_n, s_r, s_l, d_n, d_r, d_l, r, L, eps, tiny, a, b, c,
                      SH, LO, SC, SA, sh_n, sh_k, sh_r, lo_n, lo_k, lo_l, sc_n, sc_t, sa_n, K, T,
                      STEPS: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, DT: tl.constexpr,
-                     PRECISION: tl.constexpr, FACTORS: tl.constexpr, BK: tl.constexpr):
-    """From the forward's kept ``G``, iterates and each step's ``A_k``, ``P_k``: one pass for ``dN X_0^T``, the
-    PyTorch path's backward over the steps in reverse, one pass for ``dS``. ``FACTORS`` (as in
+                     PRECISION: tl.constexpr, FACTORS: tl.constexpr, BK: tl.constexpr, KEEP_AP: tl.constexpr):
+    """From the forward's kept ``G``, iterates and (``KEEP_AP``) each later step's ``A_k``, ``P_k`` (otherwise
+    formed again from ``M_k``): one pass for ``dN X_0^T``, the PyTorch path's backward over the steps in reverse,
+    one pass for ``dS``. ``FACTORS`` (as in
     :func:`_forward_kernel`): the momentum is formed again from its factors once, into ``dS``'s place (the
     transposes then go through ``SCRATCH``), and ``DSA + i`` gets ``<dS, S_0>``, its ``sa_t``'s gradient."""
     i = tl.program_id(0).to(tl.int64)
@@ -319,7 +324,10 @@ def _backward_kernel(S, NORM, KEPT, DN, DS, DSA, SCRATCH, s_n, s_r, s_l, d_n, d_
     BUF = Z
     if FACTORS:
         BUF = SCRATCH + i * r * r
-    kept = KEPT + i * (3 * STEPS - 1) * r * r
+    tiles = STEPS + 1
+    if KEEP_AP:
+        tiles = 3 * STEPS - 1
+    kept = KEPT + i * tiles * r * r
     rr = tl.arange(0, R)
     eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
     G = _square(kept + STEPS * r * r, rr, r)
@@ -343,8 +351,11 @@ def _backward_kernel(S, NORM, KEPT, DN, DS, DSA, SCRATCH, s_n, s_r, s_l, d_n, d_
         k = STEPS - 2 - back
         M = _square(kept + k * r * r, rr, r)
         Mt = _square_t(kept + k * r * r, rr, r)
-        A = _square(kept + (STEPS + 1 + k) * r * r, rr, r)
-        P = _square(kept + (2 * STEPS + k) * r * r, rr, r)
+        if KEEP_AP:
+            A = _square(kept + (STEPS + 1 + k) * r * r, rr, r)
+            P = _square(kept + (2 * STEPS + k) * r * r, rr, r)
+        else:
+            A, P = _gram_poly(M, Mt, G, b, c, DT, PRECISION)
         dP = _rnd(_mm(dM, Mt, DT, PRECISION), DT, PRECISION)
         dA = _rnd(b * dP + c * (_mm(dP, A, DT, PRECISION) + _mm(A, dP, DT, PRECISION)), DT, PRECISION)
         dA_sym = _rnd(dA + _transpose(dA, BUF, rr, r), DT, PRECISION)
@@ -442,11 +453,14 @@ def muon_step_triton(weights: dict[str, torch.Tensor], momenta: dict[str, torch.
     return out
 
 
-def kept_tiles(steps: int) -> int:
-    """The ``r x r`` tiles the forward keeps a matrix for the backward: ``M_1 .. M_steps``, ``G``, and the ``A_k``
-    and ``P_k`` of the ``steps - 1`` steps after the first (read, not formed again: the backward's programs are
-    latency-bound, and these were 12 of its 58 dependent products at five steps)."""
-    return 3 * steps - 1
+def kept_tiles(steps: int, dtype: torch.dtype) -> int:
+    """The ``r x r`` tiles the forward keeps a matrix of ``dtype`` for the backward: ``M_1 .. M_steps``, ``G`` and,
+    for float32, the ``A_k`` and ``P_k`` of the ``steps - 1`` steps after the first (read, not formed again: the
+    backward's programs are latency-bound, and these were 12 of its 58 dependent products at five steps). bf16
+    and fp16 form them again: with the extra stores in the compiled forward, its bf16 output landed 3.1% from
+    float64 on an H200 against 1.9% before and the PyTorch path's 1.8% (tests/test_gpu_newton_schulz.py), with
+    no cause found, while the float32 and TF32 results did not move."""
+    return 3 * steps - 1 if dtype == torch.float32 else steps + 1
 
 
 def _rows(r: int) -> int:
@@ -473,11 +487,12 @@ def newton_schulz_forward_triton(S: torch.Tensor, steps: int, eps: float, precis
     n, r, L = S.shape
     N = torch.empty(n, r, L, device=S.device, dtype=S.dtype)
     norms = torch.empty(n, device=S.device, dtype=torch.float32)
-    kept = torch.empty(n, kept_tiles(steps), r, r, device=S.device, dtype=S.dtype) if keep else None
+    kept = torch.empty(n, kept_tiles(steps, S.dtype), r, r, device=S.device, dtype=S.dtype) if keep else None
     if n:
         _forward_kernel[(n,)](S, N, norms, N if kept is None else kept, N, *S.stride(), L, 1, r, L, eps, *coefficients,
                               *_no_factors(S), STEPS=steps, R=_rows(r), BL=_BL, DT=_OPERANDS[S.dtype],
                               PRECISION=precision or products(S.dtype), KEEP=keep, FACTORS=False, BK=16,
+                              KEEP_AP=kept_tiles(steps, S.dtype) > steps + 1,
                               num_warps=_FORWARD_WARPS)
     return N, norms, kept
 
@@ -493,7 +508,7 @@ def newton_schulz_backward_triton(S: torch.Tensor, norms: torch.Tensor, kept: to
         _backward_kernel[(n,)](S, norms, kept, dN, dS, norms, dS, *S.stride(), *dN.stride(), r, L, eps,
                                torch.finfo(torch.float32).tiny, *coefficients, *_no_factors(S), STEPS=steps,
                                R=_rows(r), BL=_BL, DT=_OPERANDS[S.dtype], PRECISION=precision or products(S.dtype),
-                               FACTORS=False, BK=16, num_warps=_BACKWARD_WARPS)
+                               FACTORS=False, BK=16, KEEP_AP=kept.shape[1] > steps + 1, num_warps=_BACKWARD_WARPS)
     return dS
 
 
@@ -528,14 +543,15 @@ def momentum_newton_schulz_forward_triton(f: MomentumFactors, steps: int, eps: f
     L, T = f.long.shape[-1], f.sc.shape[1]
     N = torch.empty(n, T, *((L, r) if f.tall else (r, L)), device=f.S0.device, dtype=torch.float32)
     norms = torch.empty(n * T, device=f.S0.device, dtype=torch.float32)
-    kept = torch.empty(n * T, kept_tiles(steps), r, r, device=f.S0.device, dtype=torch.float32) if keep else None
+    kept = torch.empty(n * T, kept_tiles(steps, torch.float32), r, r, device=f.S0.device, dtype=torch.float32) \
+        if keep else None
     if n * T:
         # the iteration's transposes: in the kept iterates' place, or r x r of scratch a program
         scratch = kept if keep else torch.empty(n * T, r, r, device=N.device, dtype=torch.float32)
         _forward_kernel[(n * T,)](f.S0, N, norms, scratch, scratch, *f.S0.stride(),
                                   *((1, r) if f.tall else (L, 1)), r, L, eps, *coefficients, *f.arguments(),
                                   STEPS=steps, R=_rows(r), BL=_BL, DT=tl.float32,
-                                  PRECISION=precision or products(torch.float32), KEEP=keep, FACTORS=True,
+                                  PRECISION=precision or products(torch.float32), KEEP=keep, FACTORS=True, KEEP_AP=True,
                                   BK=_block_of_tokens(K), num_warps=_FORWARD_WARPS)
     return N, norms, kept
 
@@ -557,6 +573,6 @@ def momentum_newton_schulz_backward_triton(f: MomentumFactors, norms: torch.Tens
                                    *((1, r) if f.tall else (L, 1)),
                                    r, L, eps, torch.finfo(torch.float32).tiny, *coefficients, *f.arguments(),
                                    STEPS=steps, R=_rows(r), BL=_BL, DT=tl.float32,
-                                   PRECISION=precision or products(torch.float32), FACTORS=True,
+                                   PRECISION=precision or products(torch.float32), FACTORS=True, KEEP_AP=True,
                                    BK=_block_of_tokens(K), num_warps=_BACKWARD_WARPS)
     return dS, dsa
