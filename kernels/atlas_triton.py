@@ -10,8 +10,9 @@ the long side only in passes over column blocks:
 - forward: one pass for ``||S||`` and the Gram matrix ``S S^T``, the iteration
   (``M_1 = a I + b G + c G^2``, ``M_{k+1} = a M_k + (b A_k + c A_k^2) M_k``, ``A_k = M_k G M_k^T``),
   one pass for ``N = M S / (||S|| + eps)``. When a gradient is wanted it keeps ``G``, the iterates
-  ``M_1 .. M_steps`` and each later step's ``A_k`` and ``P_k`` (``r x r`` each, exact in the input's dtype:
-  3.5x the size of a 64 x 256 input at five steps);
+  ``M_1 .. M_steps`` and, for float32, each later step's ``A_k`` and ``P_k`` (``r x r`` each, exact in the
+  input's dtype: 3.5x the size of a 64 x 256 input at five steps; bf16 and fp16 form them again,
+  :func:`kept_tiles` says why);
 - backward: one pass for ``dN X_0^T``, the PyTorch path's backward over the kept iterates in reverse, one
   pass for ``dS``. The scalar ``<dX_0, X_0>`` comes from
   ``r x r`` quantities (``<dN X_0^T, M> + <dG + dG^T, G>``), so ``dS`` is written in that one pass.
