@@ -16,8 +16,9 @@ takes the window gradient::
 
 ``y_t = M_t(q_t)``. ``gd`` and ``momentum`` are linear in the gradients, so the
 chunked path applies every token's weights through rank-1 factors without
-materialising them; ``muon`` is not, and materialises the momentum and weights of
-every token of a chunk (the paper's algorithm).
+materialising them; ``muon`` is not: every token of a chunk has its own momentum and
+update (the paper's algorithm), which :class:`MuonChunk` forms inside the Newton-Schulz
+kernels where they take it, and in memory otherwise, and reads without forming its weights.
 """
 
 from __future__ import annotations
@@ -248,8 +249,9 @@ def _fused_muon_step(state: AtlasState, inputs: Sequence[torch.Tensor]) -> bool:
 
 
 class MuonChunk:
-    """Muon's chunk: every token's momentum ``S_t`` and update ``N_t = NS(S_t)`` materialised (Newton-Schulz is not
-    linear in the gradients), its weights ``W_t = a_t W0 + sum_m X[t, m] N_m`` never.
+    """Muon's chunk: every token's update ``N_t = NS(S_t)`` materialised (Newton-Schulz is not linear in the
+    gradients), its momentum ``S_t`` only where the Triton kernels do not form it themselves
+    (:func:`momentum_kernels_wanted`), its weights ``W_t = a_t W0 + sum_m X[t, m] N_m`` never.
 
     A read ``W_t x_t`` is ``a_t W0 x_t + sum_m X[t, m] (N_m x_t)``: one product of the chunk's inputs with every
     token's update, ``P[t, m] = N_m x_t`` (``C x C`` vectors), then each token's gated sum over ``m``. That is as
@@ -686,10 +688,11 @@ class _MomentumNewtonSchulz(torch.autograd.Function):
     (``A (..., K, d_out)``, ``Bf (..., K, d_in)``, ``sc (..., T, K)``, ``sa (..., T)``, ``S0 (..., d_out, d_in)``),
     as ``(..., T, d_out, d_in)``, contiguous.
 
-    The Triton kernels form each ``S_t`` block by block from the factors, on chip, in both passes: no
-    token's momentum is written to memory in the forward, and the backward writes only ``dS_t``, from
-    which the factors' gradients are a few batched products here (the momenta and their clones,
-    sums and products through autograd had been about a quarter of Muon's training step).
+    The Triton kernels form each ``S_t`` block by block from the factors, each program its own token's, once a
+    pass, into the place of its result (``N_t`` forward, ``dS_t`` backward), which then overwrites it: no tensor
+    of momenta is made, cloned or kept for the backward. The backward returns ``dS_t``, from which the factors'
+    gradients are a few batched products here (the momenta and their clones, sums and products through autograd
+    had been about a quarter of Muon's training step).
     """
 
     @staticmethod
@@ -700,9 +703,11 @@ class _MomentumNewtonSchulz(torch.autograd.Function):
         tall = d_out > d_in
         K, T = A.shape[-2], sc.shape[-2]
         flat = lambda x: x.reshape(-1, *x.shape[len(lead):])  # noqa: E731
-        A_, Bf_, S0_ = flat(A), flat(Bf), flat(S0)
-        f = MomentumFactors(short=Bf_ if tall else A_, long=A_ if tall else Bf_, sc=flat(sc).contiguous(),
-                            sa=flat(sa).contiguous(), S0=S0_.transpose(1, 2) if tall else S0_, tall=tall)
+        # Under autocast the factors and gates arrive in its dtype: the kernels form S_t in float32 from them, and
+        # the backward forms it again from the same float32 copies (the gradients go back in each input's dtype).
+        A_, Bf_, S0_ = flat(A).float(), flat(Bf).float(), flat(S0)
+        f = MomentumFactors(short=Bf_ if tall else A_, long=A_ if tall else Bf_, sc=flat(sc).float().contiguous(),
+                            sa=flat(sa).float().contiguous(), S0=S0_.transpose(1, 2) if tall else S0_, tall=tall)
         ctx.products = products(torch.float32)
         keep = any(ctx.needs_input_grad[:5])
         N, norms, kept = momentum_newton_schulz_forward_triton(f, steps, eps, ctx.products, keep=keep,

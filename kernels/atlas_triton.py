@@ -200,8 +200,8 @@ def _iterate(G, eye, steps, BUF, rr, r, a, b, c, DT: tl.constexpr, PRECISION: tl
 def _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK: tl.constexpr,
               DT: tl.constexpr, PRECISION: tl.constexpr):
     """The ``(R, BL)`` block ``S_t[rr, cols]`` of Muon's momentum ``S_t = sa_t S_0 + sum_k sc[t, k] short_k
-    long_k^T``, formed from its factors (``X`` is ``S_0``, ``SCT`` the row ``sc[t, :]``): no token's momentum is
-    read from memory."""
+    long_k^T``, formed from its factors (``X`` is ``S_0``, ``SCT`` the row ``sc[t, :]``), not read from a tensor
+    of momenta."""
     acc = sa * _block(X, s_r, s_l, rr, cols, r, L).to(tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
@@ -540,6 +540,8 @@ def momentum_newton_schulz_forward_triton(f: MomentumFactors, steps: int, eps: f
     """:func:`newton_schulz_forward_triton` of every token's momentum ``S_t`` (:class:`MomentumFactors`, float32,
     ``sc`` and ``sa`` with unit last stride), each formed on chip from its factors: ``N`` ``(n, T, d_out, d_in)``
     contiguous in the weight's orientation, ``norms`` and ``kept`` ``(n * T, ...)``."""
+    if any(x.dtype != torch.float32 for x in f[:5]) or f.sc.stride(-1) != 1 or f.sa.stride(-1) != 1:
+        raise ValueError("the momentum kernels take float32 factors, with sc and sa of unit last stride")
     n, K, r = f.short.shape
     L, T = f.long.shape[-1], f.sc.shape[1]
     N = torch.empty(n, T, *((L, r) if f.tall else (r, L)), device=f.S0.device, dtype=torch.float32)
