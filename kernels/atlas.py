@@ -691,8 +691,8 @@ class _MomentumNewtonSchulz(torch.autograd.Function):
     The Triton kernels form each ``S_t`` block by block from the factors, each program its own token's, once a
     pass, into the place of its result (``N_t`` forward, ``dS_t`` backward), which then overwrites it: no tensor
     of momenta is made, cloned or kept for the backward. The backward returns ``dS_t``, from which the factors'
-    gradients are a few batched products here (the momenta and their clones, sums and products through autograd
-    had been about a quarter of Muon's training step).
+    gradients are a few batched products here: the momenta's clones, sums and products through autograd were
+    memory traffic over the largest tensors of Muon's step (benchmarks/RESULTS.md).
     """
 
     @staticmethod

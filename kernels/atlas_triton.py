@@ -37,7 +37,7 @@ are slower here than in cuBLAS (:func:`faster`).
 In Muon's training chunk each token's momentum ``S_t = sa_t S_0 + sum_k sc[t, k] short_k long_k^T`` is a
 rank-``K`` update of the chunk's start momentum (``K`` the window's tokens). Formed in memory it was a
 ``(C, r, L)`` tensor a weight and chunk, written, cloned, orthogonalised and back-propagated through
-autograd, about a quarter of the step. The ``FACTORS`` variant of both kernels
+autograd: the step's largest memory traffic. The ``FACTORS`` variant of both kernels
 (:func:`momentum_newton_schulz_forward_triton`, :func:`momentum_newton_schulz_backward_triton`) forms it
 block by block from the factors instead (:func:`_momentum`, one ``r x K x BL`` product a block), once a
 program: into the output's place, where the Gram pass reads it back transposed and the last pass reads it
@@ -458,9 +458,9 @@ def kept_tiles(steps: int, dtype: torch.dtype) -> int:
     """The ``r x r`` tiles the forward keeps a matrix of ``dtype`` for the backward: ``M_1 .. M_steps``, ``G`` and,
     for float32, the ``A_k`` and ``P_k`` of the ``steps - 1`` steps after the first (read, not formed again: the
     backward's programs are latency-bound, and these were 12 of its 58 dependent products at five steps). bf16
-    and fp16 form them again: with the extra stores in the compiled forward, its bf16 output landed 3.1% from
-    float64 on an H200 against 1.9% before and the PyTorch path's 1.8% (tests/test_gpu_newton_schulz.py), with
-    no cause found, while the float32 and TF32 results did not move."""
+    and fp16 form them again: with the extra stores the compiled bf16 forward fell outside the accuracy that
+    tests/test_gpu_newton_schulz.py asks of it (benchmarks/history, entry 51), for a cause not yet found, while
+    float32 and TF32 did not move."""
     return 3 * steps - 1 if dtype == torch.float32 else steps + 1
 
 
