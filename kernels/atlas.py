@@ -34,7 +34,6 @@ from .backend import requested_backend, resolve_backend
 from .chunk_loop import tf32_products, tf32_wanted
 from .mlp_memory import (
     ChunkOperator,
-    add_rank_update,
     MLPMemorySpec,
     segment_products,
     align_rows,
@@ -267,8 +266,7 @@ class MuonChunk:
         for n, (A, Bf) in factors.items():
             if ns_steps >= 1 and momentum_kernels_wanted(S0[n]):
                 self.updates[n] = _MomentumNewtonSchulz.apply(A, Bf, helper.sc, helper.sa, S0[n], ns_steps, 1e-7)
-                self.momenta[n] = add_rank_update(helper.sa[..., -1, None, None] * S0[n],
-                                                   A * helper.sc[..., -1, :, None], Bf)
+                self.momenta[n] = helper.final_momentum(n)
                 continue
             # One pass for the decayed start (not in place: the product's output is a view, whose in-place
             # update autograd would undo in the backward with copies of every token's momentum).

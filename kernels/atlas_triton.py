@@ -267,8 +267,7 @@ def _forward_kernel(S, N, NORM, KEPT, SCRATCH, s_n, s_r, s_l, y_r, y_l, r, L, ep
             x = _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK, DT, PRECISION)
             _store_block(Y, y_r, y_l, x, rr, cols, r, L)
             tl.debug_barrier()
-            xt = tl.load(Y + rr[None, :] * y_r + cols[:, None] * y_l, mask=(rr[None, :] < r) & (cols[:, None] < L),
-                         other=0.0)
+            xt = _block_t(Y, y_r, y_l, rr, cols, r, L)
         else:
             x = _block(X, s_r, s_l, rr, cols, r, L)
             xt = _block_t(X, s_r, s_l, rr, cols, r, L)
@@ -294,8 +293,7 @@ def _forward_kernel(S, N, NORM, KEPT, SCRATCH, s_n, s_r, s_l, y_r, y_l, r, L, ep
     for l0 in range(0, L, BL):
         cols = l0 + tl.arange(0, BL)
         if FACTORS:
-            x = tl.load(Y + rr[:, None] * y_r + cols[None, :] * y_l, mask=(rr[:, None] < r) & (cols[None, :] < L),
-                        other=0.0)
+            x = _block(Y, y_r, y_l, rr, cols, r, L)
         else:
             x = _block(X, s_r, s_l, rr, cols, r, L)
         y = _mm(M, x, DT, PRECISION)
@@ -339,7 +337,7 @@ def _backward_kernel(S, NORM, KEPT, DN, DS, DSA, SCRATCH, s_n, s_r, s_l, d_n, d_
             x = _momentum(X, s_r, s_l, rr, cols, r, L, SH, LO, SCT, sa, sh_k, sh_r, lo_k, lo_l, K, BK, DT, PRECISION)
             _store_block(Z, L, 1, x, rr, cols, r, L)
             tl.debug_barrier()
-            xt = tl.load(Z + rr[None, :] * L + cols[:, None], mask=(rr[None, :] < r) & (cols[:, None] < L), other=0.0)
+            xt = _block_t(Z, L, 1, rr, cols, r, L)
         else:
             xt = _block_t(X, s_r, s_l, rr, cols, r, L)
         dM += _mm(_block(Y, d_r, d_l, rr, cols, r, L), xt, DT, PRECISION)
@@ -374,7 +372,7 @@ def _backward_kernel(S, NORM, KEPT, DN, DS, DSA, SCRATCH, s_n, s_r, s_l, d_n, d_
     for l0 in range(0, L, BL):
         cols = l0 + tl.arange(0, BL)
         if FACTORS:
-            x = tl.load(Z + rr[:, None] * L + cols[None, :], mask=(rr[:, None] < r) & (cols[None, :] < L), other=0.0)
+            x = _block(Z, L, 1, rr, cols, r, L)
         else:
             x = _block(X, s_r, s_l, rr, cols, r, L)
         z = _mm(Mt_last, _block(Y, d_r, d_l, rr, cols, r, L), DT, PRECISION) + _mm(C, x, DT, PRECISION)

@@ -32,7 +32,6 @@ __all__ = [
     "Apply",
     "ChunkOperator",
     "MLPMemorySpec",
-    "add_rank_update",
     "align_rows",
     "chunk_coefficients",
     "chunks_first",
@@ -236,13 +235,18 @@ class ChunkOperator:
             base = self.a[..., -1, None, None] * self.W0[n]
             if self.S0 is not None:
                 base = torch.addcmul(base, self.b[..., -1, None, None], self.S0[n])
-            weights[n] = add_rank_update(base, A * self.c[..., -1, :, None], Bf)
-            momentum[n] = add_rank_update(
-                None if self.S0 is None else self.sa[..., -1, None, None] * self.S0[n], A * self.sc[..., -1, :, None], Bf)
+            weights[n] = _add_rank_update(base, A * self.c[..., -1, :, None], Bf)
+            momentum[n] = self.final_momentum(n)
         return weights, momentum
 
+    def final_momentum(self, name: str) -> torch.Tensor:
+        """The momentum of weight ``name`` after the chunk's last token."""
+        A, Bf = self.factors[name]
+        start = None if self.S0 is None else self.sa[..., -1, None, None] * self.S0[name]
+        return _add_rank_update(start, A * self.sc[..., -1, :, None], Bf)
 
-def add_rank_update(base: torch.Tensor | None, A: torch.Tensor, Bf: torch.Tensor) -> torch.Tensor:
+
+def _add_rank_update(base: torch.Tensor | None, A: torch.Tensor, Bf: torch.Tensor) -> torch.Tensor:
     """``base + A^T Bf`` for ``A (..., K, d_out)``, ``Bf (..., K, d_in)``, summed in ``base``'s precision.
 
     Without autocast the sum is the matmul's epilogue (``baddbmm``): the weight-sized ``base`` is read
