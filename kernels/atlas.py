@@ -48,6 +48,7 @@ from .mlp_memory import (
     static_apply,
 )
 from .titans_chunk import chunk_memory
+from .titans_persistent_triton import first_pass_wanted, loop_first_pass
 from .titans_chunk import wanted as fused_chunks
 
 __all__ = [
@@ -378,6 +379,12 @@ def _atlas_chunk_step(spec: MLPMemorySpec, optimizer: str, ns_steps: int, track_
     return (y,), new_carry
 
 
+def _first_pass(spec: MLPMemorySpec, carry, xs, consts, every: int):
+    """:func:`~.titans_persistent_triton.loop_first_pass` for the fused chunks of :func:`chunk_atlas`, whose
+    one constant, the window band, their coefficients already hold."""
+    return loop_first_pass(spec, carry, xs, (), every)
+
+
 def chunk_atlas(
     spec: MLPMemorySpec,
     q, k, v, retention, lr, momentum, gamma,
@@ -476,13 +483,17 @@ def chunk_atlas(
         xs += atlas_coefficients(optimizer, inside, chunks.gamma, chunks.retention, chunks.lr, chunks.momentum,
                                  chunks.live)
     read_consts = tuple(read_consts)
+    # The forward pass in one launch where the persistent kernel applies (without gradients, the whole loop);
+    # in training the backward recomputes chunk by chunk from its checkpoints.
+    first = (partial(_first_pass, spec) if fused and first_pass_wanted(
+        spec, C, not bool(shift.any()), [q, k, v, *carry], tf32_wanted(v), B * H, track_start, c) else None)
     # A read of cached memories brings a new closure and a cache one memory larger on every segment:
     # each call would be a new graph capture, so such chunks run uncaptured.
     o, carry = run_resumable_chunks(
         lambda with_stored: partial(_atlas_chunk_step, spec, optimizer, ns_steps, track_start, len(extra), fused,
                                     with_stored, read),
         carry, xs, (inside, *read_consts), state.position > 0, stored,
-        tf32=tf32_wanted(v), graphs=False if read is not None else None,
+        tf32=tf32_wanted(v), graphs=False if read is not None else None, first_pass=first,
         # Muon's per-token momenta are far larger than the carry: its backward holds one chunk at a time.
         backward_unit=1 if optimizer == "muon" else None)
     o = chunks_last(o).transpose(1, 2)  # (B, span, H, d_v)

@@ -48,6 +48,15 @@ objectives ``l2`` and ``dot``, with or without the per-token clip, with momentum
 ``S``), head widths up to 64 (widths that are not powers of two are masked), any hidden width
 (masked past the last whole slice), chunks up to 64 tokens, float32 state.
 
+Atlas' ``gd`` and ``momentum`` chunks are the same chunk with an Omega window: each chunk's gradients run
+over its own ``C`` keys and the ``P = window - 1`` before it (re-evaluated at the chunk's start weights),
+with ``c`` and ``sc`` over those ``K = P + C`` keys (:func:`~.atlas.atlas_coefficients`). The ``P`` keys
+are a second block of rows (``BP``, 16 for Atlas' window of 16) beside the chunk's own, taken through
+phases 1 and 2 as those are and summed into every product over the keys in 3 and 4, rather than one block
+of ``K`` rows padded to 128: the window's block adds a quarter to the rows' work (16 rows beside 64)
+where the padded one would double it, and the chunk's own tiles, hence the registers and the code of Titans' case, stay as they
+are (``WINDOW`` off compiles none of it).
+
 In training, :func:`loop_first_pass` makes this forward (with checkpoints) the first pass of
 :func:`~.chunk_loop.run_chunks`: the loop's outputs and the memory entering every ``r``-th chunk in one
 launch, after which the backward re-runs each stretch chunk by chunk from those checkpoints, as it does
@@ -114,12 +123,15 @@ MIN_ROWS_PER_SM = 0.75
 
 MAX_WIDTH = 64
 MAX_CHUNK = 64
+# Keys before a chunk (Atlas' Omega window less one): a second block of key rows beside the chunk's own.
+MAX_WINDOW = 64
 
 
-def covers(spec, chunk_size: int) -> bool:
-    """Whether :func:`persistent_forward` computes this memory at this inner chunk size."""
+def covers(spec, chunk_size: int, window: int = 1) -> bool:
+    """Whether :func:`persistent_forward` computes this memory at this inner chunk size, each chunk's keys
+    being its own tokens and the ``window - 1`` before them (Atlas' Omega window; Titans' is 1)."""
     return (spec.depth == 2 and not spec.gated and not spec.linear_skip and spec.d_k <= MAX_WIDTH
-            and chunk_size <= MAX_CHUNK)
+            and chunk_size <= MAX_CHUNK and 1 <= window <= MAX_WINDOW + 1)
 
 
 @triton.jit
@@ -138,27 +150,100 @@ def _copy_state(SRC1, SRC2, DST1, DST2, src_off1, src_off2, dst_off1, dst_off2, 
 
 
 @triton.jit
+def _errors(Kx, V, W1, W2, PRE, ERR, key_off, cf_off, err_off, rk, mk, rd, md, D, F,
+            L2: tl.constexpr, CLIP: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """Phase 1 for the key rows ``rk`` (mask ``mk``): ``pre = k W2^T`` (stored), the prediction and the error
+    (stored, and returned for phase 2), with the squared norms the clip takes: ``||gelu(pre)||^2`` and
+    ``||k||^2`` (zeros without the clip)."""
+    kd = mk[:, None] & md[None, :]
+    kd_offs = rk[:, None] * D + rd[None, :]
+    k = tl.load(Kx + key_off + kd_offs, mask=kd, other=0.0)
+    pred = tl.zeros((BK, BD), tl.float32)
+    a2 = tl.zeros((BK,), tl.float32)
+    k2 = a2
+    if CLIP:
+        k2 = tl.sum(k * k, 1)
+    for f0 in range(0, F, BF):
+        rf = f0 + tl.arange(0, BF)
+        mf = rf < F
+        w2t = tl.load(W2 + rf[None, :] * D + rd[:, None], mask=md[:, None] & mf[None, :], other=0.0)
+        pre = tl.dot(k, w2t, input_precision=PRECISION)
+        tl.store(PRE + cf_off + rk[:, None] * F + rf[None, :], pre, mask=mk[:, None] & mf[None, :])
+        act = _gelu(pre)
+        if CLIP:
+            a2 += tl.sum(act * act, 1)
+        if L2:
+            w1t = tl.load(W1 + rd[None, :] * F + rf[:, None], mask=mf[:, None] & md[None, :], other=0.0)
+            pred += tl.dot(act, w1t, input_precision=PRECISION)
+    v = tl.load(V + key_off + kd_offs, mask=kd, other=0.0)
+    if L2:
+        err = 2.0 * (k + pred - v)
+    else:
+        err = -v
+    tl.store(ERR + err_off + kd_offs, err, mask=kd)
+    return err, a2, k2
+
+
+@triton.jit
+def _backs(W1, PRE, E, cf_off, err, rk, mk, rd, md, D, F, CLIP: tl.constexpr, BK: tl.constexpr,
+           BF: tl.constexpr, PRECISION: tl.constexpr):
+    """Phase 2 for the key rows ``rk``: ``e = (err W1) * gelu'(pre)`` (stored) and ``||e||^2`` (zeros without
+    the clip)."""
+    e2 = tl.zeros((BK,), tl.float32)
+    for f0 in range(0, F, BF):
+        rf = f0 + tl.arange(0, BF)
+        mf = rf < F
+        kf = mk[:, None] & mf[None, :]
+        w1 = tl.load(W1 + rd[:, None] * F + rf[None, :], mask=md[:, None] & mf[None, :], other=0.0)
+        back = tl.dot(err, w1, input_precision=PRECISION)
+        e = back * _gelu_slope(tl.load(PRE + cf_off + rk[:, None] * F + rf[None, :], mask=kf, other=0.0))
+        tl.store(E + cf_off + rk[:, None] * F + rf[None, :], e, mask=kf)
+        if CLIP:
+            e2 += tl.sum(e * e, 1)
+    return e2
+
+
+@triton.jit
+def _clip_scale(err, a2, k2, e2, clip, CLIP: tl.constexpr, BK: tl.constexpr):
+    """The clip's per-key-row scale of the gradient (ones without the clip)."""
+    if CLIP:
+        n2 = a2 * tl.sum(err * err, 1) + e2 * k2
+        scale = tl.minimum(clip / tl.sqrt(tl.maximum(n2, 1e-30)), 1.0)
+    else:
+        scale = tl.full((BK,), 1.0, tl.float32)
+    return scale
+
+
+@triton.jit
 def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, ERR,
-                       CW1, CW2, CS1, CS2, STOP, ST1, ST2, clip, n_chunks, G, C, D, F, R,
+                       CW1, CW2, CS1, CS2, STOP, ST1, ST2, clip, n_chunks, G, C, P, D, F, R,
                        HAS_S: tl.constexpr, L2: tl.constexpr, CLIP: tl.constexpr, CKPT: tl.constexpr,
-                       TRACK: tl.constexpr, READ: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
-                       BF: tl.constexpr, PRECISION: tl.constexpr):
+                       TRACK: tl.constexpr, READ: tl.constexpr, WINDOW: tl.constexpr, BC: tl.constexpr,
+                       BP: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PRECISION: tl.constexpr):
     """Program ``g``: row ``g`` of ``batch * heads`` over its ``n_chunks`` chunks (see the module); without
-    ``READ`` only the memory advances (the backward's recompute of a stretch's states)."""
+    ``READ`` only the memory advances (the backward's recompute of a stretch's states). ``WINDOW``: each
+    chunk's keys and values are its ``C`` tokens after the ``P`` before them (Atlas' Omega window), the
+    ``P`` rows a second block of keys (``BP``) beside the chunk's own (``BC``)."""
     g = tl.program_id(0).to(tl.int64)
+    K = P + C  # key rows a chunk: the window's P, then the chunk's own C
     rc, rd = tl.arange(0, BC), tl.arange(0, BD)
     mc, md = rc < C, rd < D
+    rk = P + rc  # the chunk's own key rows
+    rp = tl.arange(0, BP)
+    mp = rp < P
     cd = mc[:, None] & md[None, :]
     dc = md[:, None] & mc[None, :]
     cc = mc[:, None] & mc[None, :]
     w1_off, w2_off = g * D * F, g * F * D  # this row's W1 (D, F) and W2 (F, D), and of their momenta
-    cf_off = g * C * F  # this row's scratch (C, F) of pre and e
-    err_off = g * C * D
+    cf_off = g * K * F  # this row's scratch (K, F) of pre and e
+    err_off = g * K * D
     if TRACK:
         stop = tl.load(STOP + g)
     for i in range(0, n_chunks):
         row = i * G + g  # (chunk, row) of the chunk-first inputs
         tok = row * C
+        key_off = row * K * D
         if CKPT:
             if i % R == 0:
                 ck = (i // R) * G + g
@@ -169,77 +254,62 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
             if stop == i:
                 _copy_state(W1, W2, ST1, ST2, w1_off, w2_off, w1_off, w2_off, rd, md, D, F, BF)
         cd_offs = (tok + rc[:, None]) * D + rd[None, :]
-        k = tl.load(Kx + cd_offs, mask=cd, other=0.0)
 
         # 1. pre = k W2^T (stored), the prediction, ||gelu(pre)||^2; the error.
-        pred = tl.zeros((BC, BD), tl.float32)
-        a2 = tl.zeros((BC,), tl.float32)
-        if CLIP:
-            k2 = tl.sum(k * k, 1)
-        for f0 in range(0, F, BF):
-            rf = f0 + tl.arange(0, BF)
-            mf = rf < F
-            w2t = tl.load(W2 + w2_off + rf[None, :] * D + rd[:, None], mask=md[:, None] & mf[None, :], other=0.0)
-            pre = tl.dot(k, w2t, input_precision=PRECISION)
-            tl.store(PRE + cf_off + rc[:, None] * F + rf[None, :], pre, mask=mc[:, None] & mf[None, :])
-            act = _gelu(pre)
-            if CLIP:
-                a2 += tl.sum(act * act, 1)
-            if L2:
-                w1t = tl.load(W1 + w1_off + rd[None, :] * F + rf[:, None], mask=mf[:, None] & md[None, :],
-                              other=0.0)
-                pred += tl.dot(act, w1t, input_precision=PRECISION)
-        v = tl.load(V + cd_offs, mask=cd, other=0.0)
-        if L2:
-            err = 2.0 * (k + pred - v)
-        else:
-            err = -v
-        tl.store(ERR + err_off + rc[:, None] * D + rd[None, :], err, mask=cd)
+        err, a2, k2 = _errors(Kx, V, W1 + w1_off, W2 + w2_off, PRE, ERR, key_off, cf_off, err_off, rk, mc, rd, md,
+                              D, F, L2, CLIP, BC, BD, BF, PRECISION)
+        if WINDOW:
+            err_p, a2_p, k2_p = _errors(Kx, V, W1 + w1_off, W2 + w2_off, PRE, ERR, key_off, cf_off, err_off, rp, mp,
+                                        rd, md, D, F, L2, CLIP, BP, BD, BF, PRECISION)
         tl.debug_barrier()  # pre and err are read below in other threads' layouts
 
         # 2. e = (err W1) * gelu'(pre) (stored), ||e||^2; the clip's scale.
-        e2 = tl.zeros((BC,), tl.float32)
-        for f0 in range(0, F, BF):
-            rf = f0 + tl.arange(0, BF)
-            mf = rf < F
-            cf = mc[:, None] & mf[None, :]
-            w1 = tl.load(W1 + w1_off + rd[:, None] * F + rf[None, :], mask=md[:, None] & mf[None, :], other=0.0)
-            back = tl.dot(err, w1, input_precision=PRECISION)
-            e = back * _gelu_slope(tl.load(PRE + cf_off + rc[:, None] * F + rf[None, :], mask=cf, other=0.0))
-            tl.store(E + cf_off + rc[:, None] * F + rf[None, :], e, mask=cf)
-            if CLIP:
-                e2 += tl.sum(e * e, 1)
-        if CLIP:
-            n2 = a2 * tl.sum(err * err, 1) + e2 * k2
-            scale = tl.minimum(clip / tl.sqrt(tl.maximum(n2, 1e-30)), 1.0)
-        else:
-            scale = tl.full((BC,), 1.0, tl.float32)
+        e2 = _backs(W1 + w1_off, PRE, E, cf_off, err, rk, mc, rd, md, D, F, CLIP, BC, BF, PRECISION)
+        scale = _clip_scale(err, a2, k2, e2, clip, CLIP, BC)
+        if WINDOW:
+            e2_p = _backs(W1 + w1_off, PRE, E, cf_off, err_p, rp, mp, rd, md, D, F, CLIP, BP, BF, PRECISION)
+            scale_p = _clip_scale(err_p, a2_p, k2_p, e2_p, clip, CLIP, BP)
         tl.debug_barrier()  # e is read below transposed
 
-        # The chunk's coefficients: every token's reads (a, b, c) and the final ones (last row).
+        # The chunk's coefficients: every token's reads (a, b, c) and the final ones (last row); c and the
+        # momentum's sc run over the chunk's K key rows.
         ga = tl.load(GA + tok + rc, mask=mc, other=0.0)
         gb = tl.load(GB + tok + rc, mask=mc, other=0.0) if HAS_S else ga
-        cs = tl.load(GC + (tok + C - 1) * C + rc, mask=mc, other=0.0) * scale
+        c_last = GC + (tok + C - 1) * K
+        cs = tl.load(c_last + rk, mask=mc, other=0.0) * scale
         a_last = tl.load(GA + tok + C - 1)
         if HAS_S:
             b_last = tl.load(GB + tok + C - 1)
             sa = tl.load(SA + row)
-            ss = tl.load(SC + tok + rc, mask=mc, other=0.0) * scale
+            ss = tl.load(SC + row * K + rk, mask=mc, other=0.0) * scale
         else:
             b_last = a_last
             sa = a_last
             ss = cs
+        if WINDOW:
+            cs_p = tl.load(c_last + rp, mask=mp, other=0.0) * scale_p
+            if HAS_S:
+                ss_p = tl.load(SC + row * K + rp, mask=mp, other=0.0) * scale_p
+            else:
+                ss_p = cs_p
 
         # 3. The read, slice by slice, and the output. Every slice is read before any is written (4.), so
         # that the read's tiles and the update's are not live at once (registers).
         if READ:
             q = tl.load(Q + cd_offs, mask=cd, other=0.0)
-            coef = tl.load(GC + (tok + rc[:, None]) * C + rc[None, :], mask=cc, other=0.0)
-            kt = tl.load(Kx + (tok + rc[None, :]) * D + rd[:, None], mask=dc, other=0.0)
+            c_rows = GC + (tok + rc[:, None]) * K
+            coef = tl.load(c_rows + rk[None, :], mask=cc, other=0.0)
+            kt = tl.load(Kx + key_off + rk[None, :] * D + rd[:, None], mask=dc, other=0.0)
             pq = coef * tl.dot(q, kt, input_precision=PRECISION) * scale[None, :]
             hw = tl.zeros((BC, BD), tl.float32)
             hs = tl.zeros((BC, BD), tl.float32)
             p = tl.zeros((BC, BC), tl.float32)
+            if WINDOW:
+                coef_p = tl.load(c_rows + rp[None, :], mask=mc[:, None] & mp[None, :], other=0.0)
+                kt_p = tl.load(Kx + key_off + rp[None, :] * D + rd[:, None], mask=md[:, None] & mp[None, :],
+                               other=0.0)
+                pq_p = coef_p * tl.dot(q, kt_p, input_precision=PRECISION) * scale_p[None, :]
+                p_p = tl.zeros((BC, BP), tl.float32)
             for f0 in range(0, F, BF):
                 rf = f0 + tl.arange(0, BF)
                 mf = rf < F
@@ -252,25 +322,39 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
                 if HAS_S:
                     hp += gb[:, None] * tl.dot(q, tl.load(S2 + w2_off + o_fdt, mask=df, other=0.0),
                                                input_precision=PRECISION)
-                hp += tl.dot(pq, tl.load(E + cf_off + rc[:, None] * F + rf[None, :], mask=mc[:, None] & mf[None, :],
+                hp += tl.dot(pq, tl.load(E + cf_off + rk[:, None] * F + rf[None, :], mask=mc[:, None] & mf[None, :],
                                          other=0.0), input_precision=PRECISION)
+                if WINDOW:
+                    hp += tl.dot(pq_p, tl.load(E + cf_off + rp[:, None] * F + rf[None, :],
+                                               mask=mp[:, None] & mf[None, :], other=0.0), input_precision=PRECISION)
                 h = _gelu(hp)
-                p += tl.dot(h, _gelu(tl.load(PRE + cf_off + rc[None, :] * F + rf[:, None],
+                p += tl.dot(h, _gelu(tl.load(PRE + cf_off + rk[None, :] * F + rf[:, None],
                                              mask=mf[:, None] & mc[None, :], other=0.0)), input_precision=PRECISION)
+                if WINDOW:
+                    p_p += tl.dot(h, _gelu(tl.load(PRE + cf_off + rp[None, :] * F + rf[:, None],
+                                                   mask=mf[:, None] & mp[None, :], other=0.0)),
+                                  input_precision=PRECISION)
                 hw += tl.dot(h, tl.load(W1 + w1_off + o_dft, mask=fd, other=0.0), input_precision=PRECISION)
                 if HAS_S:
                     hs += tl.dot(h, tl.load(S1 + w1_off + o_dft, mask=fd, other=0.0), input_precision=PRECISION)
             y = q + ga[:, None] * hw
             if HAS_S:
                 y += gb[:, None] * hs
-            err = tl.load(ERR + err_off + rc[:, None] * D + rd[None, :], mask=cd, other=0.0)
+            err = tl.load(ERR + err_off + rk[:, None] * D + rd[None, :], mask=cd, other=0.0)
             y += tl.dot(coef * p * scale[None, :], err, input_precision=PRECISION)
+            if WINDOW:
+                err_p = tl.load(ERR + err_off + rp[:, None] * D + rd[None, :], mask=mp[:, None] & md[None, :],
+                                other=0.0)
+                y += tl.dot(coef_p * p_p * scale_p[None, :], err_p, input_precision=PRECISION)
             tl.store(Y + cd_offs, y, mask=cd)
             tl.debug_barrier()  # every read of the old weights is done before they are overwritten
 
         # 4. Slice by slice, the final weights and momenta over the old ones.
-        errt = tl.load(ERR + err_off + rc[None, :] * D + rd[:, None], mask=dc, other=0.0)
-        k = tl.load(Kx + cd_offs, mask=cd, other=0.0)
+        errt = tl.load(ERR + err_off + rk[None, :] * D + rd[:, None], mask=dc, other=0.0)
+        k = tl.load(Kx + key_off + rk[:, None] * D + rd[None, :], mask=cd, other=0.0)
+        if WINDOW:
+            errt_p = tl.load(ERR + err_off + rp[None, :] * D + rd[:, None], mask=md[:, None] & mp[None, :], other=0.0)
+            k_p = tl.load(Kx + key_off + rp[:, None] * D + rd[None, :], mask=mp[:, None] & md[None, :], other=0.0)
         for f0 in range(0, F, BF):
             rf = f0 + tl.arange(0, BF)
             mf = rf < F
@@ -280,22 +364,35 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
             fd = mf[:, None] & md[None, :]
             o_df = rd[:, None] * F + rf[None, :]  # W1, S1 (D, F): rows rd, columns rf
             o_fd = rf[:, None] * D + rd[None, :]  # W2, S2 (F, D): rows rf, columns rd
-            act = _gelu(tl.load(PRE + cf_off + rc[:, None] * F + rf[None, :], mask=cf, other=0.0))
+            act = _gelu(tl.load(PRE + cf_off + rk[:, None] * F + rf[None, :], mask=cf, other=0.0))
+            if WINDOW:
+                act_p = _gelu(tl.load(PRE + cf_off + rp[:, None] * F + rf[None, :], mask=mp[:, None] & mf[None, :],
+                                      other=0.0))
             w1 = a_last * tl.load(W1 + w1_off + o_df, mask=df, other=0.0)
             w1 += tl.dot(errt * cs[None, :], act, input_precision=PRECISION)
+            if WINDOW:
+                w1 += tl.dot(errt_p * cs_p[None, :], act_p, input_precision=PRECISION)
             if HAS_S:
                 s1 = tl.load(S1 + w1_off + o_df, mask=df, other=0.0)
                 w1 += b_last * s1
                 s1 = sa * s1 + tl.dot(errt * ss[None, :], act, input_precision=PRECISION)
+                if WINDOW:
+                    s1 += tl.dot(errt_p * ss_p[None, :], act_p, input_precision=PRECISION)
                 tl.store(S1 + w1_off + o_df, s1, mask=df)
             tl.store(W1 + w1_off + o_df, w1, mask=df)
-            et = tl.load(E + cf_off + rc[None, :] * F + rf[:, None], mask=fc, other=0.0)
+            et = tl.load(E + cf_off + rk[None, :] * F + rf[:, None], mask=fc, other=0.0)
+            if WINDOW:
+                et_p = tl.load(E + cf_off + rp[None, :] * F + rf[:, None], mask=mf[:, None] & mp[None, :], other=0.0)
             w2 = a_last * tl.load(W2 + w2_off + o_fd, mask=fd, other=0.0)
             w2 += tl.dot(et * cs[None, :], k, input_precision=PRECISION)
+            if WINDOW:
+                w2 += tl.dot(et_p * cs_p[None, :], k_p, input_precision=PRECISION)
             if HAS_S:
                 s2 = tl.load(S2 + w2_off + o_fd, mask=fd, other=0.0)
                 w2 += b_last * s2
                 s2 = sa * s2 + tl.dot(et * ss[None, :], k, input_precision=PRECISION)
+                if WINDOW:
+                    s2 += tl.dot(et_p * ss_p[None, :], k_p, input_precision=PRECISION)
                 tl.store(S2 + w2_off + o_fd, s2, mask=fd)
             tl.store(W2 + w2_off + o_fd, w2, mask=fd)
         tl.debug_barrier()  # the next chunk reads the new weights and overwrites the scratch
@@ -325,18 +422,26 @@ def persistent_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tens
                        chunk_start: dict[str, torch.Tensor] | None = None, read: bool = True) -> PersistentResult:
     """All ``n`` chunks of ``G = batch * heads`` rows in one launch; no autograd.
 
-    Chunk-first inputs: ``q, k, v (n, G, C, d)``, coefficients ``a, b (n, G, C)``, ``c (n, G, C, C)``,
-    ``sa_last (n, G)``, ``sc_last (n, G, C)`` (:func:`~.titans.titans_coefficients`; ``b, sa_last,
-    sc_last`` ``None`` without momentum, with ``S``). Weights and momenta ``w1 (G, d, F)``, ``w2 (G, F, d)``,
+    Chunk-first inputs: ``q (n, G, C, d)``, ``k, v (n, G, K, d)``, coefficients ``a, b (n, G, C)``,
+    ``c (n, G, C, K)``, ``sa_last (n, G)``, ``sc_last (n, G, K)`` (:func:`~.titans.titans_coefficients`;
+    ``b, sa_last, sc_last`` ``None`` without momentum, with ``S``). ``K = C`` for Titans; Atlas' Omega
+    window gives each chunk ``K = C + P`` keys, the ``P`` tokens before the chunk first
+    (:func:`~.atlas.atlas_coefficients`). Weights and momenta ``w1 (G, d, F)``, ``w2 (G, F, d)``,
     float32, left unchanged. ``checkpoint_every = r`` also returns the memory entering every ``r``-th
     chunk. ``stop_chunk (G,)`` (int, ``-1`` for none) names for each row the chunk its last token falls
     inside: the weights that chunk started from replace that row's ``chunk_start`` (weights ``(G, ...)``)
     in the result, as :func:`~.mlp_memory.next_chunk_start` does chunk by chunk. ``read=False`` skips the
     reads (``y`` is ``None``): only the memory advances.
     """
-    if not covers(spec, q.shape[2]):
-        raise ValueError(f"persistent_forward does not cover this memory or chunk ({spec}, chunk {q.shape[2]})")
     n, G, C, D = q.shape
+    K = k.shape[2]
+    P = K - C
+    if not covers(spec, C, P + 1):
+        raise ValueError(f"persistent_forward does not cover this memory, chunk or window ({spec}, chunk {C}, "
+                         f"{P} keys before it)")
+    if v.shape[2] != K or c.shape[-1] != K:
+        raise ValueError(f"persistent_forward takes the keys' rows K = {K} in v and c (.., C, K): got v "
+                         f"{tuple(v.shape)}, c {tuple(c.shape)}")
     F = spec.hidden
     has_s = S is not None
     f32 = lambda x: x.to(torch.float32).contiguous()  # noqa: E731
@@ -346,7 +451,7 @@ def persistent_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tens
     W1, W2 = f32(W["w1"]).clone(), f32(W["w2"]).clone()
     S1, S2 = (f32(S["w1"]).clone(), f32(S["w2"]).clone()) if has_s else (W1, W2)
     y = torch.empty_like(q) if read else None
-    pre, e, err = q.new_empty(G, C, F), q.new_empty(G, C, F), q.new_empty(G, C, D)
+    pre, e, err = q.new_empty(G, K, F), q.new_empty(G, K, F), q.new_empty(G, K, D)
     ckpt = checkpoint_every is not None
     if ckpt:
         if checkpoint_every < 1:
@@ -371,10 +476,10 @@ def persistent_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tens
     if G and n:
         _persistent_kernel[(G,)](
             q, k, v, a, b, c, sa_last, sc_last, W1, W2, S1, S2, q if y is None else y, pre, e, err,
-            CW1, CW2, CS1, CS2, stop, ST1, ST2, float(clip) if clip is not None else 0.0, n, G, C, D, F,
+            CW1, CW2, CS1, CS2, stop, ST1, ST2, float(clip) if clip is not None else 0.0, n, G, C, P, D, F,
             checkpoint_every or 1,
             HAS_S=has_s, L2=spec.objective == "l2", CLIP=clip is not None, CKPT=ckpt, TRACK=track, READ=read,
-            BC=BC, BD=BD, BF=BF, PRECISION=_precision(), num_warps=warps,
+            WINDOW=P > 0, BC=BC, BP=_pow2(P), BD=BD, BF=BF, PRECISION=_precision(), num_warps=warps,
             # one stage: two pipeline the slices' loads for little, at 213 KB of shared memory (head 64, hidden
             # 256, chunk 64, sm_90), more than a block gets before Hopper (benchmarks/history/, 2026-11-28)
             num_stages=1)
@@ -388,9 +493,9 @@ def persistent_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tens
 # --------------------------------------------------------------------------- Titans' chunked forward
 
 
-def _applies(spec, chunk_size: int, tensors: list[torch.Tensor], tf32: bool, rows: int) -> bool:
+def _applies(spec, chunk_size: int, tensors: list[torch.Tensor], tf32: bool, rows: int, window: int = 1) -> bool:
     """What every use of the kernel asks of a call: see :func:`wanted`."""
-    if not ENABLED or not covers(spec, chunk_size):
+    if not ENABLED or not covers(spec, chunk_size, window):
         return False
     paths = current_paths()
     if paths.chunk_forward != "triton" or paths.chunk_backward == "autograd":
@@ -437,24 +542,27 @@ def wanted(spec, chunk_size: int, on_boundaries: bool, tensors: list[torch.Tenso
 
 
 def first_pass_wanted(spec, chunk_size: int, on_boundaries: bool, tensors: list[torch.Tensor], tf32: bool,
-                      rows: int, track_start: bool = False) -> bool:
-    """Whether a Titans chunk loop of :func:`~.chunk_loop.run_chunks` gives its forward pass to
-    :func:`persistent_forward` (:func:`loop_first_pass`): in training its backward stays the per-chunk
-    one, recomputing from the kernel's checkpoints; without gradients the kernel is the whole loop. Where
-    :data:`FIRST_PASS` is set and the kernel applies as for :func:`wanted`, the clip included, for calls
-    that neither resume inside a chunk nor stop inside one (``on_boundaries``, no ``track_start``)."""
-    return FIRST_PASS and on_boundaries and not track_start and _applies(spec, chunk_size, tensors, tf32, rows)
+                      rows: int, track_start: bool = False, window: int = 1) -> bool:
+    """Whether a chunk loop over :func:`~.titans_chunk.chunk_memory` (Titans', Atlas' ``gd`` and ``momentum``
+    with an Omega ``window``) gives its forward pass to :func:`persistent_forward` (:func:`loop_first_pass`):
+    in training its backward stays the per-chunk one, recomputing from the kernel's checkpoints; without
+    gradients the kernel is the whole loop. Where :data:`FIRST_PASS` is set and the kernel applies as for
+    :func:`wanted`, the clip included, for calls that neither resume inside a chunk nor stop inside one
+    (``on_boundaries``, no ``track_start``)."""
+    return (FIRST_PASS and on_boundaries and not track_start
+            and _applies(spec, chunk_size, tensors, tf32, rows, window))
 
 
 def _by_row(carry: tuple[torch.Tensor, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            coefficients: tuple[torch.Tensor, ...]):
-    """A Titans chunk loop's ``(B, H, ...)`` weights and momenta (the carry's first four) and ``(n, B, H, ...)``
-    inputs in the kernels' rows (``G = B * H``): ``W``, ``S`` dicts ``(G, ...)``, the inputs chunk-first
-    ``(n, G, ...)``, and the inverse of the merge for ``(G, ...)`` results."""
+            coefficients: tuple[torch.Tensor, ...], momentum: bool = True):
+    """A Titans chunk loop's ``(B, H, ...)`` weights and (``momentum``) momenta, the carry's first four (two
+    without), and ``(n, B, H, ...)`` inputs in the kernels' rows (``G = B * H``): ``W``, ``S`` dicts ``(G, ...)``
+    (``S`` ``None`` without momentum), the inputs chunk-first ``(n, G, ...)``, and the inverse of the merge
+    for ``(G, ...)`` results."""
     n, B, H = q.shape[:3]
     heads = lambda x: x.flatten(0, 1)  # noqa: E731
     W = {"w1": heads(carry[0]), "w2": heads(carry[1])}
-    S = {"w1": heads(carry[2]), "w2": heads(carry[3])}
+    S = {"w1": heads(carry[2]), "w2": heads(carry[3])} if momentum else None
     inputs = [x.reshape(n, B * H, *x.shape[3:]) for x in (q, k, v, *coefficients)]
     return W, S, inputs, lambda x: x.view(B, H, *x.shape[1:])
 
@@ -462,27 +570,31 @@ def _by_row(carry: tuple[torch.Tensor, ...], q: torch.Tensor, k: torch.Tensor, v
 def loop_first_pass(spec, carry: tuple[torch.Tensor, ...], xs: tuple[torch.Tensor, ...],
                     consts: tuple[torch.Tensor, ...], every: int
                     ) -> tuple[tuple[torch.Tensor], tuple[torch.Tensor, ...], list[tuple[torch.Tensor, ...]]]:
-    """:func:`~.chunk_loop.run_chunks`' first pass of the Titans chunk loop (``_titans_step``'s, fused, no
-    chunk-start weights carried): every chunk in one :func:`persistent_forward` launch, which keeps the
-    memory entering every ``every``-th chunk. ``carry``: ``w1, w2`` and their momenta ``(B, H, ...)``;
-    ``xs``: the chunks' ``q, k, v`` first and their :func:`~.titans.titans_coefficients` last
-    (``(n, B, H, C, ...)``); ``consts`` empty. Returns ``((y,), carry, checkpoints)`` as that loop's
-    forward does. The backward re-runs each stretch chunk by chunk from these checkpoints, which differ
-    from the per-chunk launches' by rounding only (both TF32, summed in another order)."""
-    if consts or len(carry) != 4:
+    """:func:`~.chunk_loop.run_chunks`' first pass of a chunk loop over :func:`~.titans_chunk.chunk_memory`
+    (Titans' ``_titans_step``, Atlas' fused ``gd`` and ``momentum`` chunks; no chunk-start weights carried):
+    every chunk in one :func:`persistent_forward` launch, which keeps the memory entering every ``every``-th
+    chunk. ``carry``: ``w1, w2`` and (with momentum) their momenta ``(B, H, ...)``; ``xs``: the chunks' ``q,
+    k, v`` first (Atlas' keys and values with their window) and their chunk coefficients last
+    (:func:`~.titans.titans_coefficients`, :func:`~.atlas.atlas_coefficients`: ``(n, B, H, C, ...)``);
+    ``consts`` empty. Returns ``((y,), carry, checkpoints)`` as that loop's forward does. The backward re-runs
+    each stretch chunk by chunk from these checkpoints, which differ from the per-chunk launches' by rounding
+    only (both TF32, summed in another order)."""
+    if consts or len(carry) not in (2, 4):
         raise ValueError("the persistent first pass takes the loop without stored or chunk-start weights")
     q = xs[0]
     n = q.shape[0]
-    W, S, inputs, split = _by_row(carry, *xs[:3], xs[-5:])
+    momentum = len(carry) == 4
+    W, S, inputs, split = _by_row(carry, *xs[:3], xs[-5:], momentum)
     res = persistent_forward(spec, W, S, *inputs, checkpoint_every=every if every < n else None)
-    final = (res.weights["w1"], res.weights["w2"], res.momentum["w1"], res.momentum["w2"])
+    final = (res.weights["w1"], res.weights["w2"]) + ((res.momentum["w1"], res.momentum["w2"]) if momentum else ())
     # The memory entering chunk 0 is the carry itself, kept as it came (often a view of the learned initial
     # weights): the kernel's copy of it, the first of its checkpoints, is dropped with its buffer (the later
     # ones are copied out of it), so that the backward holds what the per-chunk forward has it hold.
     checkpoints = [tuple(carry)]
     if res.checkpoints is not None:
         kept_w, kept_s = res.checkpoints
-        later = [t[1:].clone() for t in (kept_w["w1"], kept_w["w2"], kept_s["w1"], kept_s["w2"])]
+        kept = (kept_w["w1"], kept_w["w2"]) + ((kept_s["w1"], kept_s["w2"]) if momentum else ())
+        later = [t[1:].clone() for t in kept]
         checkpoints += [tuple(split(t[i]) for t in later) for i in range(later[0].shape[0])]
     return (res.y.view(q.shape),), tuple(split(x) for x in final), checkpoints
 
@@ -836,6 +948,11 @@ def persistent_backward(spec, states: tuple[dict[str, torch.Tensor], dict[str, t
     if spec.grad_clip is not None or not covers(spec, q.shape[2]):
         raise ValueError(f"persistent_backward does not cover this memory ({spec})")
     n, G, C, D = q.shape
+    K = k.shape[2]
+    P = K - C
+    if not 0 <= P <= MAX_WINDOW or v.shape[2] != K or c.shape[-1] != K:
+        raise ValueError(f"persistent_forward takes K = C + P keys a chunk, 0 <= P <= {MAX_WINDOW}, with c (.., C, K)"
+                         f": got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, c {tuple(c.shape)}")
     F = spec.hidden
     has_s = dS is not None
     f32 = lambda x: x.to(torch.float32).contiguous()  # noqa: E731

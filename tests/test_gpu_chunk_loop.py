@@ -305,24 +305,33 @@ def test_fused_cached_reads_equal_the_reads_memory_by_memory_at_real_shapes(aggr
     assert max(errors) < (1e-5 if operands == "float32" else 1e-2), errors
 
 
-@pytest.mark.parametrize("segments", [None, 256], ids=["titans", "mc_titans_grm"])
-def test_training_takes_the_persistent_forward_as_its_first_pass(segments, monkeypatch):
-    """A bf16 Titans / MC-Titans layer of 16 heads of 64 at 8 x 512 tokens (128 rows: the persistent kernel's
-    case, TF32) in training: the chunk loop's forward pass is one persistent launch a call (two for MC-Titans,
-    whose backward recomputes its memory), and the outputs and every gradient equal those with ``FIRST_PASS``
-    off to two bf16 roundings (the kernels sum their TF32 products in another order; the outputs came out
-    bit-equal on an H200)."""
-    import mnemo.kernels.titans_persistent_triton as persistent
-    from mnemo import MCTitansConfig
+def _layer_of_16_heads(kind: str) -> torch.nn.Module:
+    from mnemo import AtlasConfig, MCTitansConfig
+    from mnemo.modeling.atlas_layer import AtlasLayer
     from mnemo.modeling.mc_titans_layer import MCTitansLayer
+
+    if kind in ("omeganet", "atlas_momentum"):
+        preset, optimizer = ("omeganet", "gd") if kind == "omeganet" else ("atlas", "momentum")
+        return AtlasLayer(AtlasConfig.preset(preset, hidden_size=1024, num_heads=16, inner_optimizer=optimizer), 0)
+    config = MCTitansConfig(hidden_size=1024, num_heads=16, head_dim=64, memory_expansion=4, inner_chunk_size=64,
+                            segment_size=256 if kind == "mc_titans_grm" else None)
+    return MCTitansLayer(config, 0)
+
+
+@pytest.mark.parametrize("kind", ["titans", "mc_titans_grm", "omeganet", "atlas_momentum"])
+def test_training_takes_the_persistent_forward_as_its_first_pass(kind, monkeypatch):
+    """A bf16 Titans / MC-Titans / Atlas (OmegaNet, momentum: window 16) layer of 16 heads of 64 at 8 x 512
+    tokens (128 rows: the persistent kernel's case, TF32) in training: the chunk loop's forward pass is one
+    persistent launch a call (two for MC-Titans, whose backward recomputes its memory), and the outputs and
+    every gradient equal those with ``FIRST_PASS`` off to two bf16 roundings (the kernels sum their TF32
+    products in another order; Titans' outputs came out bit-equal on an H200)."""
+    import mnemo.kernels.titans_persistent_triton as persistent
 
     calls = []
     real = persistent.persistent_forward
     monkeypatch.setattr(persistent, "persistent_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     torch.manual_seed(0)
-    config = MCTitansConfig(hidden_size=1024, num_heads=16, head_dim=64, memory_expansion=4, inner_chunk_size=64,
-                            segment_size=segments)
-    layer = MCTitansLayer(config, 0).cuda().to(torch.bfloat16)
+    layer = _layer_of_16_heads(kind).cuda().to(torch.bfloat16)
     for p in layer.memory_init().values():  # a memory that starts at zero reads zero
         torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(8, 512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -336,7 +345,7 @@ def test_training_takes_the_persistent_forward_as_its_first_pass(segments, monke
         y = y[0] if isinstance(y, tuple) else y
         y.float().mul(torch.linspace(-1, 1, y.shape[-1], device="cuda")).sum().backward()
         got[first_pass] = {"output": y.detach(), "x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
-        assert len(calls) == (0 if not first_pass else (1 if segments is None else 2))
+        assert len(calls) == (0 if not first_pass else (2 if kind == "mc_titans_grm" else 1))
     assert got[True].keys() == got[False].keys()
     for name, b in got[False].items():  # bf16: 2^-9 of the largest entry is one rounding
         a = got[True][name]

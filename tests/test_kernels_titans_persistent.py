@@ -102,6 +102,79 @@ def test_persistent_forward_equals_the_torch_chunk_loop(name, slice_, C, momentu
         assert not torch.equal(res.weights[n_], W[n_])
 
 
+def _window_problem(spec, momentum: bool, n: int, G: int, C: int, window: int, seed: int = 0):
+    """:func:`_chunk_problem` with Atlas' Omega window: each chunk's keys and values are the ``window - 1``
+    tokens before it and its own (zeros before the first token), with the chunks' coefficients from
+    :func:`~mnemo.kernels.atlas.atlas_coefficients` (the last chunk half padding)."""
+    from mnemo.kernels.atlas import atlas_coefficients
+
+    gen = torch.Generator().manual_seed(seed)
+    d, F, P = spec.d_k, spec.hidden, window - 1
+    r = lambda *s, scale=1.0: torch.randn(*s, generator=gen) * scale  # noqa: E731
+    q = torch.nn.functional.normalize(r(n, G, C, d), dim=-1)
+    pad = lambda x: torch.cat([x.new_zeros(G, P, *x.shape[2:]), x], 1)  # noqa: E731  (G, P + n C, ...)
+    k = pad(torch.nn.functional.normalize(r(G, n * C, d), dim=-1))
+    v = pad(r(G, n * C, d))
+    gamma = pad(torch.rand(G, n * C, generator=gen))
+    windowed = lambda x: torch.stack([x[:, i * C:i * C + P + C] for i in range(n)])  # noqa: E731  (n, G, K, ...)
+    retention = torch.rand(n, G, 1, C, generator=gen) * 0.5 + 0.5
+    eta = torch.rand(n, G, 1, C, generator=gen)
+    lr = torch.rand(n, G, 1, C, generator=gen) * 0.1
+    live = torch.ones(n, G, C, dtype=torch.bool)
+    live[-1, :, C // 2:] = False
+    pos = torch.arange(P + C)
+    inside = (pos[None, :] <= pos[P:, None]) & (pos[P:, None] <= pos[None, :] + P)
+    a, b, c, sa, sc = (x[:, :, 0] for x in atlas_coefficients(
+        "momentum" if momentum else "gd", inside, windowed(gamma)[:, :, None], retention, lr, eta, live))
+    W = {"w1": r(G, d, F, scale=0.3), "w2": r(G, F, d, scale=0.3)}
+    S = {"w1": r(G, d, F, scale=0.05), "w2": r(G, F, d, scale=0.05)} if momentum else None
+    if not momentum:
+        b = sa = sc = None
+    to = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
+    return ({n_: to(w) for n_, w in W.items()}, None if S is None else {n_: to(w) for n_, w in S.items()},
+            *map(to, (q, windowed(k), windowed(v), a, b, c, sa, sc)))
+
+
+@pytest.mark.parametrize("name, window, C, momentum", [
+    ("l2", 4, 16, True), ("l2", 4, 16, False), ("clip", 5, 16, True), ("dot", 17, 16, False),
+    ("l2_masked", 3, 12, True)])
+def test_persistent_forward_with_an_omega_window_equals_the_torch_chunk_loop(name, window, C, momentum, monkeypatch):
+    """Atlas' chunks (``gd``, ``momentum``): each chunk's gradients over its own keys and the ``window - 1``
+    before it, those a second block of key rows (15 of a block of 16 with the window of 16 Atlas takes; here
+    3 of 16, 16 of 16 and 2 of 16). Outputs, final state and checkpoints against the PyTorch chunk in
+    float64, as for Titans; then dropping the window's keys from the kernel gives other outputs."""
+    monkeypatch.setitem(persistent.BLOCKS, "slice", 32)
+    spec = SPECS[name]
+    W, S, q, k, v, a, b, c, sa, sc = _window_problem(spec, momentum, n=4, G=2, C=C, window=window)
+    res = persistent.persistent_forward(spec, W, S, q, k, v, a, b, c, sa, sc, checkpoint_every=2)
+    y, W_end, S_end, kept = _torch_loop(spec, W, S, q, k, v, a, b, c, sa, sc, every=2)
+    assert _error(res.y, y) < 1e-5
+    for n_ in W:
+        assert _error(res.weights[n_], W_end[n_][:, 0]) < 1e-5, n_
+        if momentum:
+            assert _error(res.momentum[n_], S_end[n_][:, 0]) < 1e-5, n_
+    ck_W, ck_S = res.checkpoints
+    for j, (W_j, S_j) in enumerate(kept):
+        for n_ in W:
+            assert _error(ck_W[n_][j], W_j[n_][:, 0]) < 1e-5, (j, n_)
+            if momentum:
+                assert _error(ck_S[n_][j], S_j[n_][:, 0]) < 1e-5, (j, n_)
+    P = window - 1
+    without = persistent.persistent_forward(spec, W, S, q, k[:, :, P:], v[:, :, P:], a, b, c[..., P:], sa,
+                                            None if sc is None else sc[..., P:])
+    assert _error(without.y, y) > 1e-3
+
+
+def test_the_persistent_kernel_refuses_keys_it_cannot_take():
+    spec = SPECS["l2"]
+    W, S, q, k, v, a, b, c, sa, sc = _window_problem(spec, True, n=2, G=1, C=16, window=4)
+    with pytest.raises(ValueError, match="keys' rows"):
+        persistent.persistent_forward(spec, W, S, q, k, v[:, :, 1:], a, b, c, sa, sc)
+    assert persistent.covers(spec, 64, 65) and not persistent.covers(spec, 64, 66)
+    with pytest.raises(ValueError, match="window"):
+        persistent.persistent_forward(spec, W, S, q, k[:, :, 4:], v[:, :, 4:], a, b, c[..., 4:], sa, sc[..., 4:])
+
+
 @pytest.mark.parametrize("momentum", [True, False], ids=["momentum", "no_momentum"])
 def test_rows_that_stop_inside_a_chunk_keep_that_chunks_start_weights(momentum, monkeypatch):
     """``stop_chunk``: a row whose last token falls inside chunk 2 (of four) gets the weights entering
@@ -470,3 +543,96 @@ def test_mc_titans_trains_with_its_segments_forward_through_the_persistent_kerne
         # either path: held to twice what the per-chunk path loses against float64.
         off, exact = got["off"][1][n_], got["exact"][1][n_]
         assert _error(g, exact) < max(1e-5, 2 * _error(off, exact)), (n_, _error(g, exact), _error(off, exact))
+
+
+def _atlas_problem(spec, seed: int, length: int):
+    """Atlas' inputs (already feature-mapped) for :func:`~mnemo.kernels.atlas.chunk_atlas`: ``(B, length, H,
+    ...)`` and the learned initial weights ``(H, ...)``."""
+    gen = torch.Generator().manual_seed(seed)
+    init = {n_: torch.randn(H, *s, generator=gen) * 0.3 for n_, s in spec.shapes.items()}
+    q, k = (torch.nn.functional.normalize(torch.randn(B, length, H, spec.d_k, generator=gen), dim=-1)
+            for _ in range(2))
+    v = torch.randn(B, length, H, spec.d_v, generator=gen)
+    retention = torch.rand(B, length, H, generator=gen) * 0.5 + 0.5
+    lr = torch.rand(B, length, H, generator=gen) * 0.1
+    eta = torch.rand(B, length, H, generator=gen) * 0.9
+    gamma = torch.rand(B, length, H, generator=gen)
+    return init, [q, k, v, retention, lr, eta, gamma]
+
+
+@ROUTING
+@pytest.mark.parametrize("optimizer", ["gd", "momentum"])
+def test_chunk_atlas_without_gradients_takes_the_persistent_kernel(optimizer, persistent_calls):
+    """Atlas (Omega window 5, chunks of 16, the clip) over 48 tokens in two calls of 32 and 16, both from
+    chunk boundaries: on the Triton backend without gradients each call is one persistent launch, the
+    second with the window the first left in the state. Outputs and state equal the PyTorch path's, and
+    both calls together the float64 reference."""
+    from mnemo.kernels.atlas import AtlasState, chunk_atlas, reference_atlas
+
+    spec, window = SPECS["clip"], 5
+    init, xs = _atlas_problem(spec, seed=4, length=3 * C_TITANS)
+    if optimizer == "gd":
+        xs[5] = None
+    opts = dict(optimizer=optimizer, omega_window=window, chunk_size=C_TITANS)
+    cut = 2 * C_TITANS
+    outs, states = {}, {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend), torch.no_grad():
+            state = AtlasState.initial(spec, {n_: w.to(DEVICE) for n_, w in init.items()}, B, H, window, optimizer)
+            parts = []
+            for lo, hi in ((0, cut), (cut, 3 * C_TITANS)):
+                o, state = chunk_atlas(spec, *(None if x is None else x[:, lo:hi].to(DEVICE) for x in xs), state,
+                                       **opts)
+                parts.append(o)
+            outs[backend], states[backend] = torch.cat(parts, 1).cpu(), state
+    assert persistent_calls == [1, 1]
+    assert _error(outs["triton"], outs["torch"]) < 1e-5
+    for name, t in states["torch"].tensors().items():
+        got = states["triton"].tensors()[name]
+        assert (torch.equal(got, t) if not t.is_floating_point() else _error(got, t) < 1e-5), name
+    ref = reference_atlas(spec, *(None if x is None else x.double() for x in xs),
+                          {n_: w.double() for n_, w in init.items()}, **opts)
+    assert _error(outs["triton"], ref) < 1e-5
+
+
+@ROUTING
+@pytest.mark.parametrize("optimizer", ["gd", "momentum"])
+def test_an_atlas_training_call_runs_its_forward_through_the_persistent_kernel(optimizer, persistent_calls,
+                                                                                monkeypatch):
+    """Atlas' ``gd`` and ``momentum`` chunks (window 5, the clip) in training with the loop recomputing,
+    three chunks in stretches of 2 (as on CUDA): the forward pass is one persistent launch and the backward
+    the per-chunk one from its checkpoints. Outputs, final state and the gradients of every input and of
+    the initial weights equal those with :data:`FIRST_PASS` off to 1e-5; a stale checkpoint gives other
+    gradients."""
+    import mnemo.kernels.atlas as atlas_module
+    from mnemo.kernels.atlas import AtlasState, chunk_atlas
+    from mnemo.kernels.chunk_loop import loop_options
+
+    spec, window = SPECS["clip"], 5
+    init, xs = _atlas_problem(spec, seed=5, length=3 * C_TITANS)
+    if optimizer == "gd":
+        xs = xs[:5] + xs[6:]
+    results = {}
+    for run, first_pass in (("off", False), ("on", True), ("stale", True)):
+        monkeypatch.setattr(persistent, "FIRST_PASS", first_pass)
+        if run == "stale":
+            monkeypatch.setattr(atlas_module, "loop_first_pass", _late_checkpoints(persistent.loop_first_pass))
+        persistent_calls.clear()
+        leaves = [x.to(DEVICE).requires_grad_() for x in (*xs, *init.values())]
+        inputs = leaves[:len(xs)]
+        if optimizer == "gd":
+            inputs.insert(5, None)
+        state = AtlasState.initial(spec, dict(zip(init, leaves[len(xs):])), B, H, window, optimizer)
+        with use_backend("triton"), loop_options(recompute=True, checkpoint_every=2):
+            o, state = chunk_atlas(spec, *inputs, state, optimizer=optimizer, omega_window=window,
+                                   chunk_size=C_TITANS)
+        outputs = [o, *state.weights.values(), *(state.momentum or {}).values()]
+        gen = torch.Generator().manual_seed(8)
+        cotangents = [torch.randn(t.shape, generator=gen).to(DEVICE) for t in outputs]
+        results[run] = (outputs, torch.autograd.grad(outputs, leaves, cotangents))
+        assert persistent_calls == ([1] if first_pass else [])
+    for x, y in zip(results["on"][0], results["off"][0]):
+        assert _error(x, y) < 1e-5
+    for i, (x, y) in enumerate(zip(results["on"][1], results["off"][1])):
+        assert _error(x, y) < 1e-5, (i, _error(x, y))
+    assert max(_error(x, y) for x, y in zip(results["stale"][1], results["off"][1])) > 1e-3
