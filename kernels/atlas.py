@@ -379,7 +379,7 @@ def _atlas_chunk_step(spec: MLPMemorySpec, optimizer: str, ns_steps: int, track_
     return (y,), new_carry
 
 
-def _first_pass(spec: MLPMemorySpec, carry, xs, consts, every: int):
+def _first_pass(spec: MLPMemorySpec, carry, xs, _consts, every: int):
     """:func:`~.titans_persistent_triton.loop_first_pass` for the fused chunks of :func:`chunk_atlas`, whose
     one constant, the window band, their coefficients already hold."""
     return loop_first_pass(spec, carry, xs, (), every)

@@ -186,7 +186,7 @@ def _errors(Kx, V, W1, W2, PRE, ERR, key_off, cf_off, err_off, rk, mk, rd, md, D
 
 
 @triton.jit
-def _backs(W1, PRE, E, cf_off, err, rk, mk, rd, md, D, F, CLIP: tl.constexpr, BK: tl.constexpr,
+def _backs(W1, PRE, E, cf_off, err, rk, mk, rd, md, F, CLIP: tl.constexpr, BK: tl.constexpr,
            BF: tl.constexpr, PRECISION: tl.constexpr):
     """Phase 2 for the key rows ``rk``: ``e = (err W1) * gelu'(pre)`` (stored) and ``||e||^2`` (zeros without
     the clip)."""
@@ -264,10 +264,10 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
         tl.debug_barrier()  # pre and err are read below in other threads' layouts
 
         # 2. e = (err W1) * gelu'(pre) (stored), ||e||^2; the clip's scale.
-        e2 = _backs(W1 + w1_off, PRE, E, cf_off, err, rk, mc, rd, md, D, F, CLIP, BC, BF, PRECISION)
+        e2 = _backs(W1 + w1_off, PRE, E, cf_off, err, rk, mc, rd, md, F, CLIP, BC, BF, PRECISION)
         scale = _clip_scale(err, a2, k2, e2, clip, CLIP, BC)
         if WINDOW:
-            e2_p = _backs(W1 + w1_off, PRE, E, cf_off, err_p, rp, mp, rd, md, D, F, CLIP, BP, BF, PRECISION)
+            e2_p = _backs(W1 + w1_off, PRE, E, cf_off, err_p, rp, mp, rd, md, F, CLIP, BP, BF, PRECISION)
             scale_p = _clip_scale(err_p, a2_p, k2_p, e2_p, clip, CLIP, BP)
         tl.debug_barrier()  # e is read below transposed
 
