@@ -55,7 +55,7 @@ are a second block of rows (``BP``, 16 for Atlas' window of 16) beside the chunk
 phases 1 and 2 as those are and summed into every product over the keys in 3 and 4, rather than one block
 of ``K`` rows padded to 128: the window's block adds a quarter to the rows' work (16 rows beside 64)
 where the padded one would double it, and the chunk's own tiles, hence the registers and the code of Titans' case, stay as they
-are (``WINDOW`` off compiles none of it).
+are (``WINDOW`` off compiles none of it). On CUDA Atlas takes it only with :data:`WINDOW_ON_CUDA`.
 
 In training, :func:`loop_first_pass` makes this forward (with checkpoints) the first pass of
 :func:`~.chunk_loop.run_chunks`: the loop's outputs and the memory entering every ``r``-th chunk in one
@@ -117,6 +117,12 @@ TRAINING = False
 # Whether a Titans chunk loop that records gradients (and does not take TRAINING's path) runs its forward
 # pass through this kernel anyway, its backward recomputing chunk by chunk (:func:`loop_first_pass`).
 FIRST_PASS = True
+
+# Whether Atlas' windowed chunks take the kernel on CUDA. Off until the windowed kernel has been checked
+# against the reference on the GPU (tests/test_gpu_chunk_loop.py, the window tests of
+# tests/test_kernels_titans_persistent.py): the interpreter, which checks it in CI, cannot see code
+# generation (docs/kernels.md on Triton's miscompiles on Hopper). Benchmarks sweep it.
+WINDOW_ON_CUDA = False
 
 # On CUDA the persistent kernel is taken only with at least this many rows (programs) per SM.
 MIN_ROWS_PER_SM = 0.75
@@ -504,6 +510,8 @@ def _applies(spec, chunk_size: int, tensors: list[torch.Tensor], tf32: bool, row
         return False
     # The backend last but one: an explicit "triton" request is only checked where the kernel applies.
     if resolve_backend(tensors[0], has_triton_impl=True) != "triton":
+        return False
+    if window > 1 and tensors[0].is_cuda and not WINDOW_ON_CUDA:
         return False
     # float32-exact products spill this kernel's registers, and there the per-chunk launches are faster
     # (benchmarks/RESULTS.md): on CUDA it takes the problems whose products run in TF32.
