@@ -17,6 +17,10 @@ and multiples of 16). Each distinct launch is compiled with Triton's compiler fo
   (the Titans layer: width 256, hidden 1024, 64 written tokens, momentum), ``titans_16x64``,
   ``atlas_momentum_16x64`` and ``atlas_omeganet_16x64`` (width 64, hidden 256, Omega window 16: 79
   written tokens; with and without momentum); clip 10, ``l2``; TF32 products unless ``--float32``;
+- ``persistent``: the persistent chunk loop (``mnemo.kernels.titans_persistent_triton``'s forward, every
+  chunk in one launch, with checkpoints) at ``--memory``, 128 rows (B=8 x 16 heads); Atlas' memories take
+  it with their Omega window's 15 keys a second block of rows (heads of 64 only: ``titans_4x256`` is
+  outside it);
 - ``key_pass``: the DeepTransformer key pass's forward and backward
   (``mnemo.kernels.deep_attention_triton_key_pass``) at 16 heads x 64, memory hidden 64, chunk 64, reads
   in each of ``--reads``, at the T=8192 step (B=2: 32 rows of 128 chunks, in groups with bulk launches).
@@ -194,6 +198,25 @@ def titans_launches(memory: str, backward: bool) -> list[Launch]:
     return rec.launches
 
 
+def persistent_launches(memory: str) -> list[Launch]:
+    from mnemo.kernels.mlp_memory import MLPMemorySpec
+    from mnemo.kernels.titans_persistent_triton import persistent_forward
+
+    D, F, K, momentum = MEMORIES[memory]
+    spec = MLPMemorySpec(depth=2, d_k=D, d_v=D, expansion=F // D, grad_clip=10.0)
+    n, G, C = 8, 128, 64  # checkpoints every 4 chunks; the launch is the same for any number
+    f32 = dict(META, dtype=torch.float32)
+    W = {name: torch.empty(G, *shape, **f32) for name, shape in spec.shapes.items()}
+    S = {name: torch.empty_like(w) for name, w in W.items()} if momentum else None
+    q, k, v = torch.empty(n, G, C, D, **f32), torch.empty(n, G, K, D, **f32), torch.empty(n, G, K, D, **f32)
+    a, c = torch.empty(n, G, C, **f32), torch.empty(n, G, C, K, **f32)
+    b, sa_last, sc_last = ((torch.empty(n, G, C, **f32), torch.empty(n, G, **f32), torch.empty(n, G, K, **f32))
+                           if momentum else (None, None, None))
+    with Recorder() as rec:
+        persistent_forward(spec, W, S, q, k, v, a, b, c, sa_last, sc_last, checkpoint_every=4)
+    return rec.launches
+
+
 def key_pass_launches(reads: torch.dtype, chunk: int = 64, width: int = 64, hidden: int = 64, T: int = 8192,
                       BH: int = 32) -> list[Launch]:
     from mnemo.kernels.deep_attention_triton_key_pass import key_pass_backward_triton, key_pass_forward_triton
@@ -254,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     for family in args.kernels.split(","):
         if family == "key_pass":
             runs = [(f"key_pass reads={r}", key_pass_launches(dtypes[r])) for r in args.reads.split(",")]
+        elif family == "persistent":
+            runs = [(f"persistent {args.memory}", persistent_launches(args.memory))]
         else:
             runs = [(f"{family} {args.memory}", titans_launches(args.memory, family == "titans_backward"))]
         for label, launches in runs:
