@@ -379,10 +379,10 @@ def _atlas_chunk_step(spec: MLPMemorySpec, optimizer: str, ns_steps: int, track_
     return (y,), new_carry
 
 
-def _first_pass(spec: MLPMemorySpec, carry, xs, _consts, every: int):
+def _first_pass(spec: MLPMemorySpec, momentum: bool, carry, xs, _consts, every: int):
     """:func:`~.titans_persistent_triton.loop_first_pass` for the fused chunks of :func:`chunk_atlas`, whose
     one constant, the window band, their coefficients already hold."""
-    return loop_first_pass(spec, carry, xs, (), every)
+    return loop_first_pass(spec, carry, xs, (), every, momentum=momentum)
 
 
 def chunk_atlas(
@@ -485,7 +485,7 @@ def chunk_atlas(
     read_consts = tuple(read_consts)
     # The forward pass in one launch where the persistent kernel applies (without gradients, the whole loop);
     # in training the backward recomputes chunk by chunk from its checkpoints.
-    first = (partial(_first_pass, spec) if fused and first_pass_wanted(
+    first = (partial(_first_pass, spec, optimizer != "gd") if fused and first_pass_wanted(
         spec, C, not bool(shift.any()), [q, k, v, *carry], tf32_wanted(v), B * H, track_start, c) else None)
     # A read of cached memories brings a new closure and a cache one memory larger on every segment:
     # each call would be a new graph capture, so such chunks run uncaptured.

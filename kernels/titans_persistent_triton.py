@@ -55,7 +55,8 @@ are a second block of rows (``BP``, 16 for Atlas' window of 16) beside the chunk
 phases 1 and 2 as those are and summed into every product over the keys in 3 and 4, rather than one block
 of ``K`` rows padded to 128: the window's block adds a quarter to the rows' work (16 rows beside 64)
 where the padded one would double it, and the chunk's own tiles, hence the registers and the code of Titans' case, stay as they
-are (``WINDOW`` off compiles none of it). On CUDA Atlas takes it only with :data:`WINDOW_ON_CUDA`.
+are: ``WINDOW`` off compiles none of it, and ``P`` is a launch constant, so that Titans' key offsets fold to
+what they were. On CUDA Atlas takes it only with :data:`ATLAS_ON_CUDA`.
 
 In training, :func:`loop_first_pass` makes this forward (with checkpoints) the first pass of
 :func:`~.chunk_loop.run_chunks`: the loop's outputs and the memory entering every ``r``-th chunk in one
@@ -118,11 +119,12 @@ TRAINING = False
 # pass through this kernel anyway, its backward recomputing chunk by chunk (:func:`loop_first_pass`).
 FIRST_PASS = True
 
-# Whether Atlas' windowed chunks take the kernel on CUDA. Off until the windowed kernel has been checked
-# against the reference on the GPU (tests/test_gpu_chunk_loop.py, the window tests of
-# tests/test_kernels_titans_persistent.py): the interpreter, which checks it in CI, cannot see code
-# generation (docs/kernels.md on Triton's miscompiles on Hopper). Benchmarks sweep it.
-WINDOW_ON_CUDA = False
+# Whether Atlas' chunks take the kernel on CUDA: its Omega window (the WINDOW variant) and its ``gd`` (no
+# momentum, which Titans never launches). Off until those variants have been checked against the reference
+# on the GPU (tests/test_gpu_chunk_loop.py, the window tests of tests/test_kernels_titans_persistent.py): the
+# interpreter, which checks them in CI, cannot see code generation (docs/kernels.md on Triton's miscompiles
+# on Hopper). Benchmarks sweep it.
+ATLAS_ON_CUDA = False
 
 # On CUDA the persistent kernel is taken only with at least this many rows (programs) per SM.
 MIN_ROWS_PER_SM = 0.75
@@ -156,15 +158,15 @@ def _copy_state(SRC1, SRC2, DST1, DST2, src_off1, src_off2, dst_off1, dst_off2, 
 
 
 @triton.jit
-def _errors(Kx, V, W1, W2, PRE, ERR, key_off, cf_off, err_off, rk, mk, rd, md, D, F,
+def _errors(Kx, V, W1, W2, PRE, ERR, key_row, cf_off, err_off, rk, mk, rd, md, D, F,
             L2: tl.constexpr, CLIP: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
             PRECISION: tl.constexpr):
     """Phase 1 for the key rows ``rk`` (mask ``mk``): ``pre = k W2^T`` (stored), the prediction and the error
     (stored, and returned for phase 2), with the squared norms the clip takes: ``||gelu(pre)||^2`` and
     ``||k||^2`` (zeros without the clip)."""
     kd = mk[:, None] & md[None, :]
-    kd_offs = rk[:, None] * D + rd[None, :]
-    k = tl.load(Kx + key_off + kd_offs, mask=kd, other=0.0)
+    kd_offs = (key_row + rk[:, None]) * D + rd[None, :]
+    k = tl.load(Kx + kd_offs, mask=kd, other=0.0)
     pred = tl.zeros((BK, BD), tl.float32)
     a2 = tl.zeros((BK,), tl.float32)
     k2 = a2
@@ -182,12 +184,12 @@ def _errors(Kx, V, W1, W2, PRE, ERR, key_off, cf_off, err_off, rk, mk, rd, md, D
         if L2:
             w1t = tl.load(W1 + rd[None, :] * F + rf[:, None], mask=mf[:, None] & md[None, :], other=0.0)
             pred += tl.dot(act, w1t, input_precision=PRECISION)
-    v = tl.load(V + key_off + kd_offs, mask=kd, other=0.0)
+    v = tl.load(V + kd_offs, mask=kd, other=0.0)
     if L2:
         err = 2.0 * (k + pred - v)
     else:
         err = -v
-    tl.store(ERR + err_off + kd_offs, err, mask=kd)
+    tl.store(ERR + err_off + rk[:, None] * D + rd[None, :], err, mask=kd)
     return err, a2, k2
 
 
@@ -223,7 +225,7 @@ def _clip_scale(err, a2, k2, e2, clip, CLIP: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, ERR,
-                       CW1, CW2, CS1, CS2, STOP, ST1, ST2, clip, n_chunks, G, C, P, D, F, R,
+                       CW1, CW2, CS1, CS2, STOP, ST1, ST2, clip, n_chunks, G, C, D, F, R, P: tl.constexpr,
                        HAS_S: tl.constexpr, L2: tl.constexpr, CLIP: tl.constexpr, CKPT: tl.constexpr,
                        TRACK: tl.constexpr, READ: tl.constexpr, WINDOW: tl.constexpr, BC: tl.constexpr,
                        BP: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PRECISION: tl.constexpr):
@@ -249,7 +251,7 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
     for i in range(0, n_chunks):
         row = i * G + g  # (chunk, row) of the chunk-first inputs
         tok = row * C
-        key_off = row * K * D
+        key_row = row * K
         if CKPT:
             if i % R == 0:
                 ck = (i // R) * G + g
@@ -262,10 +264,10 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
         cd_offs = (tok + rc[:, None]) * D + rd[None, :]
 
         # 1. pre = k W2^T (stored), the prediction, ||gelu(pre)||^2; the error.
-        err, a2, k2 = _errors(Kx, V, W1 + w1_off, W2 + w2_off, PRE, ERR, key_off, cf_off, err_off, rk, mc, rd, md,
+        err, a2, k2 = _errors(Kx, V, W1 + w1_off, W2 + w2_off, PRE, ERR, key_row, cf_off, err_off, rk, mc, rd, md,
                               D, F, L2, CLIP, BC, BD, BF, PRECISION)
         if WINDOW:
-            err_p, a2_p, k2_p = _errors(Kx, V, W1 + w1_off, W2 + w2_off, PRE, ERR, key_off, cf_off, err_off, rp, mp,
+            err_p, a2_p, k2_p = _errors(Kx, V, W1 + w1_off, W2 + w2_off, PRE, ERR, key_row, cf_off, err_off, rp, mp,
                                         rd, md, D, F, L2, CLIP, BP, BD, BF, PRECISION)
         tl.debug_barrier()  # pre and err are read below in other threads' layouts
 
@@ -305,14 +307,14 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
             q = tl.load(Q + cd_offs, mask=cd, other=0.0)
             c_rows = GC + (tok + rc[:, None]) * K
             coef = tl.load(c_rows + rk[None, :], mask=cc, other=0.0)
-            kt = tl.load(Kx + key_off + rk[None, :] * D + rd[:, None], mask=dc, other=0.0)
+            kt = tl.load(Kx + (key_row + rk[None, :]) * D + rd[:, None], mask=dc, other=0.0)
             pq = coef * tl.dot(q, kt, input_precision=PRECISION) * scale[None, :]
             hw = tl.zeros((BC, BD), tl.float32)
             hs = tl.zeros((BC, BD), tl.float32)
             p = tl.zeros((BC, BC), tl.float32)
             if WINDOW:
                 coef_p = tl.load(c_rows + rp[None, :], mask=mc[:, None] & mp[None, :], other=0.0)
-                kt_p = tl.load(Kx + key_off + rp[None, :] * D + rd[:, None], mask=md[:, None] & mp[None, :],
+                kt_p = tl.load(Kx + (key_row + rp[None, :]) * D + rd[:, None], mask=md[:, None] & mp[None, :],
                                other=0.0)
                 pq_p = coef_p * tl.dot(q, kt_p, input_precision=PRECISION) * scale_p[None, :]
                 p_p = tl.zeros((BC, BP), tl.float32)
@@ -357,10 +359,10 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
 
         # 4. Slice by slice, the final weights and momenta over the old ones.
         errt = tl.load(ERR + err_off + rk[None, :] * D + rd[:, None], mask=dc, other=0.0)
-        k = tl.load(Kx + key_off + rk[:, None] * D + rd[None, :], mask=cd, other=0.0)
+        k = tl.load(Kx + (key_row + rk[:, None]) * D + rd[None, :], mask=cd, other=0.0)
         if WINDOW:
             errt_p = tl.load(ERR + err_off + rp[None, :] * D + rd[:, None], mask=md[:, None] & mp[None, :], other=0.0)
-            k_p = tl.load(Kx + key_off + rp[:, None] * D + rd[None, :], mask=mp[:, None] & md[None, :], other=0.0)
+            k_p = tl.load(Kx + (key_row + rp[:, None]) * D + rd[None, :], mask=mp[:, None] & md[None, :], other=0.0)
         for f0 in range(0, F, BF):
             rf = f0 + tl.arange(0, BF)
             mf = rf < F
@@ -482,8 +484,8 @@ def persistent_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tens
     if G and n:
         _persistent_kernel[(G,)](
             q, k, v, a, b, c, sa_last, sc_last, W1, W2, S1, S2, q if y is None else y, pre, e, err,
-            CW1, CW2, CS1, CS2, stop, ST1, ST2, float(clip) if clip is not None else 0.0, n, G, C, P, D, F,
-            checkpoint_every or 1,
+            CW1, CW2, CS1, CS2, stop, ST1, ST2, float(clip) if clip is not None else 0.0, n, G, C, D, F,
+            checkpoint_every or 1, P,
             HAS_S=has_s, L2=spec.objective == "l2", CLIP=clip is not None, CKPT=ckpt, TRACK=track, READ=read,
             WINDOW=P > 0, BC=BC, BP=_pow2(P), BD=BD, BF=BF, PRECISION=_precision(), num_warps=warps,
             # one stage: two pipeline the slices' loads for little, at 213 KB of shared memory (head 64, hidden
@@ -510,8 +512,6 @@ def _applies(spec, chunk_size: int, tensors: list[torch.Tensor], tf32: bool, row
         return False
     # The backend last but one: an explicit "triton" request is only checked where the kernel applies.
     if resolve_backend(tensors[0], has_triton_impl=True) != "triton":
-        return False
-    if window > 1 and tensors[0].is_cuda and not WINDOW_ON_CUDA:
         return False
     # float32-exact products spill this kernel's registers, and there the per-chunk launches are faster
     # (benchmarks/RESULTS.md): on CUDA it takes the problems whose products run in TF32.
@@ -550,15 +550,18 @@ def wanted(spec, chunk_size: int, on_boundaries: bool, tensors: list[torch.Tenso
 
 
 def first_pass_wanted(spec, chunk_size: int, on_boundaries: bool, tensors: list[torch.Tensor], tf32: bool,
-                      rows: int, track_start: bool = False, window: int = 1) -> bool:
+                      rows: int, track_start: bool = False, window: int | None = None) -> bool:
     """Whether a chunk loop over :func:`~.titans_chunk.chunk_memory` (Titans', Atlas' ``gd`` and ``momentum``
     with an Omega ``window``) gives its forward pass to :func:`persistent_forward` (:func:`loop_first_pass`):
     in training its backward stays the per-chunk one, recomputing from the kernel's checkpoints; without
     gradients the kernel is the whole loop. Where :data:`FIRST_PASS` is set and the kernel applies as for
     :func:`wanted`, the clip included, for calls that neither resume inside a chunk nor stop inside one
-    (``on_boundaries``, no ``track_start``)."""
+    (``on_boundaries``, no ``track_start``). ``window``: Atlas' Omega window (``None`` for Titans), whose
+    calls take it on CUDA only with :data:`ATLAS_ON_CUDA`."""
+    if window is not None and tensors[0].is_cuda and not ATLAS_ON_CUDA:
+        return False
     return (FIRST_PASS and on_boundaries and not track_start
-            and _applies(spec, chunk_size, tensors, tf32, rows, window))
+            and _applies(spec, chunk_size, tensors, tf32, rows, 1 if window is None else window))
 
 
 def _by_row(carry: tuple[torch.Tensor, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -576,22 +579,23 @@ def _by_row(carry: tuple[torch.Tensor, ...], q: torch.Tensor, k: torch.Tensor, v
 
 
 def loop_first_pass(spec, carry: tuple[torch.Tensor, ...], xs: tuple[torch.Tensor, ...],
-                    consts: tuple[torch.Tensor, ...], every: int
+                    consts: tuple[torch.Tensor, ...], every: int, *, momentum: bool = True
                     ) -> tuple[tuple[torch.Tensor], tuple[torch.Tensor, ...], list[tuple[torch.Tensor, ...]]]:
     """:func:`~.chunk_loop.run_chunks`' first pass of a chunk loop over :func:`~.titans_chunk.chunk_memory`
     (Titans' ``_titans_step``, Atlas' fused ``gd`` and ``momentum`` chunks; no chunk-start weights carried):
     every chunk in one :func:`persistent_forward` launch, which keeps the memory entering every ``every``-th
-    chunk. ``carry``: ``w1, w2`` and (with momentum) their momenta ``(B, H, ...)``; ``xs``: the chunks' ``q,
+    chunk. ``carry``: ``w1, w2`` and (``momentum``) their momenta ``(B, H, ...)``; ``xs``: the chunks' ``q,
     k, v`` first (Atlas' keys and values with their window) and their chunk coefficients last
     (:func:`~.titans.titans_coefficients`, :func:`~.atlas.atlas_coefficients`: ``(n, B, H, C, ...)``);
     ``consts`` empty. Returns ``((y,), carry, checkpoints)`` as that loop's forward does. The backward re-runs
     each stretch chunk by chunk from these checkpoints, which differ from the per-chunk launches' by rounding
     only (both TF32, summed in another order)."""
-    if consts or len(carry) not in (2, 4):
+    # Said by the caller, not read from the carry's length: two weights and their chunk-start weights would
+    # pass for weights and momenta.
+    if consts or len(carry) != (4 if momentum else 2):
         raise ValueError("the persistent first pass takes the loop without stored or chunk-start weights")
     q = xs[0]
     n = q.shape[0]
-    momentum = len(carry) == 4
     W, S, inputs, split = _by_row(carry, *xs[:3], xs[-5:], momentum)
     res = persistent_forward(spec, W, S, *inputs, checkpoint_every=every if every < n else None)
     final = (res.weights["w1"], res.weights["w2"]) + ((res.momentum["w1"], res.momentum["w2"]) if momentum else ())
@@ -956,11 +960,9 @@ def persistent_backward(spec, states: tuple[dict[str, torch.Tensor], dict[str, t
     if spec.grad_clip is not None or not covers(spec, q.shape[2]):
         raise ValueError(f"persistent_backward does not cover this memory ({spec})")
     n, G, C, D = q.shape
-    K = k.shape[2]
-    P = K - C
-    if not 0 <= P <= MAX_WINDOW or v.shape[2] != K or c.shape[-1] != K:
-        raise ValueError(f"persistent_forward takes K = C + P keys a chunk, 0 <= P <= {MAX_WINDOW}, with c (.., C, K)"
-                         f": got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, c {tuple(c.shape)}")
+    if k.shape[2] != C or v.shape[2] != C or c.shape[-1] != C:
+        raise ValueError(f"persistent_backward takes a chunk's own keys only (Titans'; no Omega window): got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, c {tuple(c.shape)}")
     F = spec.hidden
     has_s = dS is not None
     f32 = lambda x: x.to(torch.float32).contiguous()  # noqa: E731

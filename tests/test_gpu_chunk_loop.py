@@ -330,7 +330,7 @@ def test_training_takes_the_persistent_forward_as_its_first_pass(kind, monkeypat
     calls = []
     real = persistent.persistent_forward
     monkeypatch.setattr(persistent, "persistent_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(persistent, "WINDOW_ON_CUDA", True)  # the check that lets Atlas take it by default
+    monkeypatch.setattr(persistent, "ATLAS_ON_CUDA", True)  # the check that lets Atlas take it by default
     torch.manual_seed(0)
     layer = _layer_of_16_heads(kind).cuda().to(torch.bfloat16)
     for p in layer.memory_init().values():  # a memory that starts at zero reads zero

@@ -74,6 +74,29 @@ def _torch_loop(spec, W, S, q, k, v, a, b, c, sa, sc, every):
     return torch.stack(ys), W, S, kept
 
 
+def _equals_the_torch_loop(spec, problem, every: int = 2):
+    """:func:`persistent_forward` on ``problem`` (``W, S, q, k, v, a, b, c, sa, sc``) against :func:`_torch_loop`:
+    outputs, final weights and momenta, and the checkpoints every ``every`` chunks to 1e-5. Returns the
+    kernel's result, the loop's outputs and its checkpoints."""
+    W, S = problem[:2]
+    res = persistent.persistent_forward(spec, *problem, checkpoint_every=every)
+    y, W_end, S_end, kept = _torch_loop(spec, *problem, every=every)
+    assert _error(res.y, y) < 1e-5
+    for n_ in W:
+        assert _error(res.weights[n_], W_end[n_][:, 0]) < 1e-5, n_
+        if S is not None:
+            assert _error(res.momentum[n_], S_end[n_][:, 0]) < 1e-5, n_
+    assert (res.momentum is None) == (S is None)
+    ck_W, ck_S = res.checkpoints
+    assert ck_W["w1"].shape[0] == len(kept)
+    for j, (W_j, S_j) in enumerate(kept):
+        for n_ in W:
+            assert _error(ck_W[n_][j], W_j[n_][:, 0]) < 1e-5, (j, n_)
+            if S is not None:
+                assert _error(ck_S[n_][j], S_j[n_][:, 0]) < 1e-5, (j, n_)
+    return res, y, kept
+
+
 @pytest.mark.parametrize("name, slice_, C, momentum", [
     ("l2", 16, 16, True), ("l2", 16, 16, False), ("l2", 64, 16, True), ("dot", 32, 16, True), ("dot", 32, 16, False),
     ("clip", 16, 16, True), ("clip", 16, 16, False), ("l2_masked", 32, 12, True)])
@@ -82,22 +105,10 @@ def test_persistent_forward_equals_the_torch_chunk_loop(name, slice_, C, momentu
     PyTorch chunk run chunk by chunk in float64; float32 with IEEE products here."""
     monkeypatch.setitem(persistent.BLOCKS, "slice", slice_)
     spec = SPECS[name]
-    W, S, q, k, v, a, b, c, sa, sc = _chunk_problem(spec, momentum, n=5, G=2, C=C)
-    res = persistent.persistent_forward(spec, W, S, q, k, v, a, b, c, sa, sc, checkpoint_every=2)
-    y, W_end, S_end, kept = _torch_loop(spec, W, S, q, k, v, a, b, c, sa, sc, every=2)
-    assert _error(res.y, y) < 1e-5
-    for n_ in W:
-        assert _error(res.weights[n_], W_end[n_][:, 0]) < 1e-5, n_
-        if momentum:
-            assert _error(res.momentum[n_], S_end[n_][:, 0]) < 1e-5, n_
-    assert (res.momentum is None) == (not momentum)
-    ck_W, ck_S = res.checkpoints
-    assert ck_W["w1"].shape[0] == len(kept) == 3
-    for j, (W_j, S_j) in enumerate(kept):
-        for n_ in W:
-            assert _error(ck_W[n_][j], W_j[n_][:, 0]) < 1e-5, (j, n_)
-            if momentum:
-                assert _error(ck_S[n_][j], S_j[n_][:, 0]) < 1e-5, (j, n_)
+    problem = _chunk_problem(spec, momentum, n=5, G=2, C=C)
+    W = problem[0]
+    res, _, kept = _equals_the_torch_loop(spec, problem)
+    assert len(kept) == 3
     for n_ in W:  # the carried state is left as it was
         assert not torch.equal(res.weights[n_], W[n_])
 
@@ -118,7 +129,9 @@ def _window_problem(spec, momentum: bool, n: int, G: int, C: int, window: int, s
     gamma = pad(torch.rand(G, n * C, generator=gen))
     windowed = lambda x: torch.stack([x[:, i * C:i * C + P + C] for i in range(n)])  # noqa: E731  (n, G, K, ...)
     retention = torch.rand(n, G, 1, C, generator=gen) * 0.5 + 0.5
-    eta = torch.rand(n, G, 1, C, generator=gen)
+    # momenta near 1: the window's keys reach the chunk's final momentum through the product of the chunk's
+    # gates, which uniform ones would make about 2^-C, and so untested
+    eta = torch.rand(n, G, 1, C, generator=gen) * 0.1 + 0.9
     lr = torch.rand(n, G, 1, C, generator=gen) * 0.1
     live = torch.ones(n, G, C, dtype=torch.bool)
     live[-1, :, C // 2:] = False
@@ -145,20 +158,9 @@ def test_persistent_forward_with_an_omega_window_equals_the_torch_chunk_loop(nam
     float64, as for Titans; then dropping the window's keys from the kernel gives other outputs."""
     monkeypatch.setitem(persistent.BLOCKS, "slice", 32)
     spec = SPECS[name]
-    W, S, q, k, v, a, b, c, sa, sc = _window_problem(spec, momentum, n=4, G=2, C=C, window=window)
-    res = persistent.persistent_forward(spec, W, S, q, k, v, a, b, c, sa, sc, checkpoint_every=2)
-    y, W_end, S_end, kept = _torch_loop(spec, W, S, q, k, v, a, b, c, sa, sc, every=2)
-    assert _error(res.y, y) < 1e-5
-    for n_ in W:
-        assert _error(res.weights[n_], W_end[n_][:, 0]) < 1e-5, n_
-        if momentum:
-            assert _error(res.momentum[n_], S_end[n_][:, 0]) < 1e-5, n_
-    ck_W, ck_S = res.checkpoints
-    for j, (W_j, S_j) in enumerate(kept):
-        for n_ in W:
-            assert _error(ck_W[n_][j], W_j[n_][:, 0]) < 1e-5, (j, n_)
-            if momentum:
-                assert _error(ck_S[n_][j], S_j[n_][:, 0]) < 1e-5, (j, n_)
+    problem = _window_problem(spec, momentum, n=4, G=2, C=C, window=window)
+    W, S, q, k, v, a, b, c, sa, sc = problem
+    _, y, _ = _equals_the_torch_loop(spec, problem)
     P = window - 1
     without = persistent.persistent_forward(spec, W, S, q, k[:, :, P:], v[:, :, P:], a, b, c[..., P:], sa,
                                             None if sc is None else sc[..., P:])
@@ -465,10 +467,34 @@ def test_a_titans_model_prefills_through_the_persistent_kernel(persistent_calls)
 
 def _late_checkpoints(real):
     """A first pass whose second checkpoint is the first one again (stale): a mutation the tests catch."""
-    def first_pass(*args):
-        ys, carry, kept = real(*args)
+    def first_pass(*args, **kwargs):
+        ys, carry, kept = real(*args, **kwargs)
         return ys, carry, [kept[0], kept[0], *kept[2:]]
     return first_pass
+
+
+def _first_pass_equals_the_per_chunk_forward(module, call, persistent_calls, monkeypatch) -> list[torch.Tensor]:
+    """``call() -> (outputs, leaves)``, a training call of a chunk loop of ``module`` (which imports
+    ``loop_first_pass``), with :data:`FIRST_PASS` off, on, and on with a stale checkpoint. On: one persistent
+    launch, and outputs and the gradients of every leaf (under fixed cotangents) those of the per-chunk
+    forward to 1e-5; stale: other gradients. Returns the outputs with the first pass."""
+    results = {}
+    for run, first_pass in (("off", False), ("on", True), ("stale", True)):
+        monkeypatch.setattr(persistent, "FIRST_PASS", first_pass)
+        if run == "stale":
+            monkeypatch.setattr(module, "loop_first_pass", _late_checkpoints(persistent.loop_first_pass))
+        persistent_calls.clear()
+        outputs, leaves = call()
+        gen = torch.Generator().manual_seed(8)
+        cotangents = [torch.randn(t.shape, generator=gen).to(DEVICE) for t in outputs]
+        results[run] = (outputs, torch.autograd.grad(outputs, leaves, cotangents))
+        assert persistent_calls == ([1] if first_pass else [])
+    for x, y in zip(results["on"][0], results["off"][0]):
+        assert _error(x, y) < 1e-5
+    for i, (x, y) in enumerate(zip(results["on"][1], results["off"][1])):
+        assert _error(x, y) < 1e-5, (i, _error(x, y))
+    assert max(_error(x, y) for x, y in zip(results["stale"][1], results["off"][1])) > 1e-3
+    return results["on"][0]
 
 
 @ROUTING
@@ -485,29 +511,18 @@ def test_a_training_call_runs_its_forward_through_the_persistent_kernel(name, pe
     spec = SPECS[name]
     init, q, k, v, retention, eta, lr = _titans_problem(spec, True, seed=9, length=3 * C_TITANS)
     base = [q, k, v, retention, eta, lr, init["w1"], init["w2"]]
-    results = {}
-    for run, first_pass in (("off", False), ("on", True), ("stale", True)):
-        monkeypatch.setattr(persistent, "FIRST_PASS", first_pass)
-        if run == "stale":
-            monkeypatch.setattr(titans_module, "loop_first_pass", _late_checkpoints(persistent.loop_first_pass))
-        persistent_calls.clear()
+
+    def call():
         leaves = [x.to(DEVICE).requires_grad_() for x in base]
         with use_backend("triton"), loop_options(recompute=True):
             o, state = chunk_titans(spec, *leaves[:6], TitansState.initial(dict(zip(("w1", "w2"), leaves[6:])), B),
                                     chunk_size=C_TITANS, checkpoint_every=2)
-        outputs = [o, *state.weights.values(), *state.momentum.values()]
-        gen = torch.Generator().manual_seed(8)
-        cotangents = [torch.randn(t.shape, generator=gen).to(DEVICE) for t in outputs]
-        results[run] = (outputs, torch.autograd.grad(outputs, leaves, cotangents))
-        assert persistent_calls == ([1] if first_pass else [])
-    for x, y in zip(results["on"][0], results["off"][0]):
-        assert _error(x, y) < 1e-5
-    for i, (x, y) in enumerate(zip(results["on"][1], results["off"][1])):
-        assert _error(x, y) < 1e-5, (i, _error(x, y))
-    assert max(_error(x, y) for x, y in zip(results["stale"][1], results["off"][1])) > 1e-3
+        return [o, *state.weights.values(), *state.momentum.values()], leaves
+
+    outputs = _first_pass_equals_the_per_chunk_forward(titans_module, call, persistent_calls, monkeypatch)
     ref = reference_titans(spec, *(x.double() for x in base[:6]), {n_: w.double() for n_, w in init.items()},
                            chunk_size=C_TITANS)
-    assert _error(results["on"][0][0].detach().cpu(), ref) < 1e-5
+    assert _error(outputs[0].detach().cpu(), ref) < 1e-5
 
 
 @ROUTING
@@ -612,12 +627,8 @@ def test_an_atlas_training_call_runs_its_forward_through_the_persistent_kernel(o
     init, xs = _atlas_problem(spec, seed=5, length=3 * C_TITANS)
     if optimizer == "gd":
         xs = xs[:5] + xs[6:]
-    results = {}
-    for run, first_pass in (("off", False), ("on", True), ("stale", True)):
-        monkeypatch.setattr(persistent, "FIRST_PASS", first_pass)
-        if run == "stale":
-            monkeypatch.setattr(atlas_module, "loop_first_pass", _late_checkpoints(persistent.loop_first_pass))
-        persistent_calls.clear()
+
+    def call():
         leaves = [x.to(DEVICE).requires_grad_() for x in (*xs, *init.values())]
         inputs = leaves[:len(xs)]
         if optimizer == "gd":
@@ -626,13 +637,39 @@ def test_an_atlas_training_call_runs_its_forward_through_the_persistent_kernel(o
         with use_backend("triton"), loop_options(recompute=True, checkpoint_every=2):
             o, state = chunk_atlas(spec, *inputs, state, optimizer=optimizer, omega_window=window,
                                    chunk_size=C_TITANS)
-        outputs = [o, *state.weights.values(), *(state.momentum or {}).values()]
-        gen = torch.Generator().manual_seed(8)
-        cotangents = [torch.randn(t.shape, generator=gen).to(DEVICE) for t in outputs]
-        results[run] = (outputs, torch.autograd.grad(outputs, leaves, cotangents))
-        assert persistent_calls == ([1] if first_pass else [])
-    for x, y in zip(results["on"][0], results["off"][0]):
-        assert _error(x, y) < 1e-5
-    for i, (x, y) in enumerate(zip(results["on"][1], results["off"][1])):
-        assert _error(x, y) < 1e-5, (i, _error(x, y))
-    assert max(_error(x, y) for x, y in zip(results["stale"][1], results["off"][1])) > 1e-3
+        return [o, *state.weights.values(), *(state.momentum or {}).values()], leaves
+
+    _first_pass_equals_the_per_chunk_forward(atlas_module, call, persistent_calls, monkeypatch)
+
+
+@ROUTING
+@pytest.mark.parametrize("optimizer", ["gd", "momentum"])
+def test_atlas_calls_that_stop_or_resume_inside_a_chunk_keep_the_per_chunk_path(optimizer, persistent_calls):
+    """Atlas over 48 tokens in calls of 24 and 24 (chunks of 16): the first stops inside its second chunk and the
+    second resumes there, which the persistent kernel does not take (the chunk-start weights such rows keep):
+    no launch, and the outputs and state those of the PyTorch path and the float64 reference."""
+    from mnemo.kernels.atlas import AtlasState, chunk_atlas, reference_atlas
+
+    spec, window = SPECS["clip"], 5
+    init, xs = _atlas_problem(spec, seed=6, length=3 * C_TITANS)
+    if optimizer == "gd":
+        xs[5] = None
+    opts = dict(optimizer=optimizer, omega_window=window, chunk_size=C_TITANS)
+    outs, states = {}, {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend), torch.no_grad():
+            state = AtlasState.initial(spec, {n_: w.to(DEVICE) for n_, w in init.items()}, B, H, window, optimizer)
+            parts = []
+            for lo, hi in ((0, 24), (24, 3 * C_TITANS)):
+                o, state = chunk_atlas(spec, *(None if x is None else x[:, lo:hi].to(DEVICE) for x in xs), state,
+                                       **opts)
+                parts.append(o)
+            outs[backend], states[backend] = torch.cat(parts, 1).cpu(), state
+    assert persistent_calls == []
+    assert _error(outs["triton"], outs["torch"]) < 1e-5
+    for name, t in states["torch"].tensors().items():
+        got = states["triton"].tensors()[name]
+        assert (torch.equal(got, t) if not t.is_floating_point() else _error(got, t) < 1e-5), name
+    ref = reference_atlas(spec, *(None if x is None else x.double() for x in xs),
+                          {n_: w.double() for n_, w in init.items()}, **opts)
+    assert _error(outs["triton"], ref) < 1e-5
