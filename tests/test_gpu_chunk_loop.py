@@ -353,3 +353,40 @@ def test_training_takes_the_persistent_forward_as_its_first_pass(kind, monkeypat
         assert (a is None) == (b is None), name
         if b is not None:
             assert ((a.double() - b.double()).abs().max() / b.double().abs().max()) < 4e-3, name
+
+
+@pytest.mark.parametrize("momentum", [True, False], ids=["momentum", "gd"])
+def test_the_windowed_persistent_forward_at_atlas_shape(momentum):
+    """:func:`persistent_forward` at Atlas' shape (heads of 64, hidden 256, chunks of 64, window 16: 15 keys
+    before each chunk, the clip) over 4 chunks of 128 rows in TF32, the check behind ``ATLAS_ON_CUDA``: the
+    outputs and final state against the float64 chunk loop within twice the error of the per-chunk kernels
+    (:func:`~mnemo.kernels.titans_chunk.chunk_memory`, TF32) on the same problem, and far from the outputs
+    without the window's keys."""
+    import mnemo.kernels.titans_persistent_triton as persistent
+    from mnemo.kernels.backend import use_backend
+    from mnemo.kernels.chunk_loop import tf32_products
+    from mnemo.kernels.titans_chunk import chunk_memory
+    from test_kernels_titans_persistent import _error, _torch_loop, _window_problem
+
+    spec = MLPMemorySpec(depth=2, d_k=64, d_v=64, expansion=4, grad_clip=10.0)
+    problem = _window_problem(spec, momentum, n=4, G=128, C=64, window=16, seed=3)
+    W, S, q, k, v, a, b, c, sa, sc = problem
+    y64, W64, S64, _ = _torch_loop(spec, *problem, every=4)
+    with tf32_products(True):
+        res = persistent.persistent_forward(spec, *problem)
+        with use_backend("triton"):
+            W_c, S_c, ys = {n: w[:, None] for n, w in W.items()}, S and {n: s[:, None] for n, s in S.items()}, []
+            for i in range(q.shape[0]):
+                per = [None if x is None else x[i][:, None] for x in (q, k, v, a, b, c, sa, sc)]
+                y_i, W_c, S_c = chunk_memory(spec, W_c, S_c, *per)
+                ys.append(y_i[:, 0])
+        without = persistent.persistent_forward(spec, W, S, q, k[:, :, 15:], v[:, :, 15:], a, b, c[..., 15:], sa,
+                                                None if sc is None else sc[..., 15:])
+    per_chunk = _error(torch.stack(ys), y64)
+    assert _error(res.y, y64) <= 2 * per_chunk + 1e-6, (_error(res.y, y64), per_chunk)
+    for n in W:
+        bound = 2 * _error(W_c[n][:, 0], W64[n][:, 0]) + 1e-6
+        assert _error(res.weights[n], W64[n][:, 0]) <= bound, n
+        if momentum:
+            assert _error(res.momentum[n], S64[n][:, 0]) <= 2 * _error(S_c[n][:, 0], S64[n][:, 0]) + 1e-6, n
+    assert _error(without.y, y64) > 100 * per_chunk
