@@ -54,9 +54,10 @@ with ``c`` and ``sc`` over those ``K = P + C`` keys (:func:`~.atlas.atlas_coeffi
 are a second block of rows (``BP``, 16 for Atlas' window of 16) beside the chunk's own, taken through
 phases 1 and 2 as those are and summed into every product over the keys in 3 and 4, rather than one block
 of ``K`` rows padded to 128: the window's block adds a quarter to the rows' work (16 rows beside 64)
-where the padded one would double it, and the chunk's own tiles, hence the registers and the code of Titans' case, stay as they
-are: ``WINDOW`` off compiles none of it, and ``P`` is a launch constant, so that Titans' key offsets fold to
-what they were. On CUDA Atlas takes it only with :data:`ATLAS_ON_CUDA`.
+where the padded one would double it, and the chunk's own tiles, hence the registers and the code of
+Titans' case, stay as they are: ``P`` is a launch constant, so that with ``P = 0`` none of the window's
+code is compiled and Titans' key offsets fold to what they were. On CUDA Atlas takes it only with
+:data:`ATLAS_ON_CUDA`.
 
 In training, :func:`loop_first_pass` makes this forward (with checkpoints) the first pass of
 :func:`~.chunk_loop.run_chunks`: the loop's outputs and the memory entering every ``r``-th chunk in one
@@ -119,7 +120,7 @@ TRAINING = False
 # pass through this kernel anyway, its backward recomputing chunk by chunk (:func:`loop_first_pass`).
 FIRST_PASS = True
 
-# Whether Atlas' chunks take the kernel on CUDA: its Omega window (the WINDOW variant) and its ``gd`` (no
+# Whether Atlas' chunks take the kernel on CUDA: its Omega window (``P > 0``) and its ``gd`` (no
 # momentum, which Titans never launches). Off until those variants have been checked against the reference
 # on the GPU (tests/test_gpu_chunk_loop.py, the window tests of tests/test_kernels_titans_persistent.py): the
 # interpreter, which checks them in CI, cannot see code generation (docs/kernels.md on Triton's miscompiles
@@ -227,10 +228,10 @@ def _clip_scale(err, a2, k2, e2, clip, CLIP: tl.constexpr, BK: tl.constexpr):
 def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, ERR,
                        CW1, CW2, CS1, CS2, STOP, ST1, ST2, clip, n_chunks, G, C, D, F, R, P: tl.constexpr,
                        HAS_S: tl.constexpr, L2: tl.constexpr, CLIP: tl.constexpr, CKPT: tl.constexpr,
-                       TRACK: tl.constexpr, READ: tl.constexpr, WINDOW: tl.constexpr, BC: tl.constexpr,
+                       TRACK: tl.constexpr, READ: tl.constexpr, BC: tl.constexpr,
                        BP: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PRECISION: tl.constexpr):
     """Program ``g``: row ``g`` of ``batch * heads`` over its ``n_chunks`` chunks (see the module); without
-    ``READ`` only the memory advances (the backward's recompute of a stretch's states). ``WINDOW``: each
+    ``READ`` only the memory advances (the backward's recompute of a stretch's states). With ``P > 0`` each
     chunk's keys and values are its ``C`` tokens after the ``P`` before them (Atlas' Omega window), the
     ``P`` rows a second block of keys (``BP``) beside the chunk's own (``BC``)."""
     g = tl.program_id(0).to(tl.int64)
@@ -266,7 +267,7 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
         # 1. pre = k W2^T (stored), the prediction, ||gelu(pre)||^2; the error.
         err, a2, k2 = _errors(Kx, V, W1 + w1_off, W2 + w2_off, PRE, ERR, key_row, cf_off, err_off, rk, mc, rd, md,
                               D, F, L2, CLIP, BC, BD, BF, PRECISION)
-        if WINDOW:
+        if P > 0:
             err_p, a2_p, k2_p = _errors(Kx, V, W1 + w1_off, W2 + w2_off, PRE, ERR, key_row, cf_off, err_off, rp, mp,
                                         rd, md, D, F, L2, CLIP, BP, BD, BF, PRECISION)
         tl.debug_barrier()  # pre and err are read below in other threads' layouts
@@ -274,7 +275,7 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
         # 2. e = (err W1) * gelu'(pre) (stored), ||e||^2; the clip's scale.
         e2 = _backs(W1 + w1_off, PRE, E, cf_off, err, rk, mc, rd, md, F, CLIP, BC, BF, PRECISION)
         scale = _clip_scale(err, a2, k2, e2, clip, CLIP, BC)
-        if WINDOW:
+        if P > 0:
             e2_p = _backs(W1 + w1_off, PRE, E, cf_off, err_p, rp, mp, rd, md, F, CLIP, BP, BF, PRECISION)
             scale_p = _clip_scale(err_p, a2_p, k2_p, e2_p, clip, CLIP, BP)
         tl.debug_barrier()  # e is read below transposed
@@ -294,7 +295,7 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
             b_last = a_last
             sa = a_last
             ss = cs
-        if WINDOW:
+        if P > 0:
             cs_p = tl.load(c_last + rp, mask=mp, other=0.0) * scale_p
             if HAS_S:
                 ss_p = tl.load(SC + row * K + rp, mask=mp, other=0.0) * scale_p
@@ -312,7 +313,7 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
             hw = tl.zeros((BC, BD), tl.float32)
             hs = tl.zeros((BC, BD), tl.float32)
             p = tl.zeros((BC, BC), tl.float32)
-            if WINDOW:
+            if P > 0:
                 coef_p = tl.load(c_rows + rp[None, :], mask=mc[:, None] & mp[None, :], other=0.0)
                 kt_p = tl.load(Kx + (key_row + rp[None, :]) * D + rd[:, None], mask=md[:, None] & mp[None, :],
                                other=0.0)
@@ -332,13 +333,13 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
                                                input_precision=PRECISION)
                 hp += tl.dot(pq, tl.load(E + cf_off + rk[:, None] * F + rf[None, :], mask=mc[:, None] & mf[None, :],
                                          other=0.0), input_precision=PRECISION)
-                if WINDOW:
+                if P > 0:
                     hp += tl.dot(pq_p, tl.load(E + cf_off + rp[:, None] * F + rf[None, :],
                                                mask=mp[:, None] & mf[None, :], other=0.0), input_precision=PRECISION)
                 h = _gelu(hp)
                 p += tl.dot(h, _gelu(tl.load(PRE + cf_off + rk[None, :] * F + rf[:, None],
                                              mask=mf[:, None] & mc[None, :], other=0.0)), input_precision=PRECISION)
-                if WINDOW:
+                if P > 0:
                     p_p += tl.dot(h, _gelu(tl.load(PRE + cf_off + rp[None, :] * F + rf[:, None],
                                                    mask=mf[:, None] & mp[None, :], other=0.0)),
                                   input_precision=PRECISION)
@@ -350,7 +351,7 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
                 y += gb[:, None] * hs
             err = tl.load(ERR + err_off + rk[:, None] * D + rd[None, :], mask=cd, other=0.0)
             y += tl.dot(coef * p * scale[None, :], err, input_precision=PRECISION)
-            if WINDOW:
+            if P > 0:
                 err_p = tl.load(ERR + err_off + rp[:, None] * D + rd[None, :], mask=mp[:, None] & md[None, :],
                                 other=0.0)
                 y += tl.dot(coef_p * p_p * scale_p[None, :], err_p, input_precision=PRECISION)
@@ -360,7 +361,7 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
         # 4. Slice by slice, the final weights and momenta over the old ones.
         errt = tl.load(ERR + err_off + rk[None, :] * D + rd[:, None], mask=dc, other=0.0)
         k = tl.load(Kx + (key_row + rk[:, None]) * D + rd[None, :], mask=cd, other=0.0)
-        if WINDOW:
+        if P > 0:
             errt_p = tl.load(ERR + err_off + rp[None, :] * D + rd[:, None], mask=md[:, None] & mp[None, :], other=0.0)
             k_p = tl.load(Kx + (key_row + rp[:, None]) * D + rd[None, :], mask=mp[:, None] & md[None, :], other=0.0)
         for f0 in range(0, F, BF):
@@ -373,33 +374,33 @@ def _persistent_kernel(Q, Kx, V, GA, GB, GC, SA, SC, W1, W2, S1, S2, Y, PRE, E, 
             o_df = rd[:, None] * F + rf[None, :]  # W1, S1 (D, F): rows rd, columns rf
             o_fd = rf[:, None] * D + rd[None, :]  # W2, S2 (F, D): rows rf, columns rd
             act = _gelu(tl.load(PRE + cf_off + rk[:, None] * F + rf[None, :], mask=cf, other=0.0))
-            if WINDOW:
+            if P > 0:
                 act_p = _gelu(tl.load(PRE + cf_off + rp[:, None] * F + rf[None, :], mask=mp[:, None] & mf[None, :],
                                       other=0.0))
             w1 = a_last * tl.load(W1 + w1_off + o_df, mask=df, other=0.0)
             w1 += tl.dot(errt * cs[None, :], act, input_precision=PRECISION)
-            if WINDOW:
+            if P > 0:
                 w1 += tl.dot(errt_p * cs_p[None, :], act_p, input_precision=PRECISION)
             if HAS_S:
                 s1 = tl.load(S1 + w1_off + o_df, mask=df, other=0.0)
                 w1 += b_last * s1
                 s1 = sa * s1 + tl.dot(errt * ss[None, :], act, input_precision=PRECISION)
-                if WINDOW:
+                if P > 0:
                     s1 += tl.dot(errt_p * ss_p[None, :], act_p, input_precision=PRECISION)
                 tl.store(S1 + w1_off + o_df, s1, mask=df)
             tl.store(W1 + w1_off + o_df, w1, mask=df)
             et = tl.load(E + cf_off + rk[None, :] * F + rf[:, None], mask=fc, other=0.0)
-            if WINDOW:
+            if P > 0:
                 et_p = tl.load(E + cf_off + rp[None, :] * F + rf[:, None], mask=mf[:, None] & mp[None, :], other=0.0)
             w2 = a_last * tl.load(W2 + w2_off + o_fd, mask=fd, other=0.0)
             w2 += tl.dot(et * cs[None, :], k, input_precision=PRECISION)
-            if WINDOW:
+            if P > 0:
                 w2 += tl.dot(et_p * cs_p[None, :], k_p, input_precision=PRECISION)
             if HAS_S:
                 s2 = tl.load(S2 + w2_off + o_fd, mask=fd, other=0.0)
                 w2 += b_last * s2
                 s2 = sa * s2 + tl.dot(et * ss[None, :], k, input_precision=PRECISION)
-                if WINDOW:
+                if P > 0:
                     s2 += tl.dot(et_p * ss_p[None, :], k_p, input_precision=PRECISION)
                 tl.store(S2 + w2_off + o_fd, s2, mask=fd)
             tl.store(W2 + w2_off + o_fd, w2, mask=fd)
@@ -487,7 +488,7 @@ def persistent_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tens
             CW1, CW2, CS1, CS2, stop, ST1, ST2, float(clip) if clip is not None else 0.0, n, G, C, D, F,
             checkpoint_every or 1, P,
             HAS_S=has_s, L2=spec.objective == "l2", CLIP=clip is not None, CKPT=ckpt, TRACK=track, READ=read,
-            WINDOW=P > 0, BC=BC, BP=_pow2(P), BD=BD, BF=BF, PRECISION=_precision(), num_warps=warps,
+            BC=BC, BP=_pow2(P), BD=BD, BF=BF, PRECISION=_precision(), num_warps=warps,
             # one stage: two pipeline the slices' loads for little, at 213 KB of shared memory (head 64, hidden
             # 256, chunk 64, sm_90), more than a block gets before Hopper (benchmarks/history/, 2026-11-28)
             num_stages=1)

@@ -575,21 +575,17 @@ def _atlas_problem(spec, seed: int, length: int):
     return init, [q, k, v, retention, lr, eta, gamma]
 
 
-@ROUTING
-@pytest.mark.parametrize("optimizer", ["gd", "momentum"])
-def test_chunk_atlas_without_gradients_takes_the_persistent_kernel(optimizer, persistent_calls):
-    """Atlas (Omega window 5, chunks of 16, the clip) over 48 tokens in two calls of 32 and 16, both from
-    chunk boundaries: on the Triton backend without gradients each call is one persistent launch, the
-    second with the window the first left in the state. Outputs and state equal the PyTorch path's, and
-    both calls together the float64 reference."""
+def _atlas_in_two_calls_equals_the_torch_path(optimizer: str, seed: int, cut: int, launches: list, persistent_calls):
+    """Atlas (Omega window 5, chunks of 16, the clip) over 48 tokens in two calls, ``cut`` tokens then the rest,
+    without gradients on each backend: the Triton one makes ``launches`` persistent launches, and its outputs
+    and state equal the PyTorch path's, and the outputs the float64 reference, to 1e-5."""
     from mnemo.kernels.atlas import AtlasState, chunk_atlas, reference_atlas
 
     spec, window = SPECS["clip"], 5
-    init, xs = _atlas_problem(spec, seed=4, length=3 * C_TITANS)
+    init, xs = _atlas_problem(spec, seed=seed, length=3 * C_TITANS)
     if optimizer == "gd":
         xs[5] = None
     opts = dict(optimizer=optimizer, omega_window=window, chunk_size=C_TITANS)
-    cut = 2 * C_TITANS
     outs, states = {}, {}
     for backend in ("torch", "triton"):
         with use_backend(backend), torch.no_grad():
@@ -600,7 +596,7 @@ def test_chunk_atlas_without_gradients_takes_the_persistent_kernel(optimizer, pe
                                        **opts)
                 parts.append(o)
             outs[backend], states[backend] = torch.cat(parts, 1).cpu(), state
-    assert persistent_calls == [1, 1]
+    assert persistent_calls == launches
     assert _error(outs["triton"], outs["torch"]) < 1e-5
     for name, t in states["torch"].tensors().items():
         got = states["triton"].tensors()[name]
@@ -608,6 +604,16 @@ def test_chunk_atlas_without_gradients_takes_the_persistent_kernel(optimizer, pe
     ref = reference_atlas(spec, *(None if x is None else x.double() for x in xs),
                           {n_: w.double() for n_, w in init.items()}, **opts)
     assert _error(outs["triton"], ref) < 1e-5
+
+
+@ROUTING
+@pytest.mark.parametrize("optimizer", ["gd", "momentum"])
+def test_chunk_atlas_without_gradients_takes_the_persistent_kernel(optimizer, persistent_calls):
+    """Atlas (Omega window 5, chunks of 16, the clip) over 48 tokens in two calls of 32 and 16, both from
+    chunk boundaries: on the Triton backend without gradients each call is one persistent launch, the
+    second with the window the first left in the state. Outputs and state equal the PyTorch path's, and
+    both calls together the float64 reference."""
+    _atlas_in_two_calls_equals_the_torch_path(optimizer, 4, 2 * C_TITANS, [1, 1], persistent_calls)
 
 
 @ROUTING
@@ -648,28 +654,4 @@ def test_atlas_calls_that_stop_or_resume_inside_a_chunk_keep_the_per_chunk_path(
     """Atlas over 48 tokens in calls of 24 and 24 (chunks of 16): the first stops inside its second chunk and the
     second resumes there, which the persistent kernel does not take (the chunk-start weights such rows keep):
     no launch, and the outputs and state those of the PyTorch path and the float64 reference."""
-    from mnemo.kernels.atlas import AtlasState, chunk_atlas, reference_atlas
-
-    spec, window = SPECS["clip"], 5
-    init, xs = _atlas_problem(spec, seed=6, length=3 * C_TITANS)
-    if optimizer == "gd":
-        xs[5] = None
-    opts = dict(optimizer=optimizer, omega_window=window, chunk_size=C_TITANS)
-    outs, states = {}, {}
-    for backend in ("torch", "triton"):
-        with use_backend(backend), torch.no_grad():
-            state = AtlasState.initial(spec, {n_: w.to(DEVICE) for n_, w in init.items()}, B, H, window, optimizer)
-            parts = []
-            for lo, hi in ((0, 24), (24, 3 * C_TITANS)):
-                o, state = chunk_atlas(spec, *(None if x is None else x[:, lo:hi].to(DEVICE) for x in xs), state,
-                                       **opts)
-                parts.append(o)
-            outs[backend], states[backend] = torch.cat(parts, 1).cpu(), state
-    assert persistent_calls == []
-    assert _error(outs["triton"], outs["torch"]) < 1e-5
-    for name, t in states["torch"].tensors().items():
-        got = states["triton"].tensors()[name]
-        assert (torch.equal(got, t) if not t.is_floating_point() else _error(got, t) < 1e-5), name
-    ref = reference_atlas(spec, *(None if x is None else x.double() for x in xs),
-                          {n_: w.double() for n_, w in init.items()}, **opts)
-    assert _error(outs["triton"], ref) < 1e-5
+    _atlas_in_two_calls_equals_the_torch_path(optimizer, 6, 24, [], persistent_calls)
