@@ -51,13 +51,13 @@ objectives ``l2`` and ``dot``, with or without the per-token clip, with momentum
 Atlas' ``gd`` and ``momentum`` chunks are the same chunk with an Omega window: each chunk's gradients run
 over its own ``C`` keys and the ``P = window - 1`` before it (re-evaluated at the chunk's start weights),
 with ``c`` and ``sc`` over those ``K = P + C`` keys (:func:`~.atlas.atlas_coefficients`). The ``P`` keys
-are a second block of rows (``BP``, 16 for Atlas' window of 16) beside the chunk's own, taken through
-phases 1 and 2 as those are and summed into every product over the keys in 3 and 4, rather than one block
-of ``K`` rows padded to 128: the window's block adds a quarter to the rows' work (16 rows beside 64)
-where the padded one would double it, and the chunk's own tiles, hence the registers and the code of
-Titans' case, stay as they are: ``P`` is a launch constant, so that with ``P = 0`` none of the window's
-code is compiled and Titans' key offsets fold to what they were. On CUDA Atlas takes it only with
-:data:`ATLAS_ON_CUDA`.
+are a second block of rows (``BP``: 16 for Atlas' window of 16, 32 at eight warps, see :data:`BLOCKS`)
+beside the chunk's own, taken through phases 1 and 2 as those are and summed into every product over the
+keys in 3 and 4, rather than one block of ``K`` rows padded to 128: the window's block adds a quarter or
+a half to the rows' work (16 or 32 rows beside 64) where the padded one would double it, and the chunk's
+own tiles, hence the registers and the code of Titans' case, stay as they are: ``P`` is a launch
+constant, so that with ``P = 0`` none of the window's code is compiled and Titans' key offsets fold to
+what they were. On CUDA Atlas takes it only with :data:`ATLAS_ON_CUDA`.
 
 In training, :func:`loop_first_pass` makes this forward (with checkpoints) the first pass of
 :func:`~.chunk_loop.run_chunks`: the loop's outputs and the memory entering every ``r``-th chunk in one
@@ -107,7 +107,15 @@ __all__ = ["BLOCKS", "PersistentResult", "covers", "first_pass_wanted", "loop_fi
 # Slice of the hidden layer per step; warps of the forward and of the backward for narrow problems (head
 # width and chunk up to 32) and for wider ones. Module-level so that tests can shrink the slice (several
 # slices at small hidden widths) and benchmarks try others.
-BLOCKS = {"slice": 64, "warps_narrow": 4, "warps_wide": 8, "backward_warps_narrow": 4, "backward_warps_wide": 8}
+BLOCKS = {"slice": 64, "warps_narrow": 4, "warps_wide": 8, "backward_warps_narrow": 4, "backward_warps_wide": 8,
+          "least_rows_wide": 32, "warps_window": None}
+# ``least_rows_wide``: the fewest rows the window's block of keys takes in the forward at eight warps. Triton
+# 3.6 on Hopper compiles the read's products against a window block of 16 beside a chunk of 64 at eight warps
+# into wrong outputs and launches that fault on memory, where four warps or a block of 32 are right, as is a
+# chunk of 16 alone (tests/test_gpu_chunk_loop.py checks Atlas' window of 16, whose 15 keys would make such
+# a block, and Titans' chunks of 16). The padded rows are masked: they cost only their products, less than
+# four warps would (benchmarks/RESULTS.md). ``warps_window``: the warps of a launch with a window (``None``:
+# as without one).
 
 # Whether :func:`~.titans.chunk_titans` takes this kernel where it covers the call; benchmarks set it
 # False to time the per-chunk launches of :mod:`.titans_triton_forward` instead.
@@ -121,10 +129,10 @@ TRAINING = False
 FIRST_PASS = True
 
 # Whether Atlas' chunks take the kernel on CUDA: its Omega window (``P > 0``) and its ``gd`` (no
-# momentum, which Titans never launches). Off until those variants have been checked against the reference
-# on the GPU (tests/test_gpu_chunk_loop.py, the window tests of tests/test_kernels_titans_persistent.py): the
-# interpreter, which checks them in CI, cannot see code generation (docs/kernels.md on Triton's miscompiles
-# on Hopper). Benchmarks sweep it.
+# momentum, which Titans never launches). Both are right on the GPU (tests/test_gpu_chunk_loop.py), but the
+# windowed launch takes about as long as the per-chunk launches' forward pass it would replace, and the
+# backward's recompute stays per chunk, so the layers gain nothing and it stays off (benchmarks/RESULTS.md).
+# Benchmarks sweep it.
 ATLAS_ON_CUDA = False
 
 # On CUDA the persistent kernel is taken only with at least this many rows (programs) per SM.
@@ -478,9 +486,13 @@ def persistent_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tens
         stop = stop_chunk.to(device=q.device, dtype=torch.int32).contiguous()
     else:
         ST1, ST2, stop = W1, W2, q.new_zeros(1, dtype=torch.int32)
-    BC, BD = _pow2(C), _pow2(D)
+    BC, BD, BP = _pow2(C), _pow2(D), _pow2(P)
     BF = min(BLOCKS["slice"], _pow2(F))
     warps = BLOCKS["warps_wide"] if max(BC, BD) > 32 else BLOCKS["warps_narrow"]
+    if P and BLOCKS["warps_window"]:
+        warps = BLOCKS["warps_window"]
+    if P and warps >= 8:  # see BLOCKS; Titans' kernel (P = 0) builds no window block
+        BP = max(BP, BLOCKS["least_rows_wide"])
     clip = spec.grad_clip
     if G and n:
         _persistent_kernel[(G,)](
@@ -488,7 +500,7 @@ def persistent_forward(spec, W: dict[str, torch.Tensor], S: dict[str, torch.Tens
             CW1, CW2, CS1, CS2, stop, ST1, ST2, float(clip) if clip is not None else 0.0, n, G, C, D, F,
             checkpoint_every or 1, P,
             HAS_S=has_s, L2=spec.objective == "l2", CLIP=clip is not None, CKPT=ckpt, TRACK=track, READ=read,
-            BC=BC, BP=_pow2(P), BD=BD, BF=BF, PRECISION=_precision(), num_warps=warps,
+            BC=BC, BP=BP, BD=BD, BF=BF, PRECISION=_precision(), num_warps=warps,
             # one stage: two pipeline the slices' loads for little, at 213 KB of shared memory (head 64, hidden
             # 256, chunk 64, sm_90), more than a block gets before Hopper (benchmarks/history/, 2026-11-28)
             num_stages=1)

@@ -324,13 +324,13 @@ def test_training_takes_the_persistent_forward_as_its_first_pass(kind, monkeypat
     tokens (128 rows: the persistent kernel's case, TF32) in training: the chunk loop's forward pass is one
     persistent launch a call (two for MC-Titans, whose backward recomputes its memory), and the outputs and
     every gradient equal those with ``FIRST_PASS`` off to two bf16 roundings (the kernels sum their TF32
-    products in another order; Titans' outputs came out bit-equal on an H200)."""
+    products in another order)."""
     import mnemo.kernels.titans_persistent_triton as persistent
 
     calls = []
     real = persistent.persistent_forward
     monkeypatch.setattr(persistent, "persistent_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(persistent, "ATLAS_ON_CUDA", True)  # the check that lets Atlas take it by default
+    monkeypatch.setattr(persistent, "ATLAS_ON_CUDA", True)  # Atlas takes it on CUDA only with the switch
     torch.manual_seed(0)
     layer = _layer_of_16_heads(kind).cuda().to(torch.bfloat16)
     for p in layer.memory_init().values():  # a memory that starts at zero reads zero
@@ -348,20 +348,25 @@ def test_training_takes_the_persistent_forward_as_its_first_pass(kind, monkeypat
         got[first_pass] = {"output": y.detach(), "x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
         assert len(calls) == (0 if not first_pass else (2 if kind == "mc_titans_grm" else 1))
     assert got[True].keys() == got[False].keys()
-    for name, b in got[False].items():  # bf16: 2^-9 of the largest entry is one rounding
+    # bf16: one rounding moves an entry by up to 2^-8 of itself (half an ulp at the bottom of its binade), so
+    # two move it by up to 2^-7 of the largest entry: one ulp of an entry just under a power of two
+    for name, b in got[False].items():
         a = got[True][name]
         assert (a is None) == (b is None), name
         if b is not None:
-            assert ((a.double() - b.double()).abs().max() / b.double().abs().max()) < 4e-3, name
+            assert ((a.double() - b.double()).abs().max() / b.double().abs().max()) <= 2 ** -7, name
 
 
 @pytest.mark.parametrize("momentum", [True, False], ids=["momentum", "gd"])
-def test_the_windowed_persistent_forward_at_atlas_shape(momentum):
+@pytest.mark.parametrize("window, C", [(16, 64), (17, 64), (33, 64), (65, 64), (1, 16), (16, 16)])
+def test_the_windowed_persistent_forward_at_atlas_shape(momentum, window, C):
     """:func:`persistent_forward` at Atlas' shape (heads of 64, hidden 256, chunks of 64, window 16: 15 keys
     before each chunk, the clip) over 4 chunks of 128 rows in TF32, the check behind ``ATLAS_ON_CUDA``: the
     outputs and final state against the float64 chunk loop within twice the error of the per-chunk kernels
     (:func:`~mnemo.kernels.titans_chunk.chunk_memory`, TF32) on the same problem, and far from the outputs
-    without the window's keys."""
+    without the window's keys. Also the other windows up to ``MAX_WINDOW`` and chunks of 16 (Titans' window
+    of 1 among them): at eight warps a window block of fewer than 32 keys is padded to 32, which Triton 3.6
+    on Hopper needs (``BLOCKS['least_rows_wide']``)."""
     import mnemo.kernels.titans_persistent_triton as persistent
     from mnemo.kernels.backend import use_backend
     from mnemo.kernels.chunk_loop import tf32_products
@@ -369,7 +374,7 @@ def test_the_windowed_persistent_forward_at_atlas_shape(momentum):
     from test_kernels_titans_persistent import _error, _torch_loop, _window_problem
 
     spec = MLPMemorySpec(depth=2, d_k=64, d_v=64, expansion=4, grad_clip=10.0)
-    problem = _window_problem(spec, momentum, n=4, G=128, C=64, window=16, seed=3)
+    problem = _window_problem(spec, momentum, n=4, G=128, C=C, window=window, seed=3)
     W, S, q, k, v, a, b, c, sa, sc = problem
     y64, W64, S64, _ = _torch_loop(spec, *problem, every=4)
     with tf32_products(True):
@@ -380,8 +385,9 @@ def test_the_windowed_persistent_forward_at_atlas_shape(momentum):
                 per = [None if x is None else x[i][:, None] for x in (q, k, v, a, b, c, sa, sc)]
                 y_i, W_c, S_c = chunk_memory(spec, W_c, S_c, *per)
                 ys.append(y_i[:, 0])
-        without = persistent.persistent_forward(spec, W, S, q, k[:, :, 15:], v[:, :, 15:], a, b, c[..., 15:], sa,
-                                                None if sc is None else sc[..., 15:])
+        P = window - 1
+        without = persistent.persistent_forward(spec, W, S, q, k[:, :, P:], v[:, :, P:], a, b, c[..., P:], sa,
+                                                None if sc is None else sc[..., P:])
     per_chunk = _error(torch.stack(ys), y64)
     assert _error(res.y, y64) <= 2 * per_chunk + 1e-6, (_error(res.y, y64), per_chunk)
     for n in W:
@@ -389,4 +395,5 @@ def test_the_windowed_persistent_forward_at_atlas_shape(momentum):
         assert _error(res.weights[n], W64[n][:, 0]) <= bound, n
         if momentum:
             assert _error(res.momentum[n], S64[n][:, 0]) <= 2 * _error(S_c[n][:, 0], S64[n][:, 0]) + 1e-6, n
-    assert _error(without.y, y64) > 100 * per_chunk
+    if window > 1:  # the window's keys move the outputs by far more than the kernels' rounding
+        assert _error(without.y, y64) > 10 * per_chunk
