@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from benchlib import (DEVICE, DTYPE, HIDDEN, LENGTHS, TOKENS, Recorder, ints, launch_constant, lift_fla_hopper_guard,
-                      median_ms, names, out_dir, peak_gib, picked, release_chunk_graphs, reset_peak, sweep_values,
+                      median_ms, names, out_dir, peak_gib, picked, release_chunk_graphs, reset_peak, setting, sweep_values,
                       warm_up_gpu)
 
 
@@ -178,6 +178,8 @@ def loop_context(args: argparse.Namespace) -> contextlib.ExitStack:
         from mnemo.kernels.backend import comparison_paths
 
         stack.enter_context(comparison_paths(chunk_forward=args.chunk_forward, chunk_backward=args.chunk_backward))
+    for key, value in args.set:
+        stack.enter_context(launch_constant(key, value))
     return stack
 
 
@@ -220,8 +222,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
                         help="run every row under this backend (default: each row's own)")
     parser.add_argument("--sweep", metavar="KEY=V1,V2",
-                        help="time each row with each value of a key of titans_triton_forward.BLOCKS, or of a "
-                             "module's constant as module.NAME (titans_persistent_triton.FIRST_PASS=0,1)")
+                        help="time each row with each value of a key of titans_triton_forward.BLOCKS, of a "
+                             "module's constant as module.NAME (titans_persistent_triton.FIRST_PASS=0,1), or of "
+                             "a key of a module's dict as module.NAME.key")
+    parser.add_argument("--set", metavar="KEY=V", action="append", default=[], type=setting,
+                        help="hold a key as --sweep names it at one value for the whole run (repeatable)")
     parser.add_argument("--checkpoint-every", type=int, help="the chunk loops' checkpoint spacing (loop_options)")
     parser.add_argument("--chunk-forward", choices=("torch",), help="comparison path of the chunk forward")
     parser.add_argument("--chunk-backward", choices=("torch", "autograd"), help="comparison path of the chunk backward")

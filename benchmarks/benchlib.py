@@ -112,28 +112,43 @@ def picked(name: str, only: Iterable[str]) -> bool:
 
 @contextlib.contextmanager
 def launch_constant(key: str | None, value: int | None) -> Iterator[None]:
-    """For the block, ``titans_triton_forward.BLOCKS[key] = value`` or, for a dotted ``module.NAME`` key,
+    """For the block, ``titans_triton_forward.BLOCKS[key] = value``; for a dotted ``module.NAME`` key,
     ``mnemo.kernels.module.NAME = value`` (a module's switch, e.g. ``titans_persistent_triton.FIRST_PASS``);
-    the default restored after."""
+    for ``module.NAME.key``, ``mnemo.kernels.module.NAME[key] = value`` (e.g.
+    ``titans_persistent_triton.BLOCKS.warps_window``); the default restored after."""
     if key is None:
         yield
         return
     if "." in key:
-        module, name = key.rsplit(".", 1)
+        module, name, *item = key.split(".", 2)
         holder = importlib.import_module(f"mnemo.kernels.{module}")
         if not hasattr(holder, name):
             raise ValueError(f"--sweep: mnemo.kernels.{module} has no {name}")
-        get, put = (lambda: getattr(holder, name)), (lambda x: setattr(holder, name, x))
+        if item:
+            table = getattr(holder, name)
+            if not isinstance(table, dict) or item[0] not in table:
+                raise ValueError(f"--sweep: mnemo.kernels.{module}.{name} has no key {item[0]!r}")
+            get, put = (lambda: table[item[0]]), (lambda x: table.__setitem__(item[0], x))
+        else:
+            get, put = (lambda: getattr(holder, name)), (lambda x: setattr(holder, name, x))
     else:
         from mnemo.kernels.titans_triton_forward import BLOCKS
 
         get, put = (lambda: BLOCKS[key]), (lambda x: BLOCKS.__setitem__(key, x))
     saved = get()
-    put(type(saved)(value))
+    put(value if saved is None else type(saved)(value))
     try:
         yield
     finally:
         put(saved)
+
+
+def setting(text: str) -> tuple[str, int]:
+    """``--set key=v`` -> ``(key, v)``."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise ValueError(f"--set takes key=value, got {text!r}")
+    return key, int(value)
 
 
 def sweep_values(spec: str | None) -> list[tuple[str | None, int | None]]:
