@@ -148,23 +148,43 @@ def _window_problem(spec, momentum: bool, n: int, G: int, C: int, window: int, s
             *map(to, (q, windowed(k), windowed(v), a, b, c, sa, sc)))
 
 
-@pytest.mark.parametrize("name, window, C, momentum", [
-    ("l2", 4, 16, True), ("l2", 4, 16, False), ("clip", 5, 16, True), ("dot", 17, 16, False),
-    ("l2_masked", 3, 12, True)])
-def test_persistent_forward_with_an_omega_window_equals_the_torch_chunk_loop(name, window, C, momentum, monkeypatch):
+@pytest.mark.parametrize("name, window, C, momentum, warps", [
+    ("l2", 4, 16, True, 4), ("l2", 4, 16, False, 4), ("clip", 5, 16, True, 4), ("dot", 17, 16, False, 4),
+    ("l2_masked", 3, 12, True, 4), ("l2", 4, 16, True, 8), ("dot", 17, 16, False, 8)])
+def test_persistent_forward_with_an_omega_window_equals_the_torch_chunk_loop(name, window, C, momentum, warps,
+                                                                            monkeypatch):
     """Atlas' chunks (``gd``, ``momentum``): each chunk's gradients over its own keys and the ``window - 1``
     before it, those a second block of key rows (15 of a block of 16 with the window of 16 Atlas takes; here
-    3 of 16, 16 of 16 and 2 of 16). Outputs, final state and checkpoints against the PyTorch chunk in
-    float64, as for Titans; then dropping the window's keys from the kernel gives other outputs."""
+    3 of 16, 16 of 16 and 2 of 16; at eight warps 3 and 16 of 32, the block padded as ``least_rows_wide``
+    asks). Outputs, final state and checkpoints against the PyTorch chunk in float64, as for Titans; then
+    dropping the window's keys from the kernel gives other outputs."""
     monkeypatch.setitem(persistent.BLOCKS, "slice", 32)
+    monkeypatch.setitem(persistent.BLOCKS, "warps_narrow", warps)
+    launches = []
+    kernel = persistent._persistent_kernel
+    monkeypatch.setattr(persistent, "_persistent_kernel", _Recording(kernel, launches))
     spec = SPECS[name]
     problem = _window_problem(spec, momentum, n=4, G=2, C=C, window=window)
     W, S, q, k, v, a, b, c, sa, sc = problem
     _, y, _ = _equals_the_torch_loop(spec, problem)
+    assert [launch["BP"] for launch in launches] == [16 if warps == 4 else 32]
     P = window - 1
     without = persistent.persistent_forward(spec, W, S, q, k[:, :, P:], v[:, :, P:], a, b, c[..., P:], sa,
                                             None if sc is None else sc[..., P:])
     assert _error(without.y, y) > 1e-3
+
+
+class _Recording:
+    """A kernel whose launches record their keyword arguments, then launch."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
 
 
 def test_the_persistent_kernel_refuses_keys_it_cannot_take():
