@@ -41,8 +41,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from benchlib import (DEVICE, DTYPE, HIDDEN, LENGTHS, TOKENS, Recorder, ints, launch_constant, lift_fla_hopper_guard,
-                      median_ms, names, out_dir, peak_gib, picked, release_chunk_graphs, reset_peak, setting, sweep_values,
-                      warm_up_gpu)
+                      median_ms, names, out_dir, peak_gib, picked, release_chunk_graphs, reset_peak, setting,
+                      sweep_values, warm_up_gpu)
 
 
 class SdpaAttention(nn.Module):
@@ -168,8 +168,14 @@ def backend_context(backend: str | None) -> contextlib.AbstractContextManager:
 
 
 def loop_context(args: argparse.Namespace) -> contextlib.ExitStack:
-    """The chunk loops' spacing and comparison paths asked for on the command line (none: the defaults)."""
-    stack = contextlib.ExitStack()
+    """The chunk loops' spacing, comparison paths and held constants (``--set``) asked for on the command line
+    (none: the defaults). Built inside a ``with`` so that a setting that fails restores those made before it."""
+    with contextlib.ExitStack() as stack:
+        _enter_loop_settings(stack, args)
+        return stack.pop_all()
+
+
+def _enter_loop_settings(stack: contextlib.ExitStack, args: argparse.Namespace) -> None:
     if args.checkpoint_every is not None:
         from mnemo.kernels.chunk_loop import loop_options
 
@@ -180,7 +186,6 @@ def loop_context(args: argparse.Namespace) -> contextlib.ExitStack:
         stack.enter_context(comparison_paths(chunk_forward=args.chunk_forward, chunk_backward=args.chunk_backward))
     for key, value in args.set:
         stack.enter_context(launch_constant(key, value))
-    return stack
 
 
 def measure(recorder: Recorder, name: str, row: Row, B: int, T: int, args: argparse.Namespace,
@@ -196,7 +201,8 @@ def measure(recorder: Recorder, name: str, row: Row, B: int, T: int, args: argpa
         with backend_context(backend), loop_context(args), launch_constant(key, value):
             ms = median_ms(train_step(layer, x), warmup=args.warmup, iters=args.iters, repeats=args.repeats)
         recorder.record(layer=label, T=T, B=B, backend=backend or "auto", tf32=args.tf32, ms=round(ms, 2),
-                        tok_per_s=round(B * T / ms * 1e3), peak_gib=peak_gib())
+                        tok_per_s=round(B * T / ms * 1e3), peak_gib=peak_gib(),
+                        **({"held": dict(args.set)} if args.set else {}))
     except ImportError as exc:
         if not name.startswith("anchor_"):
             raise
@@ -226,7 +232,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                              "module's constant as module.NAME (titans_persistent_triton.FIRST_PASS=0,1), or of "
                              "a key of a module's dict as module.NAME.key")
     parser.add_argument("--set", metavar="KEY=V", action="append", default=[], type=setting,
-                        help="hold a key as --sweep names it at one value for the whole run (repeatable)")
+                        help="hold a key as --sweep names it at one value for the whole run (repeatable; a key "
+                             "that --sweep also names takes the sweep's values)")
     parser.add_argument("--checkpoint-every", type=int, help="the chunk loops' checkpoint spacing (loop_options)")
     parser.add_argument("--chunk-forward", choices=("torch",), help="comparison path of the chunk forward")
     parser.add_argument("--chunk-backward", choices=("torch", "autograd"), help="comparison path of the chunk backward")
@@ -243,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.tf32:
         torch.set_float32_matmul_precision("high")
+    for key, value in [*args.set, *sweep_values(args.sweep)]:  # a misnamed key stops the run before any timing
+        with launch_constant(key, value):
+            pass
     recorder = Recorder()
     warm_up_gpu()
     for T in ints(args.lengths):

@@ -7,6 +7,7 @@ at module level, so every script's ``--help`` works on a machine without a GPU, 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib
 import json
@@ -123,11 +124,11 @@ def launch_constant(key: str | None, value: int | None) -> Iterator[None]:
         module, name, *item = key.split(".", 2)
         holder = importlib.import_module(f"mnemo.kernels.{module}")
         if not hasattr(holder, name):
-            raise ValueError(f"--sweep: mnemo.kernels.{module} has no {name}")
+            raise ValueError(f"launch constant {key!r}: mnemo.kernels.{module} has no {name}")
         if item:
             table = getattr(holder, name)
             if not isinstance(table, dict) or item[0] not in table:
-                raise ValueError(f"--sweep: mnemo.kernels.{module}.{name} has no key {item[0]!r}")
+                raise ValueError(f"launch constant {key!r}: mnemo.kernels.{module}.{name} has no key {item[0]!r}")
             get, put = (lambda: table[item[0]]), (lambda x: table.__setitem__(item[0], x))
         else:
             get, put = (lambda: getattr(holder, name)), (lambda x: setattr(holder, name, x))
@@ -144,11 +145,14 @@ def launch_constant(key: str | None, value: int | None) -> Iterator[None]:
 
 
 def setting(text: str) -> tuple[str, int]:
-    """``--set key=v`` -> ``(key, v)``."""
+    """``--set key=v`` -> ``(key, v)`` (an argparse type)."""
     key, sep, value = text.partition("=")
-    if not sep:
-        raise ValueError(f"--set takes key=value, got {text!r}")
-    return key, int(value)
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--set takes key=value, got {text!r}")
+    try:
+        return key, int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--set takes an integer value, got {text!r}") from None
 
 
 def sweep_values(spec: str | None) -> list[tuple[str | None, int | None]]:

@@ -51,7 +51,7 @@ objectives ``l2`` and ``dot``, with or without the per-token clip, with momentum
 Atlas' ``gd`` and ``momentum`` chunks are the same chunk with an Omega window: each chunk's gradients run
 over its own ``C`` keys and the ``P = window - 1`` before it (re-evaluated at the chunk's start weights),
 with ``c`` and ``sc`` over those ``K = P + C`` keys (:func:`~.atlas.atlas_coefficients`). The ``P`` keys
-are a second block of rows (``BP``: 16 for Atlas' window of 16, 32 at eight warps, see :data:`BLOCKS`)
+are a second block of rows (``BP``: 32 for Atlas' window of 16 at its eight warps, 16 at four; :data:`BLOCKS`)
 beside the chunk's own, taken through phases 1 and 2 as those are and summed into every product over the
 keys in 3 and 4, rather than one block of ``K`` rows padded to 128: the window's block adds a quarter or
 a half to the rows' work (16 or 32 rows beside 64) where the padded one would double it, and the chunk's
@@ -130,7 +130,7 @@ FIRST_PASS = True
 
 # Whether Atlas' chunks take the kernel on CUDA: its Omega window (``P > 0``) and its ``gd`` (no
 # momentum, which Titans never launches). Both are right on the GPU (tests/test_gpu_chunk_loop.py), but the
-# windowed launch takes about as long as the per-chunk launches' forward pass it would replace, and the
+# windowed launch is no faster than the per-chunk launches' forward pass it would replace, and the
 # backward's recompute stays per chunk, so the layers gain nothing and it stays off (benchmarks/RESULTS.md).
 # Benchmarks sweep it.
 ATLAS_ON_CUDA = False

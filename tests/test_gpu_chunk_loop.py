@@ -349,7 +349,7 @@ def test_training_takes_the_persistent_forward_as_its_first_pass(kind, monkeypat
         assert len(calls) == (0 if not first_pass else (2 if kind == "mc_titans_grm" else 1))
     assert got[True].keys() == got[False].keys()
     # bf16: one rounding moves an entry by up to 2^-8 of itself (half an ulp at the bottom of its binade), so
-    # two move it by up to 2^-7 of the largest entry: one ulp of an entry just under a power of two
+    # two move it by up to 2^-7 of the largest entry: one ulp of an entry at a power of two
     for name, b in got[False].items():
         a = got[True][name]
         assert (a is None) == (b is None), name
@@ -364,7 +364,7 @@ def test_the_windowed_persistent_forward_at_atlas_shape(momentum, window, C):
     before each chunk, the clip) over 4 chunks of 128 rows in TF32, the check behind ``ATLAS_ON_CUDA``: the
     outputs and final state against the float64 chunk loop within twice the error of the per-chunk kernels
     (:func:`~mnemo.kernels.titans_chunk.chunk_memory`, TF32) on the same problem, and far from the outputs
-    without the window's keys. Also the other windows up to ``MAX_WINDOW`` and chunks of 16 (Titans' window
+    without the window's keys. Also the other windows up to ``MAX_WINDOW + 1`` and chunks of 16 (Titans' window
     of 1 among them): at eight warps a window block of fewer than 32 keys is padded to 32, which Triton 3.6
     on Hopper needs (``BLOCKS['least_rows_wide']``)."""
     import mnemo.kernels.titans_persistent_triton as persistent

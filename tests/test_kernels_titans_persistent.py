@@ -148,18 +148,21 @@ def _window_problem(spec, momentum: bool, n: int, G: int, C: int, window: int, s
             *map(to, (q, windowed(k), windowed(v), a, b, c, sa, sc)))
 
 
-@pytest.mark.parametrize("name, window, C, momentum, warps", [
-    ("l2", 4, 16, True, 4), ("l2", 4, 16, False, 4), ("clip", 5, 16, True, 4), ("dot", 17, 16, False, 4),
-    ("l2_masked", 3, 12, True, 4), ("l2", 4, 16, True, 8), ("dot", 17, 16, False, 8)])
+@pytest.mark.parametrize("name, window, C, momentum, warps, window_warps", [
+    ("l2", 4, 16, True, 4, None), ("l2", 4, 16, False, 4, None), ("clip", 5, 16, True, 4, None),
+    ("dot", 17, 16, False, 4, None), ("l2_masked", 3, 12, True, 4, None), ("l2", 4, 16, True, 8, None),
+    ("dot", 17, 16, False, 8, None), ("l2", 4, 16, False, 8, 4)])
 def test_persistent_forward_with_an_omega_window_equals_the_torch_chunk_loop(name, window, C, momentum, warps,
-                                                                            monkeypatch):
+                                                                            window_warps, monkeypatch):
     """Atlas' chunks (``gd``, ``momentum``): each chunk's gradients over its own keys and the ``window - 1``
-    before it, those a second block of key rows (15 of a block of 16 with the window of 16 Atlas takes; here
-    3 of 16, 16 of 16 and 2 of 16; at eight warps 3 and 16 of 32, the block padded as ``least_rows_wide``
-    asks). Outputs, final state and checkpoints against the PyTorch chunk in float64, as for Titans; then
-    dropping the window's keys from the kernel gives other outputs."""
+    before it, those a second block of key rows (15 of a block of 32 with the window of 16 Atlas takes at its
+    eight warps; here 3 of 16, 16 of 16 and 2 of 16 at four warps, 3 and 16 of 32 at eight, the block padded
+    as ``least_rows_wide`` asks, and 3 of 16 where ``warps_window`` takes four warps instead). Outputs, final
+    state and checkpoints against the PyTorch chunk in float64, as for Titans; then dropping the window's keys
+    from the kernel gives other outputs."""
     monkeypatch.setitem(persistent.BLOCKS, "slice", 32)
     monkeypatch.setitem(persistent.BLOCKS, "warps_narrow", warps)
+    monkeypatch.setitem(persistent.BLOCKS, "warps_window", window_warps)
     launches = []
     kernel = persistent._persistent_kernel
     monkeypatch.setattr(persistent, "_persistent_kernel", _Recording(kernel, launches))
@@ -167,7 +170,8 @@ def test_persistent_forward_with_an_omega_window_equals_the_torch_chunk_loop(nam
     problem = _window_problem(spec, momentum, n=4, G=2, C=C, window=window)
     W, S, q, k, v, a, b, c, sa, sc = problem
     _, y, _ = _equals_the_torch_loop(spec, problem)
-    assert [launch["BP"] for launch in launches] == [16 if warps == 4 else 32]
+    used = window_warps or warps
+    assert [(launch["BP"], launch["num_warps"]) for launch in launches] == [(16 if used == 4 else 32, used)]
     P = window - 1
     without = persistent.persistent_forward(spec, W, S, q, k[:, :, P:], v[:, :, P:], a, b, c[..., P:], sa,
                                             None if sc is None else sc[..., P:])
