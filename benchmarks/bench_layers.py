@@ -171,21 +171,18 @@ def loop_context(args: argparse.Namespace) -> contextlib.ExitStack:
     """The chunk loops' spacing, comparison paths and held constants (``--set``) asked for on the command line
     (none: the defaults). Built inside a ``with`` so that a setting that fails restores those made before it."""
     with contextlib.ExitStack() as stack:
-        _enter_loop_settings(stack, args)
+        if args.checkpoint_every is not None:
+            from mnemo.kernels.chunk_loop import loop_options
+
+            stack.enter_context(loop_options(checkpoint_every=args.checkpoint_every))
+        if args.chunk_forward or args.chunk_backward:
+            from mnemo.kernels.backend import comparison_paths
+
+            stack.enter_context(comparison_paths(chunk_forward=args.chunk_forward,
+                                                 chunk_backward=args.chunk_backward))
+        for key, value in args.set:
+            stack.enter_context(launch_constant(key, value))
         return stack.pop_all()
-
-
-def _enter_loop_settings(stack: contextlib.ExitStack, args: argparse.Namespace) -> None:
-    if args.checkpoint_every is not None:
-        from mnemo.kernels.chunk_loop import loop_options
-
-        stack.enter_context(loop_options(checkpoint_every=args.checkpoint_every))
-    if args.chunk_forward or args.chunk_backward:
-        from mnemo.kernels.backend import comparison_paths
-
-        stack.enter_context(comparison_paths(chunk_forward=args.chunk_forward, chunk_backward=args.chunk_backward))
-    for key, value in args.set:
-        stack.enter_context(launch_constant(key, value))
 
 
 def measure(recorder: Recorder, name: str, row: Row, B: int, T: int, args: argparse.Namespace,

@@ -164,8 +164,7 @@ def test_persistent_forward_with_an_omega_window_equals_the_torch_chunk_loop(nam
     monkeypatch.setitem(persistent.BLOCKS, "warps_narrow", warps)
     monkeypatch.setitem(persistent.BLOCKS, "warps_window", window_warps)
     launches = []
-    kernel = persistent._persistent_kernel
-    monkeypatch.setattr(persistent, "_persistent_kernel", _Recording(kernel, launches))
+    monkeypatch.setattr(persistent, "_persistent_kernel", _Recording(persistent._persistent_kernel, launches))
     spec = SPECS[name]
     problem = _window_problem(spec, momentum, n=4, G=2, C=C, window=window)
     W, S, q, k, v, a, b, c, sa, sc = problem
