@@ -867,8 +867,10 @@ def chunk_mc_titans(
 ) -> tuple[torch.Tensor, MCState]:
     """``T`` new tokens per row (compacted, ``lengths`` valid), continuing ``state``. ``slots``: for one
     token per row, how its step caches a memory (:func:`step_mc_titans`)."""
-    resolve_backend(q, has_triton_impl=fused_chunks(spec) and options.aggregation != "soup",
-                    what="MC-Titans with a gated memory or the soup aggregation")
+    # soup's mixes of the cached weights run in Triton (memory_caching._mixed_products), its online memory on
+    # the chunk operator: the mix applies that memory's per-token weights to the mixed hidden layer, which the
+    # fused chunk kernels do not expose.
+    resolve_backend(q, has_triton_impl=fused_chunks(spec), what="MC-Titans with a gated memory")
     B, T, H, _ = q.shape
     lengths = torch.full((B,), T, dtype=torch.long, device=q.device) if lengths is None else lengths
     if options.logarithmic or T == 1:

@@ -35,6 +35,7 @@ from .backend import resolve_backend
 from .cache_slots_triton import write_slots_triton
 from .chunk_loop import recompute_in_backward
 from .mc_mlp_read_triton import cached_mlp_read_triton, covers as one_token_read_covers
+from .mixed_products_triton import mixed_products as mixed_products_triton, supported as mixed_products_covers
 from .mlp_memory import MLPMemorySpec, memory_apply, static_apply
 
 __all__ = [
@@ -249,13 +250,25 @@ def _one_token_read(spec: MLPMemorySpec, q: torch.Tensor, g: torch.Tensor, piece
 def _mixed_products(x: torch.Tensor, g: torch.Tensor, *pieces: torch.Tensor) -> torch.Tensor:
     """``sum_n g_n W_n x`` per token over the pieces of one cached weight: soup's share of the cached
     memories in a mixed weight's product."""
+    d_out, d_in = pieces[0].shape[-2:]
+    covered = x.dtype == torch.float32 and mixed_products_covers(d_in, d_out) and all(
+        w.dtype == torch.float32 for w in pieces)
+    triton = resolve_backend(x, has_triton_impl=covered, what=lambda: _uncovered_mix(x, pieces[0])) == "triton"
     out = None
     for i, gates in _nonempty(pieces, g):
-        # Each memory's product, then the gated sum: plain batched products (the three-operand einsum over
-        # pieces of one memory made a CPU training step 6x slower).
-        part = torch.einsum("bnhto,bhtn->bhto", x[:, None] @ pieces[i].to(x.dtype).transpose(-1, -2), gates)
+        if triton:  # the tokens' sums stay on chip while the kernel walks the memories
+            part = mixed_products_triton(x, gates, pieces[i])
+        else:
+            # Each memory's product, then the gated sum: plain batched products (the three-operand einsum over
+            # pieces of one memory made a CPU training step 6x slower).
+            part = torch.einsum("bnhto,bhtn->bhto", x[:, None] @ pieces[i].to(x.dtype).transpose(-1, -2), gates)
         out = part if out is None else out + part
     return out
+
+
+def _uncovered_mix(x: torch.Tensor, w: torch.Tensor) -> str:
+    return (f"the soup aggregation's mixed products of {x.dtype} inputs and {w.dtype} weights of shape "
+            f"{tuple(w.shape[-2:])} (the kernels take float32 and widths up to 256)")
 
 
 def _gated_reads(spec: MLPMemorySpec, n_pieces: int, q: torch.Tensor, g: torch.Tensor,

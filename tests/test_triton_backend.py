@@ -17,7 +17,6 @@ pytest.importorskip("triton")
 NO_KERNELS = {
     "deep-dot-window3-gqa": "omega or delta rule",
     "mc-log-mean-gated": "gated memory",
-    "mc-soup-independent": "soup",
 }
 # MoM's kernels take chunks of 16, 32 or 64 (the tiny models' chunks are 8).
 OVERRIDES = {name: {"chunk_size": 16} for name in MODEL_VARIANTS if name.startswith("mom-")}
