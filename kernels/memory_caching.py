@@ -35,7 +35,7 @@ from .backend import resolve_backend
 from .cache_slots_triton import write_slots_triton
 from .chunk_loop import recompute_in_backward
 from .mc_mlp_read_triton import cached_mlp_read_triton, covers as one_token_read_covers
-from .mixed_products_triton import mixed_products as mixed_products_triton, supported as mixed_products_covers
+from .mixed_products_triton import mixed_products as mixed_products_triton
 from .mlp_memory import MLPMemorySpec, memory_apply, static_apply
 
 __all__ = [
@@ -74,6 +74,11 @@ CACHE_MODES = ("checkpoint", "independent")
 # launch skips the memories whose gate is zero, which the batched products read anyway. Off gives the batched
 # products back (an A/B: ``bench_decode.py --sweep memory_caching.ONE_TOKEN_READ=0,1``).
 ONE_TOKEN_READ = True
+
+# Whether the soup aggregation's mixes of the cached weights take the Triton kernels (:mod:`.mixed_products_triton`)
+# where Triton runs, or the batched products; off is kept for an A/B
+# (``bench_layers.py --sweep memory_caching.MIXED_PRODUCTS=0,1``) and refuses an explicit request for Triton.
+MIXED_PRODUCTS = True
 
 
 def check_aggregation(aggregation: str, u: torch.Tensor | None, memories: str) -> bool:
@@ -250,9 +255,7 @@ def _one_token_read(spec: MLPMemorySpec, q: torch.Tensor, g: torch.Tensor, piece
 def _mixed_products(x: torch.Tensor, g: torch.Tensor, *pieces: torch.Tensor) -> torch.Tensor:
     """``sum_n g_n W_n x`` per token over the pieces of one cached weight: soup's share of the cached
     memories in a mixed weight's product."""
-    d_out, d_in = pieces[0].shape[-2:]
-    covered = x.dtype == torch.float32 and mixed_products_covers(d_in, d_out) and all(
-        w.dtype == torch.float32 for w in pieces)
+    covered = MIXED_PRODUCTS and all(t.dtype == torch.float32 for t in (x, g, *pieces))
     triton = resolve_backend(x, has_triton_impl=covered, what=lambda: _uncovered_mix(x, pieces[0])) == "triton"
     out = None
     for i, gates in _nonempty(pieces, g):
@@ -267,8 +270,7 @@ def _mixed_products(x: torch.Tensor, g: torch.Tensor, *pieces: torch.Tensor) -> 
 
 
 def _uncovered_mix(x: torch.Tensor, w: torch.Tensor) -> str:
-    return (f"the soup aggregation's mixed products of {x.dtype} inputs and {w.dtype} weights of shape "
-            f"{tuple(w.shape[-2:])} (the kernels take float32 and widths up to 256)")
+    return f"the soup aggregation's mixed products of {x.dtype} inputs and {w.dtype} weights (the kernels take float32)"
 
 
 def _gated_reads(spec: MLPMemorySpec, n_pieces: int, q: torch.Tensor, g: torch.Tensor,

@@ -9,10 +9,10 @@ tokens' sum on chip while it walks the memories:
 
 - :func:`mixed_products` forward, a program per (block of tokens, block of outputs, batch x head):
   ``y += g_n (x W_n^T)`` for every memory ``n``;
-- backward, input side, a program per (block of tokens, batch x head): ``z = dy W_n`` over the whole input
-  width, ``dx += g_n z`` and ``dg_n = <z, x>`` (that is ``<dy, x W_n^T>``: the gate's gradient needs no
+- backward, input side, a program per (block of tokens, block of inputs, batch x head): ``z = dy W_n``,
+  ``dx += g_n z`` and ``dg_n = <z, x>`` (that is ``<dy, x W_n^T>``: the gate's gradient needs no
   product of its own);
-- backward, weight side, a program per (block of outputs, memory, batch x head):
+- backward, weight side, a program per (block of outputs, memory and block of inputs, batch x head):
   ``dW_n[blk] = sum_t (g_{t,n} dy_t[blk]) x_t^T``, ``dy`` loaded transposed, so that no product's result is
   transposed into another product (which Triton 3.4-3.7.0 miscompiles on Hopper; docs/kernels.md).
 
@@ -21,8 +21,9 @@ exact products (``"ieee"``) or TF32 ones (``"tf32"``: bf16/fp16 problems on CUDA
 :func:`~.chunk_loop.tf32_products` is in force), float32 sums.
 
 Tensors: ``x (B, H, T, d_in)``, ``g (B, H, T, N)``, ``w (B, N, H, d_out, d_in)`` (one piece of
-:func:`~.memory_caching.mc_read`'s cached weights), widths up to 256; tiles take the next power of two from
-16 (the least a tensor-core product takes), masked.
+:func:`~.memory_caching.mc_read`'s cached weights), any widths: tiles are blocks of at most 64 along each, at
+least 16 (the least a tensor-core product takes), masked. Where the inputs span several blocks, each block's
+share of a gate's gradient is written apart and summed after the launch.
 """
 
 from __future__ import annotations
@@ -31,18 +32,12 @@ import torch
 
 from .backend import tl, triton
 
-__all__ = ["mixed_products", "precision_in_force", "supported"]
+__all__ = ["mixed_products", "precision_in_force"]
 
-# (tokens, outputs, warps) per kernel: float32 operands take 4 bytes an element, so a forward's tiles at
-# 32 x 256 inputs stay inside shared memory with room for two stages.
-FORWARD_BLOCKS = (32, 32, 4)
-INPUT_BLOCKS = (32, 32, 4)
-WEIGHT_BLOCKS = (32, 32, 4)
-
-
-def supported(d_in: int, d_out: int) -> bool:
-    """Whether the kernels take weights ``(d_out, d_in)``: both widths from 1 to 256."""
-    return all(1 <= d <= 256 for d in (d_in, d_out))
+# (tokens, outputs, inputs, warps) per kernel; float32 operands take 4 bytes an element.
+FORWARD_BLOCKS = (32, 64, 64, 4)
+INPUT_BLOCKS = (32, 64, 64, 4)
+WEIGHT_BLOCKS = (32, 64, 64, 4)
 
 
 def _tile(width: int) -> int:
@@ -70,35 +65,40 @@ def _weight_base(gi, n, N, H, DO: tl.constexpr, DI: tl.constexpr):
 
 @triton.jit
 def _forward_kernel(X, G, W, Y, T, N, H, precision: tl.constexpr, DI: tl.constexpr, DO: tl.constexpr,
-                    PI: tl.constexpr, BT: tl.constexpr, BO: tl.constexpr):
+                    BT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
     tile, ob = tl.program_id(0), tl.program_id(1)
     gi = tl.program_id(2).to(tl.int64)
     rows, live = _token_tile(T, tile, BT)
-    cin, outs = tl.arange(0, PI), ob * BO + tl.arange(0, BO)
-    x = tl.load(X + (gi * T + rows[:, None]) * DI + cin[None, :], mask=live[:, None] & (cin[None, :] < DI), other=0.0)
+    outs = ob * BO + tl.arange(0, BO)
     acc = tl.zeros((BT, BO), tl.float32)
     for n in range(0, N):
-        g = tl.load(G + (gi * T + rows) * N + n, mask=live, other=0.0)
-        # W_n[outs, :] loaded as its transpose (PI, BO): the product is x W_n^T with no transposed result
-        w_t = tl.load(W + _weight_base(gi, n, N, H, DO, DI) + outs[None, :] * DI + cin[:, None],
-                      mask=(outs[None, :] < DO) & (cin[:, None] < DI), other=0.0)
-        acc += tl.dot(x, w_t, input_precision=precision) * g[:, None]
+        base = _weight_base(gi, n, N, H, DO, DI)
+        part = tl.zeros((BT, BO), tl.float32)
+        for i0 in range(0, DI, BI):
+            cin = i0 + tl.arange(0, BI)
+            x = tl.load(X + (gi * T + rows[:, None]) * DI + cin[None, :], mask=live[:, None] & (cin[None, :] < DI),
+                        other=0.0)
+            # W_n[outs, cin] loaded as its transpose (BI, BO): the product is x W_n^T with no transposed result
+            w_t = tl.load(W + base + outs[None, :] * DI + cin[:, None], mask=(outs[None, :] < DO) & (cin[:, None] < DI),
+                          other=0.0)
+            part += tl.dot(x, w_t, input_precision=precision)
+        acc += part * tl.load(G + (gi * T + rows) * N + n, mask=live, other=0.0)[:, None]
     tl.store(Y + (gi * T + rows[:, None]) * DO + outs[None, :], acc, mask=live[:, None] & (outs[None, :] < DO))
 
 
 @triton.jit
 def _input_backward_kernel(X, G, W, DY, DX, DG, T, N, H, precision: tl.constexpr, DI: tl.constexpr,
-                           DO: tl.constexpr, PI: tl.constexpr, BT: tl.constexpr, BO: tl.constexpr):
-    tile = tl.program_id(0)
-    gi = tl.program_id(1).to(tl.int64)
+                           DO: tl.constexpr, BT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
+    tile, ib = tl.program_id(0), tl.program_id(1)
+    gi = tl.program_id(2).to(tl.int64)
     rows, live = _token_tile(T, tile, BT)
-    cin = tl.arange(0, PI)
+    cin = ib * BI + tl.arange(0, BI)
     x_mask = live[:, None] & (cin[None, :] < DI)
     x = tl.load(X + (gi * T + rows[:, None]) * DI + cin[None, :], mask=x_mask, other=0.0)
-    dx = tl.zeros((BT, PI), tl.float32)
+    dx = tl.zeros((BT, BI), tl.float32)
     for n in range(0, N):
         base = _weight_base(gi, n, N, H, DO, DI)
-        z = tl.zeros((BT, PI), tl.float32)
+        z = tl.zeros((BT, BI), tl.float32)
         for o0 in range(0, DO, BO):
             outs = o0 + tl.arange(0, BO)
             dy = tl.load(DY + (gi * T + rows[:, None]) * DO + outs[None, :], mask=live[:, None] & (outs[None, :] < DO),
@@ -106,19 +106,21 @@ def _input_backward_kernel(X, G, W, DY, DX, DG, T, N, H, precision: tl.constexpr
             w = tl.load(W + base + outs[:, None] * DI + cin[None, :], mask=(outs[:, None] < DO) & (cin[None, :] < DI),
                         other=0.0)
             z += tl.dot(dy, w, input_precision=precision)
-        g = tl.load(G + (gi * T + rows) * N + n, mask=live, other=0.0)
-        dx += z * g[:, None]
-        tl.store(DG + (gi * T + rows) * N + n, tl.sum(z * x, 1), mask=live)
+        dx += z * tl.load(G + (gi * T + rows) * N + n, mask=live, other=0.0)[:, None]
+        # this block of inputs' share of dg_n; the blocks' shares are summed after the launch
+        tl.store(DG + ((gi * T + rows) * N + n) * tl.num_programs(1) + ib, tl.sum(z * x, 1), mask=live)
     tl.store(DX + (gi * T + rows[:, None]) * DI + cin[None, :], dx, mask=x_mask)
 
 
 @triton.jit
 def _weight_backward_kernel(X, G, DY, DW, T, N, H, precision: tl.constexpr, DI: tl.constexpr, DO: tl.constexpr,
-                            PI: tl.constexpr, BT: tl.constexpr, BO: tl.constexpr):
-    ob, n = tl.program_id(0), tl.program_id(1)
+                            BT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
+    ob, nb = tl.program_id(0), tl.program_id(1)
     gi = tl.program_id(2).to(tl.int64)
-    outs, cin = ob * BO + tl.arange(0, BO), tl.arange(0, PI)
-    acc = tl.zeros((BO, PI), tl.float32)
+    n_in = tl.cdiv(DI, BI)
+    n, ib = nb // n_in, nb % n_in
+    outs, cin = ob * BO + tl.arange(0, BO), ib * BI + tl.arange(0, BI)
+    acc = tl.zeros((BO, BI), tl.float32)
     for tile in range(0, tl.cdiv(T, BT)):
         rows, live = _token_tile(T, tile, BT)
         # dy's block loaded as its transpose (BO, BT), scaled by the memory's gates along the tokens
@@ -137,41 +139,41 @@ def _check(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> None:
     if w.dim() != 5 or w.shape[0] != B or w.shape[2] != H or w.shape[4] != DI or g.shape != (B, H, T, w.shape[1]):
         raise ValueError(f"mixed products take x (B, H, T, d_in), g (B, H, T, N), w (B, N, H, d_out, d_in); got "
                          f"{tuple(x.shape)}, {tuple(g.shape)}, {tuple(w.shape)}")
-    if not supported(DI, w.shape[3]):
-        raise ValueError(f"mixed products take widths up to 256, got weights of {tuple(w.shape[3:])}")
     if any(t.dtype != torch.float32 for t in (x, g, w)):
         raise ValueError("mixed products take float32 operands")
 
 
-def _blocks(blocks: tuple[int, int, int], d_out: int) -> tuple[int, int, int]:
-    BT, BO, warps = blocks
-    return BT, min(BO, _tile(d_out)), warps
+def _blocks(blocks: tuple[int, int, int, int], d_in: int, d_out: int) -> tuple[int, int, int, int]:
+    BT, BO, BI, warps = blocks
+    return BT, min(BO, _tile(d_out)), min(BI, _tile(d_in)), warps
 
 
 def _forward(x, g, w, precision):
     B, H, T, DI = x.shape
     N, DO = w.shape[1], w.shape[3]
-    BT, BO, warps = _blocks(FORWARD_BLOCKS, DO)
+    BT, BO, BI, warps = _blocks(FORWARD_BLOCKS, DI, DO)
     y = x.new_empty(B, H, T, DO)
     if T:
         _forward_kernel[(triton.cdiv(T, BT), triton.cdiv(DO, BO), B * H)](
-            x, g, w, y, T, N, H, precision, DI, DO, _tile(DI), BT, BO, num_warps=warps)
+            x, g, w, y, T, N, H, precision, DI, DO, BT, BO, BI, num_warps=warps)
     return y
 
 
 def _backward(x, g, w, dy, precision):
     B, H, T, DI = x.shape
     N, DO = w.shape[1], w.shape[3]
-    dx, dg, dw = torch.empty_like(x), torch.empty_like(g), torch.empty_like(w)
     if not T or not N:
-        return dx.zero_(), dg, dw.zero_()
-    BT, BO, warps = _blocks(INPUT_BLOCKS, DO)
-    _input_backward_kernel[(triton.cdiv(T, BT), B * H)](
-        x, g, w, dy, dx, dg, T, N, H, precision, DI, DO, _tile(DI), BT, BO, num_warps=warps)
-    BT, BO, warps = _blocks(WEIGHT_BLOCKS, DO)
-    _weight_backward_kernel[(triton.cdiv(DO, BO), N, B * H)](
-        x, g, dy, dw, T, N, H, precision, DI, DO, _tile(DI), BT, BO, num_warps=warps)
-    return dx, dg, dw
+        return torch.zeros_like(x), torch.empty_like(g), torch.zeros_like(w)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    BT, BO, BI, warps = _blocks(INPUT_BLOCKS, DI, DO)
+    n_in = triton.cdiv(DI, BI)
+    dg = g.new_empty(*g.shape, n_in)
+    _input_backward_kernel[(triton.cdiv(T, BT), n_in, B * H)](
+        x, g, w, dy, dx, dg, T, N, H, precision, DI, DO, BT, BO, BI, num_warps=warps)
+    BT, BO, BI, warps = _blocks(WEIGHT_BLOCKS, DI, DO)
+    _weight_backward_kernel[(triton.cdiv(DO, BO), N * triton.cdiv(DI, BI), B * H)](
+        x, g, dy, dw, T, N, H, precision, DI, DO, BT, BO, BI, num_warps=warps)
+    return dx, dg.sum(-1) if n_in > 1 else dg[..., 0], dw
 
 
 class _MixedProducts(torch.autograd.Function):

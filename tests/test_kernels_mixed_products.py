@@ -32,9 +32,11 @@ def by_memory(x, g, w):
 
 
 # widths of a first layer (16 -> 64), a second (64 -> 16), square, narrower than a tile (8 -> 16, 16 -> 8) and
-# of no power of two (24 -> 40); 21 tokens (a partial block), 37 (two)
+# of no power of two (24 -> 40), wider than a block of 64 (80 -> 130: two blocks of inputs, three of outputs);
+# 21 tokens (a partial block), 37 (two)
 @pytest.mark.parametrize("T,N,d_in,d_out", [(21, 3, 16, 64), (37, 5, 64, 16), (21, 1, 32, 32), (9, 6, 16, 16),
-                                            (37, 2, 8, 16), (9, 3, 16, 8), (21, 2, 24, 40)])
+                                            (37, 2, 8, 16), (9, 3, 16, 8), (21, 2, 24, 40),
+                                            (37, 2, 80, 130)])
 def test_mixed_products_and_their_gradients_equal_the_products_memory_by_memory(T, N, d_in, d_out):
     """``sum_n g_n x W_n^T`` and the gradients of ``x``, ``g`` and every ``W_n`` equal the batched products in
     float64 to float32's rounding (relative error < 1e-6 of the largest entry), over two rows of three heads."""
@@ -60,8 +62,6 @@ def test_no_memories_mix_to_zero_with_zero_gradients():
 
 def test_mixed_products_name_what_they_do_not_take():
     x, g, w = problem(0, 1, 2, 5, 2, 16, 32)
-    with pytest.raises(ValueError, match="widths up to 256"):
-        mixed.mixed_products(x, g, w.detach().repeat(1, 1, 1, 10, 1))
     with pytest.raises(ValueError, match=r"g \(B, H, T, N\)"):
         mixed.mixed_products(x, g[..., :1], w)
     with pytest.raises(ValueError, match="float32"):
@@ -112,3 +112,22 @@ def test_a_soup_model_trains_prefills_and_decodes_through_the_kernels(monkeypatc
     assert outputs["torch"][2] == 0 and outputs["triton"][2] > 0
     for a, b in zip(outputs["triton"][:2], outputs["torch"][:2]):
         assert relative_error(a, b) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need CUDA")
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("d_in,d_out", [(64, 256), (256, 64)], ids=["first_layer", "second_layer"])
+def test_mixed_products_at_real_shapes_on_the_gpu(d_in, d_out, precision):
+    """The compiled kernels at the benchmark's shape (a chunk of 64 tokens of 2 rows x 16 heads of 64, MLP x4,
+    48 cached memories) against float64: exact float32 products to 1e-5 of the largest entry, TF32 products
+    (11 bits of mantissa, sums of 256 terms) to 5e-3."""
+    x, g, w = problem(3, 2, 16, 64, 48, d_in, d_out)
+    got = mixed.mixed_products(x, g, w, precision)
+    expected = by_memory(x.double(), g.double(), w.double())
+    probe = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
+    got_grads = torch.autograd.grad((got.double() * probe).sum(), (x, g, w))
+    expected_grads = torch.autograd.grad((expected * probe).sum(), (x, g, w))
+    bound = 1e-5 if precision == "ieee" else 5e-3
+    errors = [relative_error(a, b) for a, b in zip((got, *got_grads), (expected, *expected_grads))]
+    assert max(errors) < bound, errors
