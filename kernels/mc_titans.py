@@ -490,6 +490,12 @@ class _SegmentCache:
         for n in names:
             base = self.weights[n]
             empty = base.new_zeros(B, 1, *base.shape[2:]) if pad else None
+            if empty is not None and any(w[n].requires_grad for w, _, _ in self.fresh):
+                # An empty slot asks for its gradient as the fresh memories do: which consts ask is part of a
+                # captured step's key, so that a step keeps one capture per cache size (log2 n over n segments)
+                # rather than one per segment. On CUDA the pieces are joined before the read, whose backward
+                # makes every slot's gradient anyway.
+                empty.requires_grad_()
             pieces += [base, *(w[n][:, None] for w, _, _ in self.fresh), *(empty,) * pad]
         return (valid, summary, *pieces)
 

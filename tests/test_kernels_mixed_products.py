@@ -84,8 +84,8 @@ def test_a_soup_model_trains_prefills_and_decodes_through_the_kernels(monkeypatc
         return mixed.mixed_products(*args, **kwargs)
 
     monkeypatch.setattr(memory_caching, "mixed_products_triton", spy)
-    model = tiny_mc_titans(aggregation="soup", cache_mode="independent", num_hidden_layers=1).train()
-    ids = torch.randint(1, 97, (2, 14), generator=torch.Generator().manual_seed(0))
+    model = tiny_mc_titans(aggregation="soup", cache_mode="independent", num_hidden_layers=1).to(DEVICE).train()
+    ids = torch.randint(1, 97, (2, 14), generator=torch.Generator().manual_seed(0)).to(DEVICE)
 
     def step(backend):
         model.zero_grad()
