@@ -325,9 +325,10 @@ class GraphedStep:
 
 
 _GRAPHS: OrderedDict = OrderedDict()
-# Enough for every shape one training step meets (a Memory Caching layer at 32K tokens: 9 cache sizes),
-# since a shape evicted between steps is captured again on every step.
-_MAX_GRAPHS = 16
+# Enough for every shape one training step meets (a Memory Caching layer at 32K tokens: 9 cache sizes; the
+# soup aggregation, whose chunk step reads the cache itself, a step per cache size and stretch, 18), since a
+# shape evicted between steps is captured again on every step.
+_MAX_GRAPHS = 32
 
 
 def _step_key(step: Step):
