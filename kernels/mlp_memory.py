@@ -133,9 +133,9 @@ def grad_factors(spec: MLPMemorySpec, weights: dict[str, torch.Tensor], k: torch
 
 def raw_grad_factors(spec: MLPMemorySpec, weights: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                       keep: dict | None = None):
-    """The unclipped factors; ``keep`` (non-gated MLPs) receives the hidden layer's pre-activation
-    ``pre``, its gradient ``back`` and the activation's slope ``slope``, which a hand-written
-    backward (:mod:`.titans_chunk`) reuses."""
+    """The unclipped factors; ``keep`` (MLPs) receives the hidden layer's pre-activation ``pre``, its
+    gradient ``back`` and the activation's slope ``slope`` (gated: also the activation ``act`` and the
+    gate's pre-activation ``gate``), which a hand-written backward (:mod:`.titans_chunk`) reuses."""
     apply = static_apply(weights)
 
     def d_loss(prediction):  # dL/dM(k)
@@ -153,8 +153,11 @@ def raw_grad_factors(spec: MLPMemorySpec, weights: dict[str, torch.Tensor], k: t
         factors["w0"] = (err, k)
     if spec.gated:
         pre3 = apply("w3", k)
-        factors["w2"] = (back * pre3 * gelu_derivative(pre2), k)
+        slope = gelu_derivative(pre2)
+        factors["w2"] = (back * pre3 * slope, k)
         factors["w3"] = (back * act, k)
+        if keep is not None:
+            keep.update(pre=pre2, back=back, slope=slope, act=act, gate=pre3)
     elif keep is not None:
         slope = gelu_derivative(pre2)
         factors["w2"] = (back * slope, k)

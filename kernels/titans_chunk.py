@@ -17,12 +17,15 @@ Here the backward is written out once:
   weight-sized tensors (a matmul of flattened views: no weight-sized temporary);
 - everything else is ``(chunk, width)``-sized.
 
-Scope: memories of depth 1 (``M(z) = W z``) and depth 2 (``z + W1 gelu(W2 z)``, or
-``W0 z + ...`` with a linear skip), objectives ``l2`` and ``dot``, with or without
-the per-token gradient clip, gradients taken at the weights the chunk starts from.
-:func:`supported` says whether a spec is covered; callers run
-:class:`~.titans.ChunkOperator` under autograd otherwise (gated memories, resumed rows),
-which stays the readable definition these functions are tested against.
+Scope: memories of depth 1 (``M(z) = W z``) and depth 2 (``z + W1 gelu(W2 z)``, gated
+``z + W1 (gelu(W2 z) * W3 z)``, or ``W0 z + ...`` with a linear skip), objectives ``l2`` and
+``dot``, with or without the per-token gradient clip, gradients taken at the weights the chunk
+starts from. :func:`supported` says whether a spec is covered; callers run
+:class:`~.titans.ChunkOperator` under autograd otherwise (resumed rows), which stays the
+readable definition these functions are tested against. The Triton hidden-layer slices
+(:mod:`.titans_triton_forward`, :mod:`.titans_triton_backward`) take the ungated MLP with an
+identity skip; every other memory reads through cuBLAS products here, its weight-sized final
+update and that update's backward in Triton on the Triton backend.
 
 Shapes: weights ``(B, H, d_out, d_in)``; ``q (B, H, C, d_k)``; ``k, v (B, H, K, .)``
 (the ``K`` tokens whose gradients the chunk writes: ``K = C`` for Titans, the
@@ -44,8 +47,9 @@ __all__ = ["chunk_memory", "supported", "wanted"]
 
 
 def supported(spec: MLPMemorySpec) -> bool:
-    """Whether :func:`chunk_memory` computes this memory (see the module's scope)."""
-    return not spec.gated
+    """Whether :func:`chunk_memory` computes this memory (see the module's scope): every
+    :class:`~.mlp_memory.MLPMemorySpec`."""
+    return isinstance(spec, MLPMemorySpec)
 
 
 def wanted(spec: MLPMemorySpec) -> bool:
@@ -64,8 +68,6 @@ def chunk_memory(spec: MLPMemorySpec, W: dict[str, torch.Tensor], S: dict[str, t
 
     Final values: ``W' = a_C W + b_C S + sum_k c_Ck A_k B_k^T``, ``S' = sa_last S + sum_k sc_last_k A_k B_k^T``.
     """
-    if not supported(spec):
-        raise ValueError(f"chunk_memory does not cover this memory ({spec}); use ChunkOperator")
     names = list(spec.shapes)
     momentum = S is not None
     gates = (a, b, c, sa_last, sc_last) if momentum else (a, c)
@@ -305,6 +307,10 @@ class _ChunkMemory(torch.autograd.Function):
         else:
             hidden_pre, saved["w2"] = _read(q, W["w2"], Sn("w2"), *factors["w2"], a, b, c)
             hidden = F.gelu(hidden_pre)
+            if spec.gated:
+                gate_pre, saved["w3"] = _read(q, W["w3"], Sn("w3"), *factors["w3"], a, b, c)
+                inner.update(read_act=hidden, gate_pre=gate_pre)
+                hidden = hidden * gate_pre
             y, saved["w1"] = _read(hidden, W["w1"], Sn("w1"), *factors["w1"], a, b, c)
             if spec.linear_skip:
                 skip, saved["w0"] = _read(q, W["w0"], Sn("w0"), *factors["w0"], a, b, c)
@@ -385,6 +391,9 @@ class _ChunkMemory(torch.autograd.Function):
         else:
             d_hidden = back("w1", d_y)
             dq = back("w0", d_y) if spec.linear_skip else d_y
+            if spec.gated:  # hidden = gelu(pre) * gate
+                dq = dq + back("w3", d_hidden * inner["read_act"])
+                d_hidden = d_hidden * inner["gate_pre"]
             dq = dq + back("w2", d_hidden * gelu_derivative(inner["hidden_pre"]))
 
         if spec.grad_clip is not None:
@@ -399,10 +408,18 @@ class _ChunkMemory(torch.autograd.Function):
                 g.uses["W", "w"].append((d_pred, k))
         else:
             err = inner["raw"]["w1"] if spec.grad_clip is not None else factors["w1"][0]
-            act = factors["w1"][1]
+            act = factors["w1"][1]  # the keys' hidden layer (gated: gelu(pre) * gate)
             pre, back_, slope = inner["pre"], inner["back"], inner["slope"]
-            d_back = dA["w2"] * slope
-            d_pre = dA["w2"] * back_ * _gelu_second_derivative(pre)
+            if spec.gated:
+                # A_w2 = back * gate * gelu'(pre), A_w3 = back * gelu(pre), hidden = gelu(pre) * gate
+                gate, gelu_pre = inner["gate"], inner["act"]
+                d_back = dA["w2"] * gate * slope + dA["w3"] * gelu_pre
+                d_pre = dA["w2"] * back_ * gate * _gelu_second_derivative(pre)
+                d_gelu = dA["w3"] * back_
+                d_gate = dA["w2"] * back_ * slope
+            else:
+                d_back = dA["w2"] * slope
+                d_pre = dA["w2"] * back_ * _gelu_second_derivative(pre)
             d_err = dA["w1"] + d_back @ _t(W["w1"])
             g.uses["W", "w1"].append((err, d_back))
             d_act = dB["w1"]
@@ -419,6 +436,12 @@ class _ChunkMemory(torch.autograd.Function):
                     g.uses["W", "w0"].append((d_pred, k))
                 else:
                     dk = dk + d_pred
+            if spec.gated:
+                d_gelu = d_gelu + d_act * gate
+                d_gate = d_gate + d_act * gelu_pre
+                dk = dk + dB["w3"] + d_gate @ W["w3"]
+                g.uses["W", "w3"].append((d_gate, k))
+                d_act = d_gelu
             d_pre = d_pre + d_act * slope
             dk = dk + d_pre @ W["w2"]
             g.uses["W", "w2"].append((d_pre, k))
