@@ -148,11 +148,8 @@ def _step_titans(spec, q, k, v, retention, momentum, lr, state, chunk_size, live
     factors = grad_factors(spec, start, k[:, :, None], v[:, :, None])
     gates = tuple(x.to(dtype) for x in (retention, momentum, lr))
     memory = [*state.weights.values(), *state.momentum.values(), *state.chunk_start.values()]
-    # The one-pass kernel has no backward: steps under autograd (logarithmic segments in training) keep torch.
-    kernel = all(t.dtype == torch.float32 for t in memory) and not (
-        torch.is_grad_enabled() and any(t.requires_grad for t in (*memory, k, v, *gates)))
-    if resolve_backend(q, has_triton_impl=kernel,
-                       what="a Titans step under autograd (logarithmic segments in training)") == "triton":
+    kernel = all(t.dtype == torch.float32 for t in (*memory, *gates))
+    if resolve_backend(q, has_triton_impl=kernel, what=lambda: f"a Titans step of {memory[0].dtype} memories") == "triton":
         from .titans_triton_update import step_update as update
     else:
         update = step_update

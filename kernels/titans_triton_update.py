@@ -6,6 +6,8 @@ left weight-sized is its final update and that update's backward:
 - :func:`final_update`: ``W' = a W + b S + U_w^T B``, ``S' = s S + U_s^T B`` per
   ``(batch, head)``, the rank-``K`` products in the same tile as the gated sums, so
   ``W, S`` are read once and ``W', S'`` written once;
+- :func:`step_update`: one token's ``W' = r W + S'``, ``S' = m S - lr A B^T`` (decoding, and the steps of
+  logarithmic segments), with its backward;
 - :func:`final_update_backward`: ``dW = a dW' + L_w^T R_w`` and
   ``dS = b dW' + s dS' + L_s^T R_s`` (``L, R``: the stacked factors of every use of
   the weight in the chunk) together with the gates' gradients ``<dW', W>``,
@@ -222,17 +224,78 @@ def _step_update_kernel(W, S, C, A, BF, RETENTION, MOMENTUM, LR, LIVE, START, W_
     tl.store(C_OUT + offs, tl.where(live & starts, w, c), mask=mask)
 
 
+@triton.jit
+def _step_update_backward_kernel(W, S, A, BF, RETENTION, MOMENTUM, LR, LIVE, START, DW_NEW, DS_NEW, DC_NEW, DW, DS,
+                                 DC, DA_PART, DB_PART, GATE_PART, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    g, rm, rn, mm, mn, mask, offs = _tile(M, N, BM, BN)
+    t = tl.program_id(0)
+    n_tiles_n, n_tiles = tl.cdiv(N, BN), tl.num_programs(0)
+    dw_new = tl.load(DW_NEW + offs, mask=mask, other=0.0)
+    ds_new = tl.load(DS_NEW + offs, mask=mask, other=0.0)
+    dc_new = tl.load(DC_NEW + offs, mask=mask, other=0.0)
+    live = tl.load(LIVE + g) != 0
+    starts = tl.load(START + g) != 0
+    retention, momentum, lr = tl.load(RETENTION + g), tl.load(MOMENTUM + g), tl.load(LR + g)
+    # On a live row W' = r W + S' and S' = m S - lr A B^T: S' reaches the loss through both outputs.
+    ds_total = tl.where(live, ds_new + dw_new, 0.0)
+    kept_start = live & starts
+    tl.store(DW + offs, tl.where(live, retention * dw_new, dw_new) + tl.where(kept_start, dc_new, 0.0), mask=mask)
+    tl.store(DS + offs, tl.where(live, momentum * ds_total, ds_new), mask=mask)
+    tl.store(DC + offs, tl.where(kept_start, 0.0, dc_new), mask=mask)
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    s = tl.load(S + offs, mask=mask, other=0.0)
+    a = tl.load(A + g * M + rm, mask=mm, other=0.0)
+    b = tl.load(BF + g * N + rn, mask=mn, other=0.0)
+    # Each tile's shares of the factors' and gates' gradients, summed over the tiles after the launch.
+    tl.store(DA_PART + (g * n_tiles_n + t % n_tiles_n) * M + rm, -lr * tl.sum(ds_total * b[None, :], 1), mask=mm)
+    tl.store(DB_PART + (g * tl.cdiv(M, BM) + t // n_tiles_n) * N + rn, -lr * tl.sum(ds_total * a[:, None], 0),
+             mask=mn)
+    gates = GATE_PART + (g * n_tiles + t) * 3
+    tl.store(gates, tl.where(live, tl.sum(tl.sum(dw_new * w, 1), 0), 0.0))
+    tl.store(gates + 1, tl.sum(tl.sum(ds_total * s, 1), 0))
+    tl.store(gates + 2, -tl.sum(tl.sum(ds_total * (a[:, None] * b[None, :]), 1), 0))
+
+
+class _StepUpdate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, W, S, C, A, Bf, retention, momentum, lr, live, at_start):
+        B, H, M, N = W.shape
+        flat = lambda x: x.reshape(B * H, *x.shape[2:]).contiguous()  # noqa: E731
+        flag = lambda x: x[:, None].expand(B, H).reshape(-1).to(torch.int8).contiguous()  # noqa: E731
+        tensors = [flat(x) for x in (W, S, A, Bf, retention, momentum, lr)] + [flag(live), flag(at_start)]
+        ctx.save_for_backward(*tensors)
+        Wf, Sf, Af, Bff, rf, mf, lf, live_f, start_f = tensors
+        W_out, S_out, C_out = torch.empty_like(W), torch.empty_like(W), torch.empty_like(W)
+        grid = (triton.cdiv(M, _BM) * triton.cdiv(N, _BN), B * H)
+        _step_update_kernel[grid](Wf, Sf, flat(C), Af, Bff, rf, mf, lf, live_f, start_f, W_out, S_out, C_out, M, N,
+                                  BM=_BM, BN=_BN, num_warps=_WARPS)
+        return W_out, S_out, C_out
+
+    @staticmethod
+    def backward(ctx, dW_new, dS_new, dC_new):
+        Wf, Sf, Af, Bff, rf, mf, lf, live_f, start_f = ctx.saved_tensors
+        G, M, N = Wf.shape
+        lead = next(x for x in (dW_new, dS_new, dC_new) if x is not None).shape[:2]
+        grad = lambda x: Wf.new_zeros(G, M, N) if x is None else x.reshape(G, M, N).contiguous()  # noqa: E731
+        dW_new, dS_new, dC_new = grad(dW_new), grad(dS_new), grad(dC_new)
+        dW, dS, dC = torch.empty_like(Wf), torch.empty_like(Wf), torch.empty_like(Wf)
+        tiles_m, tiles_n = triton.cdiv(M, _BM), triton.cdiv(N, _BN)
+        dA_part, dB_part = Wf.new_empty(G, tiles_n, M), Wf.new_empty(G, tiles_m, N)
+        gate_part = Wf.new_empty(G, tiles_m * tiles_n, 3)
+        _step_update_backward_kernel[(tiles_m * tiles_n, G)](
+            Wf, Sf, Af, Bff, rf, mf, lf, live_f, start_f, dW_new, dS_new, dC_new, dW, dS, dC, dA_part, dB_part,
+            gate_part, M, N, BM=_BM, BN=_BN, num_warps=_WARPS)
+        gates = gate_part.sum(1)
+        weights = (x.view(*lead, M, N) for x in (dW, dS, dC))
+        return (*weights, dA_part.sum(1).view(*lead, M), dB_part.sum(1).view(*lead, N),
+                *(gates[:, i].view(lead) for i in range(3)), None, None)
+
+
 def step_update(W: torch.Tensor, S: torch.Tensor, C: torch.Tensor, A: torch.Tensor, Bf: torch.Tensor,
                 retention: torch.Tensor, momentum: torch.Tensor, lr: torch.Tensor, live: torch.Tensor,
                 at_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(W', S', C')`` for weights ``(B, H, M, N)``, factors ``A (B, H, M)``, ``Bf (B, H, N)``, gates
-    ``(B, H)`` and row flags ``live, at_start (B,)``; see :func:`~.titans.step_update`."""
-    B, H, M, N = W.shape
-    flat = lambda x: x.reshape(B * H, *x.shape[2:]).contiguous()  # noqa: E731
-    flag = lambda x: x[:, None].expand(B, H).reshape(-1).to(torch.int8)  # noqa: E731
-    W_out, S_out, C_out = torch.empty_like(W), torch.empty_like(W), torch.empty_like(W)
-    grid = (triton.cdiv(M, _BM) * triton.cdiv(N, _BN), B * H)
-    _step_update_kernel[grid](flat(W), flat(S), flat(C), flat(A), flat(Bf), flat(retention), flat(momentum), flat(lr),
-                              flag(live), flag(at_start), W_out, S_out, C_out, M, N, BM=_BM, BN=_BN,
-                              num_warps=_WARPS)
-    return W_out, S_out, C_out
+    ``(B, H)`` and row flags ``live, at_start (B,)``; see :func:`~.titans.step_update`. Differentiable in every
+    tensor but the flags: the backward is one pass over the weight-sized tensors, its factors' and gates'
+    gradients summed over tiles after it (the steps of logarithmic segments in training)."""
+    return _StepUpdate.apply(W, S, C, A, Bf, retention, momentum, lr, live, at_start)
