@@ -12,7 +12,8 @@ T=2048 (B=8) and T=8192 (B=2). The memories compute in float32 (TF32 products fo
 - mnemo: MoM (4 heads x 256, 4 memories top-2 + shared; automatic backend and the PyTorch path),
   DeepTransformer (16 x 64; depth 1, depth 2 Hebbian with the automatic key pass and on the PyTorch path),
   Titans and MC-Titans grm / ssc top 2 (4 x 256, MLP x4, chunk 64, segments of 256), Titans and MC-Titans grm
-  and soup at 16 x 64, and Atlas OmegaNet / momentum / Muon at the paper's 340M layer (16 x 64, MLP x4, window 16).
+  and soup at 16 x 64, Titans with a gated memory at 16 x 64, and Atlas OmegaNet / momentum / Muon at the
+  paper's 340M layer (16 x 64, MLP x4, window 16).
 
 How: each row in turn, in one process, so ratios between rows hold (absolute times only for the GPU
 kind). A row's time is the median of ``--repeats`` loops of ``--iters`` steps after ``--warmup`` steps;
@@ -140,6 +141,7 @@ LAYERS: dict[str, Row] = {
     "mc_titans_grm_seg256_4x256": Row(lambda: titans_layer(256)),
     "mc_titans_ssc2_seg256_4x256": Row(lambda: titans_layer(256, aggregation="ssc", ssc_topk=2)),
     "titans_16x64_mlp4_c64": Row(lambda: titans_layer(None, heads=16)),
+    "titans_gated_16x64_mlp4_c64": Row(lambda: titans_layer(None, heads=16, memory_gated=True)),
     "mc_titans_grm_seg256_16x64": Row(lambda: titans_layer(256, heads=16)),
     "mc_titans_soup_seg256_16x64": Row(lambda: titans_layer(256, heads=16, aggregation="soup")),
     "atlas_omeganet_16x64": Row(lambda: atlas_layer("omeganet")),

@@ -16,7 +16,6 @@ pytest.importorskip("triton")
 # What each variant without Triton kernels is told it lacks.
 NO_KERNELS = {
     "deep-dot-window3-gqa": "omega or delta rule",
-    "mc-log-mean-gated": "logarithmic segments in training",
 }
 # MoM's kernels take chunks of 16, 32 or 64 (the tiny models' chunks are 8).
 OVERRIDES = {name: {"chunk_size": 16} for name in MODEL_VARIANTS if name.startswith("mom-")}
