@@ -415,11 +415,12 @@ def chunk_atlas(
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-    fused = fused_chunks(spec) and optimizer != "muon" and read is None
+    fused = fused_chunks() and optimizer != "muon" and read is None
     # Muon's chunks run their Newton-Schulz, the work Muon adds, through the Triton kernels (atlas_triton.py).
     muon_kernels = optimizer == "muon" and _newton_schulz_covers(spec, q.dtype)
     resolve_backend(q, has_triton_impl=fused or muon_kernels,
-                    what="Atlas' chunk of a gated memory, or one read through Memory Caching, with GD or momentum")
+                    what="Atlas' chunk with GD or momentum read through Memory Caching, or under autograd over the "
+                         "chunk operator (comparison_paths(chunk_backward='autograd'))")
     B, T, H, _ = q.shape
     C, c = chunk_size, omega_window
     dtype = torch.promote_types(v.dtype, torch.float32)

@@ -490,11 +490,11 @@ class _SegmentCache:
         for n in names:
             base = self.weights[n]
             empty = base.new_zeros(B, 1, *base.shape[2:]) if pad else None
-            if empty is not None and any(w[n].requires_grad for w, _, _ in self.fresh):
+            if empty is not None and base.is_cuda and any(w[n].requires_grad for w, _, _ in self.fresh):
                 # An empty slot asks for its gradient as the fresh memories do: which consts ask is part of a
-                # captured step's key, so that a step keeps one capture per cache size (log2 n over n segments)
-                # rather than one per segment. On CUDA the pieces are joined before the read, whose backward
-                # makes every slot's gradient anyway.
+                # captured step's key (CUDA graphs), so that a step keeps one capture per cache size (log2 n over
+                # n segments) rather than one per segment. On CUDA the pieces are joined before the read, whose
+                # backward makes every slot's gradient anyway.
                 empty.requires_grad_()
             pieces += [base, *(w[n][:, None] for w, _, _ in self.fresh), *(empty,) * pad]
         return (valid, summary, *pieces)
@@ -876,7 +876,9 @@ def chunk_mc_titans(
     # soup's mixes of the cached weights run in Triton (memory_caching._mixed_products), its online memory on
     # the chunk operator: the mix applies that memory's per-token weights to the mixed hidden layer, which the
     # fused chunk kernels do not expose.
-    resolve_backend(q, has_triton_impl=fused_chunks(spec), what="MC-Titans with a gated memory")
+    resolve_backend(q, has_triton_impl=fused_chunks(),
+                    what="MC-Titans' chunks under autograd over the chunk operator (comparison_paths(chunk_backward="
+                         "'autograd'))")
     B, T, H, _ = q.shape
     lengths = torch.full((B,), T, dtype=torch.long, device=q.device) if lengths is None else lengths
     if options.logarithmic or T == 1:
@@ -921,7 +923,7 @@ def chunk_mc_titans(
     chunk_start = stored
     outputs = []
     key_sum, key_count = state.key_sum.to(dtype), state.key_count.to(dtype)
-    fused = fused_chunks(spec) and options.aggregation != "soup"
+    fused = fused_chunks() and options.aggregation != "soup"
     if (fused and S_seg and options.cache_mode == "checkpoint" and seg % C == 0 and total > seg
             and not any_resumed and not track_start):
         outputs, W, M = _segments_in_one_loop(spec, options, bufs, live, W, M, state, seg, tf32_wanted(v))

@@ -270,6 +270,8 @@ def _mixed_products(x: torch.Tensor, g: torch.Tensor, *pieces: torch.Tensor) -> 
 
 
 def _uncovered_mix(x: torch.Tensor, w: torch.Tensor) -> str:
+    if not MIXED_PRODUCTS:
+        return "the soup aggregation's mixed products with memory_caching.MIXED_PRODUCTS off"
     return f"the soup aggregation's mixed products of {x.dtype} inputs and {w.dtype} weights (the kernels take float32)"
 
 

@@ -17,8 +17,8 @@ tokens' sum on chip while it walks the memories:
   transposed into another product (which Triton 3.4-3.7.0 miscompiles on Hopper; docs/kernels.md).
 
 Every output has one writer and a fixed order of sums: runs repeat bit for bit. Operands are float32, with
-exact products (``"ieee"``) or TF32 ones (``"tf32"``: bf16/fp16 problems on CUDA, where
-:func:`~.chunk_loop.tf32_products` is in force), float32 sums.
+exact products (``"ieee"``) or TF32 ones (``"tf32"``: where PyTorch's own float32 products
+take TF32, as under :func:`~.chunk_loop.tf32_products` for bf16/fp16 problems on CUDA), float32 sums.
 
 Tensors: ``x (B, H, T, d_in)``, ``g (B, H, T, N)``, ``w (B, N, H, d_out, d_in)`` (one piece of
 :func:`~.memory_caching.mc_read`'s cached weights), any widths: tiles are blocks of at most 64 along each, at
@@ -29,31 +29,39 @@ share of a gate's gradient is written apart and summed after the launch.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .backend import tl, triton
+from .titans_triton_update import _precision
 
-__all__ = ["mixed_products", "precision_in_force"]
+__all__ = ["mixed_products"]
 
-# (tokens, outputs, inputs, warps) per kernel; float32 operands take 4 bytes an element.
-FORWARD_BLOCKS = (32, 64, 64, 4)
-INPUT_BLOCKS = (32, 64, 64, 4)
-WEIGHT_BLOCKS = (32, 64, 64, 4)
+# (tokens, outputs, inputs, warps) of every kernel: a chunk's 64 tokens in two blocks, so that a chunk's mixes
+# over few rows still spread over the SMs; blocks of 64 along the widths cover a head of 64 in one.
+BLOCKS = (32, 64, 64, 4)
 
 
 def _tile(width: int) -> int:
     return max(16, triton.next_power_of_2(width))
 
 
-def precision_in_force(x: torch.Tensor) -> str:
-    """The products' precision that PyTorch's own float32 products would take here: TF32 on CUDA where
-    :func:`~.chunk_loop.tf32_products` (or the user) allows it, exact otherwise."""
-    return "tf32" if x.is_cuda and torch.get_float32_matmul_precision() != "highest" else "ieee"
-
-
 @triton.jit
 def _token_tile(T, tile, BT: tl.constexpr):
     rows = tile * BT + tl.arange(0, BT)
     return rows, rows < T
+
+
+@triton.jit
+def _token_block(X, gi, T, rows, live, cols, width):
+    """``X[gi, rows, cols]`` of a ``(G, T, width)`` tensor, zero outside it."""
+    return tl.load(X + (gi * T + rows[:, None]) * width + cols[None, :], mask=live[:, None] & (cols[None, :] < width),
+                   other=0.0)
+
+
+@triton.jit
+def _gates(G, gi, T, N, rows, live, n):
+    """Memory ``n``'s gates of ``rows``, zero outside the sequence."""
+    return tl.load(G + (gi * T + rows) * N + n, mask=live, other=0.0)
 
 
 @triton.jit
@@ -76,13 +84,12 @@ def _forward_kernel(X, G, W, Y, T, N, H, precision: tl.constexpr, DI: tl.constex
         part = tl.zeros((BT, BO), tl.float32)
         for i0 in range(0, DI, BI):
             cin = i0 + tl.arange(0, BI)
-            x = tl.load(X + (gi * T + rows[:, None]) * DI + cin[None, :], mask=live[:, None] & (cin[None, :] < DI),
-                        other=0.0)
+            x = _token_block(X, gi, T, rows, live, cin, DI)
             # W_n[outs, cin] loaded as its transpose (BI, BO): the product is x W_n^T with no transposed result
             w_t = tl.load(W + base + outs[None, :] * DI + cin[:, None], mask=(outs[None, :] < DO) & (cin[:, None] < DI),
                           other=0.0)
             part += tl.dot(x, w_t, input_precision=precision)
-        acc += part * tl.load(G + (gi * T + rows) * N + n, mask=live, other=0.0)[:, None]
+        acc += part * _gates(G, gi, T, N, rows, live, n)[:, None]
     tl.store(Y + (gi * T + rows[:, None]) * DO + outs[None, :], acc, mask=live[:, None] & (outs[None, :] < DO))
 
 
@@ -93,23 +100,21 @@ def _input_backward_kernel(X, G, W, DY, DX, DG, T, N, H, precision: tl.constexpr
     gi = tl.program_id(2).to(tl.int64)
     rows, live = _token_tile(T, tile, BT)
     cin = ib * BI + tl.arange(0, BI)
-    x_mask = live[:, None] & (cin[None, :] < DI)
-    x = tl.load(X + (gi * T + rows[:, None]) * DI + cin[None, :], mask=x_mask, other=0.0)
+    x = _token_block(X, gi, T, rows, live, cin, DI)
     dx = tl.zeros((BT, BI), tl.float32)
     for n in range(0, N):
         base = _weight_base(gi, n, N, H, DO, DI)
         z = tl.zeros((BT, BI), tl.float32)
         for o0 in range(0, DO, BO):
             outs = o0 + tl.arange(0, BO)
-            dy = tl.load(DY + (gi * T + rows[:, None]) * DO + outs[None, :], mask=live[:, None] & (outs[None, :] < DO),
-                         other=0.0)
+            dy = _token_block(DY, gi, T, rows, live, outs, DO)
             w = tl.load(W + base + outs[:, None] * DI + cin[None, :], mask=(outs[:, None] < DO) & (cin[None, :] < DI),
                         other=0.0)
             z += tl.dot(dy, w, input_precision=precision)
-        dx += z * tl.load(G + (gi * T + rows) * N + n, mask=live, other=0.0)[:, None]
+        dx += z * _gates(G, gi, T, N, rows, live, n)[:, None]
         # this block of inputs' share of dg_n; the blocks' shares are summed after the launch
         tl.store(DG + ((gi * T + rows) * N + n) * tl.num_programs(1) + ib, tl.sum(z * x, 1), mask=live)
-    tl.store(DX + (gi * T + rows[:, None]) * DI + cin[None, :], dx, mask=x_mask)
+    tl.store(DX + (gi * T + rows[:, None]) * DI + cin[None, :], dx, mask=live[:, None] & (cin[None, :] < DI))
 
 
 @triton.jit
@@ -126,10 +131,8 @@ def _weight_backward_kernel(X, G, DY, DW, T, N, H, precision: tl.constexpr, DI: 
         # dy's block loaded as its transpose (BO, BT), scaled by the memory's gates along the tokens
         dy_t = tl.load(DY + (gi * T + rows[None, :]) * DO + outs[:, None], mask=live[None, :] & (outs[:, None] < DO),
                        other=0.0)
-        g = tl.load(G + (gi * T + rows) * N + n, mask=live, other=0.0)
-        x = tl.load(X + (gi * T + rows[:, None]) * DI + cin[None, :], mask=live[:, None] & (cin[None, :] < DI),
-                    other=0.0)
-        acc += tl.dot(dy_t * g[None, :], x, input_precision=precision)
+        g = _gates(G, gi, T, N, rows, live, n)
+        acc += tl.dot(dy_t * g[None, :], _token_block(X, gi, T, rows, live, cin, DI), input_precision=precision)
     tl.store(DW + _weight_base(gi, n, N, H, DO, DI) + outs[:, None] * DI + cin[None, :], acc,
              mask=(outs[:, None] < DO) & (cin[None, :] < DI))
 
@@ -143,15 +146,15 @@ def _check(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError("mixed products take float32 operands")
 
 
-def _blocks(blocks: tuple[int, int, int, int], d_in: int, d_out: int) -> tuple[int, int, int, int]:
-    BT, BO, BI, warps = blocks
+def _blocks(d_in: int, d_out: int) -> tuple[int, int, int, int]:
+    BT, BO, BI, warps = BLOCKS
     return BT, min(BO, _tile(d_out)), min(BI, _tile(d_in)), warps
 
 
 def _forward(x, g, w, precision):
     B, H, T, DI = x.shape
     N, DO = w.shape[1], w.shape[3]
-    BT, BO, BI, warps = _blocks(FORWARD_BLOCKS, DI, DO)
+    BT, BO, BI, warps = _blocks(DI, DO)
     y = x.new_empty(B, H, T, DO)
     if T:
         _forward_kernel[(triton.cdiv(T, BT), triton.cdiv(DO, BO), B * H)](
@@ -159,21 +162,26 @@ def _forward(x, g, w, precision):
     return y
 
 
-def _backward(x, g, w, dy, precision):
+def _backward(x, g, w, dy, precision, inputs: bool, weights: bool):
+    """``(dx, dg)`` where ``inputs`` asks (else ``None``s), ``dw`` where ``weights`` does."""
     B, H, T, DI = x.shape
     N, DO = w.shape[1], w.shape[3]
     if not T or not N:
         return torch.zeros_like(x), torch.empty_like(g), torch.zeros_like(w)
-    dx, dw = torch.empty_like(x), torch.empty_like(w)
-    BT, BO, BI, warps = _blocks(INPUT_BLOCKS, DI, DO)
-    n_in = triton.cdiv(DI, BI)
-    dg = g.new_empty(*g.shape, n_in)
-    _input_backward_kernel[(triton.cdiv(T, BT), n_in, B * H)](
-        x, g, w, dy, dx, dg, T, N, H, precision, DI, DO, BT, BO, BI, num_warps=warps)
-    BT, BO, BI, warps = _blocks(WEIGHT_BLOCKS, DI, DO)
-    _weight_backward_kernel[(triton.cdiv(DO, BO), N * triton.cdiv(DI, BI), B * H)](
-        x, g, dy, dw, T, N, H, precision, DI, DO, BT, BO, BI, num_warps=warps)
-    return dx, dg.sum(-1) if n_in > 1 else dg[..., 0], dw
+    BT, BO, BI, warps = _blocks(DI, DO)
+    dx = dg = dw = None
+    if inputs:
+        dx = torch.empty_like(x)
+        n_in = triton.cdiv(DI, BI)
+        dg = g.new_empty(*g.shape, n_in)
+        _input_backward_kernel[(triton.cdiv(T, BT), n_in, B * H)](
+            x, g, w, dy, dx, dg, T, N, H, precision, DI, DO, BT, BO, BI, num_warps=warps)
+        dg = dg.sum(-1) if n_in > 1 else dg[..., 0]
+    if weights:
+        dw = torch.empty_like(w)
+        _weight_backward_kernel[(triton.cdiv(DO, BO), N * triton.cdiv(DI, BI), B * H)](
+            x, g, dy, dw, T, N, H, precision, DI, DO, BT, BO, BI, num_warps=warps)
+    return dx, dg, dw
 
 
 class _MixedProducts(torch.autograd.Function):
@@ -185,15 +193,17 @@ class _MixedProducts(torch.autograd.Function):
         return _forward(x, g, w, precision)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x, g, w = ctx.saved_tensors
-        dx, dg, dw = _backward(x, g, w, dy.float().contiguous(), ctx.precision)
+        need_x, need_g, need_w = ctx.needs_input_grad[:3]
+        dx, dg, dw = _backward(x, g, w, dy.float().contiguous(), ctx.precision, need_x or need_g, need_w)
         return dx, dg, dw, None
 
 
 def mixed_products(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, precision: str | None = None) -> torch.Tensor:
     """``sum_n g_{t,n} x_t W_n^T``: ``x (B, H, T, d_in)``, ``g (B, H, T, N)``, ``w (B, N, H, d_out, d_in)``, all
-    float32; returns ``(B, H, T, d_out)`` float32, differentiable in all three. ``precision``: ``"ieee"`` or
-    ``"tf32"`` (default: :func:`precision_in_force`)."""
+    float32; returns ``(B, H, T, d_out)`` float32, differentiable in all three (once). ``precision``: ``"ieee"``
+    or ``"tf32"`` (default: what PyTorch's float32 products take now)."""
     _check(x, g, w)
-    return _MixedProducts.apply(x, g, w, precision_in_force(x) if precision is None else precision)
+    return _MixedProducts.apply(x, g, w, _precision() if precision is None else precision)

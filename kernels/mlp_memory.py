@@ -145,14 +145,14 @@ def raw_grad_factors(spec: MLPMemorySpec, weights: dict[str, torch.Tensor], k: t
         return {"w": (d_loss(apply("w", k)), k)}
     pre2 = apply("w2", k)
     act = F.gelu(pre2)
-    hidden = act * apply("w3", k) if spec.gated else act
+    pre3 = apply("w3", k) if spec.gated else None
+    hidden = act * pre3 if spec.gated else act
     err = d_loss((apply("w0", k) if spec.linear_skip else k) + apply("w1", hidden))
     back = err @ weights["w1"].to(err.dtype)  # dL/d hidden
     factors = {"w1": (err, hidden)}
     if spec.linear_skip:
         factors["w0"] = (err, k)
     if spec.gated:
-        pre3 = apply("w3", k)
         slope = gelu_derivative(pre2)
         factors["w2"] = (back * pre3 * slope, k)
         factors["w3"] = (back * act, k)

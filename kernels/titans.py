@@ -149,7 +149,8 @@ def _step_titans(spec, q, k, v, retention, momentum, lr, state, chunk_size, live
     gates = tuple(x.to(dtype) for x in (retention, momentum, lr))
     memory = [*state.weights.values(), *state.momentum.values(), *state.chunk_start.values()]
     kernel = all(t.dtype == torch.float32 for t in (*memory, *gates))
-    if resolve_backend(q, has_triton_impl=kernel, what=lambda: f"a Titans step of {memory[0].dtype} memories") == "triton":
+    what = lambda: f"a Titans step of {memory[0].dtype} memories and {gates[0].dtype} gates"  # noqa: E731
+    if resolve_backend(q, has_triton_impl=kernel, what=what) == "triton":
         from .titans_triton_update import step_update as update
     else:
         update = step_update
@@ -318,7 +319,9 @@ def chunk_titans(
     The chunks run through :func:`~.chunk_loop.run_chunks` (``checkpoint_every``:
     its checkpoint spacing for the backward).
     """
-    resolve_backend(q, has_triton_impl=fused_chunks(spec))
+    resolve_backend(q, has_triton_impl=fused_chunks(),
+                    what="Titans' chunks under autograd over the chunk operator (comparison_paths(chunk_backward="
+                         "'autograd'))")
     B, T, H, _ = q.shape
     C = chunk_size
     dtype = torch.promote_types(v.dtype, torch.float32)
@@ -355,7 +358,7 @@ def chunk_titans(
                                      tf32_wanted(v), checkpoint_every)
     else:
         xs = list(chunks)
-        fused = fused_chunks(spec)
+        fused = fused_chunks()
         if fused:
             xs += titans_coefficients(chunks.retention, chunks.momentum, chunks.lr, chunks.live)
         step = partial(_titans_step, spec, track_start, fused)

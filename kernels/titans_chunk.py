@@ -20,9 +20,9 @@ Here the backward is written out once:
 Scope: memories of depth 1 (``M(z) = W z``) and depth 2 (``z + W1 gelu(W2 z)``, gated
 ``z + W1 (gelu(W2 z) * W3 z)``, or ``W0 z + ...`` with a linear skip), objectives ``l2`` and
 ``dot``, with or without the per-token gradient clip, gradients taken at the weights the chunk
-starts from. :func:`supported` says whether a spec is covered; callers run
-:class:`~.titans.ChunkOperator` under autograd otherwise (resumed rows), which stays the
-readable definition these functions are tested against. The Triton hidden-layer slices
+starts from. :class:`~.mlp_memory.ChunkOperator` under autograd stays the readable definition
+these functions are tested against; the chunk loops run it instead where a chunk resumes rows from
+stored chunk-start weights, and everywhere under ``comparison_paths(chunk_backward="autograd")``. The Triton hidden-layer slices
 (:mod:`.titans_triton_forward`, :mod:`.titans_triton_backward`) take the ungated MLP with an
 identity skip; every other memory reads through cuBLAS products here, its weight-sized final
 update and that update's backward in Triton on the Triton backend.
@@ -43,20 +43,14 @@ from .backend import ComparisonPaths, current_paths, resolve_backend
 from .mlp_memory import MLPMemorySpec, raw_grad_factors
 from .norms import clip_rank_one
 
-__all__ = ["chunk_memory", "supported", "wanted"]
+__all__ = ["chunk_memory", "wanted"]
 
 
-def supported(spec: MLPMemorySpec) -> bool:
-    """Whether :func:`chunk_memory` computes this memory (see the module's scope): every
-    :class:`~.mlp_memory.MLPMemorySpec`."""
-    return isinstance(spec, MLPMemorySpec)
-
-
-def wanted(spec: MLPMemorySpec) -> bool:
-    """Whether the chunk loops run this memory through :func:`chunk_memory`: wherever it is
-    :func:`supported`, unless :func:`~.backend.comparison_paths` asks for autograd over
-    :class:`~.titans.ChunkOperator` (the same values; kept to compare the two)."""
-    return supported(spec) and current_paths().chunk_backward != "autograd"
+def wanted() -> bool:
+    """Whether the chunk loops run their memories through :func:`chunk_memory` (which covers every
+    MLP memory): unless :func:`~.backend.comparison_paths` asks for autograd over
+    :class:`~.mlp_memory.ChunkOperator` (the same values; kept to compare the two)."""
+    return current_paths().chunk_backward != "autograd"
 
 
 def chunk_memory(spec: MLPMemorySpec, W: dict[str, torch.Tensor], S: dict[str, torch.Tensor] | None,

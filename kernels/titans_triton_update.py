@@ -23,6 +23,7 @@ matmul precision allows it (the memories' policy for bf16/fp16 problems, see
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .backend import tl, triton
 
@@ -272,6 +273,7 @@ class _StepUpdate(torch.autograd.Function):
         return W_out, S_out, C_out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dW_new, dS_new, dC_new):
         Wf, Sf, Af, Bff, rf, mf, lf, live_f, start_f = ctx.saved_tensors
         G, M, N = Wf.shape

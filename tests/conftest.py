@@ -47,10 +47,11 @@ SLOW_CASES = {
         "mc-grm-conv", "mc-log-mean-gated", "mc-plain-titans", "mc-soup-independent", "mc-ssc-linear",
         "mom-deltanet-no-shared", "mom-hybrid", "mom-memory-caching", "mom-top1-expand-v",
     },
-    # the interpreter runs every Triton program of a model's step: one variant per family stays
+    # the interpreter runs every Triton program of a model's step: one variant per family stays (soup: its model
+    # test in test_kernels_mixed_products.py)
     "test_variants_with_kernels_run_them_and_equal_the_torch_path": {
         "atlas-atlas", "atlas-atlas++-window6", "atlas-dla", "atlas-mag-dla", "atlas-mal", "atlas-memory-caching",
-        "atlas-swla-momentum", "mc-grm", "mc-grm-conv", "mc-plain-titans", "mom-default",
+        "atlas-swla-momentum", "mc-grm", "mc-grm-conv", "mc-plain-titans", "mc-soup-independent", "mom-default",
         "mom-deltanet-no-shared", "mom-hybrid", "mom-memory-caching", "mom-top1-expand-v",
     },
     # whole tests: the interpreter runs a model's training steps

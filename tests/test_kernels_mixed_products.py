@@ -19,7 +19,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def problem(seed: int, B: int, H: int, T: int, N: int, d_in: int, d_out: int):
-    """Inputs, softmax-like gates with some memories masked to zero for some tokens, and weights."""
+    """Inputs, gates in [0, 1) with some memories' zero for some tokens (as a softmax masks them), and weights."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(B, H, T, d_in, generator=gen)
     g = torch.rand(B, H, T, N, generator=gen) * (torch.rand(B, H, T, N, generator=gen) < 0.8)
@@ -107,9 +107,11 @@ def test_a_soup_model_trains_prefills_and_decodes_through_the_kernels(monkeypatc
         calls.clear()
         with use_backend(backend), torch.no_grad():
             out = model(ids[:, :13], use_cache=True)
+            prefill_calls = len(calls)
             step_logits = model(ids[:, 13:], past_key_values=out.past_key_values, use_cache=True).logits
-        outputs[backend] = (out.logits, step_logits, len(calls))
-    assert outputs["torch"][2] == 0 and outputs["triton"][2] > 0
+        outputs[backend] = (out.logits, step_logits, prefill_calls, len(calls) - prefill_calls)
+    assert outputs["torch"][2:] == (0, 0)
+    assert outputs["triton"][2] > 0 and outputs["triton"][3] > 0  # the prefill's mixes and the decode step's
     for a, b in zip(outputs["triton"][:2], outputs["torch"][:2]):
         assert relative_error(a, b) < 1e-5
 
