@@ -401,19 +401,19 @@ def test_the_windowed_persistent_forward_at_atlas_shape(momentum, window, C):
 
 def test_soup_captures_its_chunk_step_once_per_cache_size(monkeypatch):
     """MC-Titans soup reads its cache inside the chunk step, whose constants grow by a memory a segment: over 32
-    segments a training step captures a graph per cache size (and stretch), not one per segment (the empty
-    slots ask for gradients as the fresh memories do), and a second step replays every capture: none is evicted
-    between steps."""
+    segments of four chunks (the chunk loop captures stretches of more than two) a training step captures a
+    graph per cache size and stretch, not one per segment (the empty slots ask for gradients as the fresh
+    memories do), and a second step replays every capture: none is evicted between steps."""
     import mnemo.kernels.chunk_loop as loop
     from mnemo import MCTitansConfig
     from mnemo.modeling.mc_titans_layer import MCTitansLayer
 
     config = MCTitansConfig(hidden_size=256, num_heads=4, head_dim=64, memory_expansion=4, inner_chunk_size=16,
-                            segment_size=32, aggregation="soup")
+                            segment_size=64, aggregation="soup")
     layer = MCTitansLayer(config, 0).cuda().to(torch.bfloat16)
     for p in layer.memory_init().values():
         torch.nn.init.normal_(p, std=0.02)
-    x = torch.randn(2, 1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(1, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     captures = []
 
     class Counted(loop.GraphedStep):
@@ -426,5 +426,5 @@ def test_soup_captures_its_chunk_step_once_per_cache_size(monkeypatch):
     layer(x)[0].float().sum().backward()
     first = len(captures)
     layer(x)[0].float().sum().backward()
-    assert 0 < first <= 16, first  # one a segment would be 32 and more
+    assert 0 < first <= 20, first  # one a segment would be 32 and more
     assert len(captures) == first
