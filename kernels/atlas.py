@@ -47,7 +47,7 @@ from .mlp_memory import (
     run_resumable_chunks,
     static_apply,
 )
-from .titans_chunk import chunk_memory
+from .titans_chunk import AUTOGRAD_PATH, chunk_memory
 from .titans_persistent_triton import first_pass_wanted, loop_first_pass
 from .titans_chunk import wanted as fused_chunks
 
@@ -419,8 +419,7 @@ def chunk_atlas(
     # Muon's chunks run their Newton-Schulz, the work Muon adds, through the Triton kernels (atlas_triton.py).
     muon_kernels = optimizer == "muon" and _newton_schulz_covers(spec, q.dtype)
     resolve_backend(q, has_triton_impl=fused or muon_kernels,
-                    what="Atlas' chunk with GD or momentum read through Memory Caching, or under autograd over the "
-                         "chunk operator (comparison_paths(chunk_backward='autograd'))")
+                    what=f"Atlas' chunk with GD or momentum read through Memory Caching, or {AUTOGRAD_PATH}")
     B, T, H, _ = q.shape
     C, c = chunk_size, omega_window
     dtype = torch.promote_types(v.dtype, torch.float32)

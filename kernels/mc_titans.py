@@ -69,6 +69,7 @@ from .titans import (
     titans_coefficients,
     titans_update,
 )
+from .titans_chunk import AUTOGRAD_PATH
 from .titans_chunk import wanted as fused_chunks
 from .titans_persistent_triton import first_pass_wanted, loop_first_pass
 from .titans_persistent_triton import titans_chunks as persistent_chunks
@@ -876,9 +877,7 @@ def chunk_mc_titans(
     # soup's mixes of the cached weights run in Triton (memory_caching._mixed_products), its online memory on
     # the chunk operator: the mix applies that memory's per-token weights to the mixed hidden layer, which the
     # fused chunk kernels do not expose.
-    resolve_backend(q, has_triton_impl=fused_chunks(),
-                    what="MC-Titans' chunks under autograd over the chunk operator (comparison_paths(chunk_backward="
-                         "'autograd'))")
+    resolve_backend(q, has_triton_impl=fused_chunks(), what=f"MC-Titans' chunks {AUTOGRAD_PATH}")
     B, T, H, _ = q.shape
     lengths = torch.full((B,), T, dtype=torch.long, device=q.device) if lengths is None else lengths
     if options.logarithmic or T == 1:

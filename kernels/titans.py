@@ -51,7 +51,7 @@ from .mlp_memory import (
     static_apply,
 )
 from .norms import l2_normalize
-from .titans_chunk import chunk_memory
+from .titans_chunk import AUTOGRAD_PATH, chunk_memory
 from .titans_chunk import wanted as fused_chunks
 from .titans_persistent_triton import first_pass_wanted, loop_first_pass
 from .titans_persistent_triton import titans_chunks as persistent_chunks
@@ -319,9 +319,7 @@ def chunk_titans(
     The chunks run through :func:`~.chunk_loop.run_chunks` (``checkpoint_every``:
     its checkpoint spacing for the backward).
     """
-    resolve_backend(q, has_triton_impl=fused_chunks(),
-                    what="Titans' chunks under autograd over the chunk operator (comparison_paths(chunk_backward="
-                         "'autograd'))")
+    resolve_backend(q, has_triton_impl=fused_chunks(), what=f"Titans' chunks {AUTOGRAD_PATH}")
     B, T, H, _ = q.shape
     C = chunk_size
     dtype = torch.promote_types(v.dtype, torch.float32)

@@ -21,11 +21,12 @@ Scope: memories of depth 1 (``M(z) = W z``) and depth 2 (``z + W1 gelu(W2 z)``, 
 ``z + W1 (gelu(W2 z) * W3 z)``, or ``W0 z + ...`` with a linear skip), objectives ``l2`` and
 ``dot``, with or without the per-token gradient clip, gradients taken at the weights the chunk
 starts from. :class:`~.mlp_memory.ChunkOperator` under autograd stays the readable definition
-these functions are tested against; the chunk loops run it instead where a chunk resumes rows from
-stored chunk-start weights, and everywhere under ``comparison_paths(chunk_backward="autograd")``. The Triton hidden-layer slices
-(:mod:`.titans_triton_forward`, :mod:`.titans_triton_backward`) take the ungated MLP with an
-identity skip; every other memory reads through cuBLAS products here, its weight-sized final
-update and that update's backward in Triton on the Triton backend.
+these functions are tested against; the chunk loops run it instead where a chunk resumes rows
+from stored chunk-start weights, and everywhere under ``comparison_paths(chunk_backward=
+"autograd")``. The Triton hidden-layer slices (:mod:`.titans_triton_forward`,
+:mod:`.titans_triton_backward`) take the ungated MLP with an identity skip; every other memory
+reads through cuBLAS products here, its weight-sized final update and that update's backward in
+Triton on the Triton backend.
 
 Shapes: weights ``(B, H, d_out, d_in)``; ``q (B, H, C, d_k)``; ``k, v (B, H, K, .)``
 (the ``K`` tokens whose gradients the chunk writes: ``K = C`` for Titans, the
@@ -43,7 +44,10 @@ from .backend import ComparisonPaths, current_paths, resolve_backend
 from .mlp_memory import MLPMemorySpec, raw_grad_factors
 from .norms import clip_rank_one
 
-__all__ = ["chunk_memory", "wanted"]
+__all__ = ["AUTOGRAD_PATH", "chunk_memory", "wanted"]
+
+# What runs without kernels where :func:`wanted` says no, for the error of an explicit request for Triton.
+AUTOGRAD_PATH = "under autograd over the chunk operator (comparison_paths(chunk_backward='autograd'))"
 
 
 def wanted() -> bool:
