@@ -77,12 +77,12 @@ def mom_layer() -> nn.Module:
                               shared_memory=True), 0)
 
 
-def deep_transformer_layer(depth: int) -> nn.Module:
+def deep_transformer_layer(depth: int, **overrides) -> nn.Module:
     from mnemo import DeepTransformerConfig
     from mnemo.modeling.deep_attention_layer import DeepAttentionLayer
 
     layer = DeepAttentionLayer(DeepTransformerConfig(hidden_size=HIDDEN, num_attention_heads=16,
-                                                     memory_depth=depth), 0)
+                                                     memory_depth=depth, **overrides), 0)
     if depth == 2:  # zero-initialised, the deep branch would write nothing and its kernels see zeros
         nn.init.normal_(layer.memory_w1, std=0.02)
     return layer
@@ -137,6 +137,10 @@ LAYERS: dict[str, Row] = {
     "deep_transformer_depth1_16x64": Row(lambda: deep_transformer_layer(1)),
     "deep_transformer_depth2_16x64": Row(lambda: deep_transformer_layer(2)),
     "deep_transformer_depth2_16x64_torch": Row(lambda: deep_transformer_layer(2), "torch"),
+    # Dot (the omega rule, the Atlas window of 16): the chunk loop, its reads flash-style in Triton or formed in torch
+    "dot_depth2_w16_16x64": Row(lambda: deep_transformer_layer(2, learning_rule="omega", omega_window=16)),
+    "dot_depth2_w16_16x64_torch": Row(lambda: deep_transformer_layer(2, learning_rule="omega", omega_window=16),
+                                      "torch"),
     "titans_4x256_mlp4_c64": Row(lambda: titans_layer(None)),
     "mc_titans_grm_seg256_4x256": Row(lambda: titans_layer(256)),
     "mc_titans_ssc2_seg256_4x256": Row(lambda: titans_layer(256, aggregation="ssc", ssc_topk=2)),

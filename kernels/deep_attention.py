@@ -205,6 +205,32 @@ def reference_deep_attention(
 # --------------------------------------------------------------------------- chunked
 
 
+def _reads(queries, keys, key_start, key_end, values, scale: float, normalize: bool, window: slice | None,
+           triton: bool):
+    """The chunk loop's reads: each of ``values (B, H, L, .)`` read by ``queries (B, H, Q, d_k)`` over the
+    keys ``key_start[b] <= j < key_end[b, i]`` of ``keys (B, H, L, d_k)``; with ``window`` (a span of key
+    positions), also those keys' weights ``(B, H, Q, n)``. PyTorch forms every weight; Triton
+    (:func:`~.deep_attention_triton_read.masked_read`) reads flash-style and the window's weights are
+    formed apart from the reads' log-sum-exp."""
+    if triton:
+        from .deep_attention_triton_read import masked_read  # noqa: PLC0415
+
+        outs, lse = masked_read(queries, keys, values, key_start, key_end, scale, normalize)
+        if window is None:
+            return outs, None
+        position = torch.arange(window.start, window.stop, device=keys.device)
+        allowed = (position >= key_start[:, None, None]) & (position < key_end[:, :, None])
+        scores = (queries @ keys[:, :, window].transpose(-1, -2)) * scale
+        if normalize:
+            scores = scores - lse[..., None]
+        # -inf before the exp, not a zero after it: a masked score's exp could overflow, and 0 * inf is NaN.
+        return outs, torch.where(allowed[:, None], scores, float("-inf")).exp()
+    position = torch.arange(keys.shape[2], device=keys.device)
+    allowed = (position >= key_start[:, None, None]) & (position < key_end[:, :, None])
+    weights = _read_weights(queries, keys, allowed[:, None], scale, normalize)
+    return tuple(weights @ x for x in values), (None if window is None else weights[..., window])
+
+
 def _timeline(state: DeepAttentionState | None, new: torch.Tensor, lengths: torch.Tensor, chunk: int, S: int):
     """Indices that lay every row out on one buffer: committed pairs end at ``S`` (a chunk
     boundary for every row), then the unfinished chunk's pairs and the new tokens."""
@@ -236,8 +262,10 @@ def _gather_time(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> t
     return out * mask
 
 
-def _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, learning_rule, omega_window,
-                 chunk_size, normalize, scale, grad_clip=None):
+def _chunk_loop(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, learning_rule, omega_window,
+                chunk_size, normalize, scale, grad_clip=None, triton=False):
+    """The chunk loop of the module docstring over any rows and state; its reads run through the
+    flash-style Triton kernels of :mod:`.deep_attention_triton_read` with ``triton``."""
     B, T, H, dk = q.shape
     dv = v.shape[-1]
     dtype = torch.promote_types(v.dtype, torch.float32)
@@ -285,7 +313,7 @@ def _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lea
     new_start = S + ((pending + lengths) // C) * C  # buffer position of each row's next chunk start
     snap_R, snap_U, snap_W1 = (R.clone() if omega else None), (U.clone() if deep else None), (W1.clone() if deep else None)
     outputs = torch.zeros(B, H, Z, dv, dtype=dtype, device=device)
-    tau = torch.arange(Z, device=device)
+    key_start = offset[:, 0]  # every key a row sees lies in [key_start, row_end) of the buffer
     sigma = F.gelu
 
     for a in range(S, Z, C):
@@ -304,15 +332,16 @@ def _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lea
         o_valid = valid[:, O]
         Ko, Vo, Go = K[:, :, O], V[:, :, O], GAM[:, :, O]
         # Reads never look past the chunk: restrict every key operand to the first a + C positions.
-        Kp, Rp, Up, valid_p, tau_p = K[:, :, :a + C], R[:, :, :a + C], None if U is None else U[:, :, :a + C], \
-            valid[:, :a + C], tau[:a + C]
+        Kp, Rp, Up = K[:, :, :a + C], R[:, :, :a + C], None if U is None else U[:, :, :a + C]
 
         if omega or deep:
-            key_mask = (valid_p & (tau_p[None] < a))[:, None, None, :]  # keys before the chunk start
-            w_open = _read_weights(Ko, Kp, key_mask, scale, normalize)  # (B, H, n_open, a + C)
-            a_open = w_open @ Up if deep else None
+            # The window tokens read the keys before the chunk start.
+            open_end = row_end.clamp(max=a)[:, None].expand(B, len(O))
+            read_open, _ = _reads(Ko, Kp, key_start, open_end, ((Up,) if deep else ()) + ((Rp,) if omega else ()),
+                                  scale, normalize, None, triton)
+            a_open = read_open[0] if deep else None
             if omega:
-                pred = w_open @ Rp
+                pred = read_open[-1]
                 if deep:
                     pred = pred + sigma(a_open) @ W1.transpose(-1, -2)
                 r_open = (Vo - pred) * o_valid[:, None, :, None]
@@ -331,15 +360,17 @@ def _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lea
             lr = (ETA[:, :, a:a + C, None] * inside[None, None]).cumsum(2)  # (B, H, C, n_open)
             gate = Go[..., None, :]  # (B, H, 1, n_open)
 
-        causal = tau_p[None, :] <= torch.arange(a, a + C, device=device)[:, None]  # (C, a + C)
-        w_out = _read_weights(Qb[:, :, a:a + C], Kp, valid_p[:, None, None, :] & causal[None, None], scale, normalize)
-        lin = w_out @ Rp
+        # The chunk's queries read causally; the weights of its window keys take the chunk's own writes.
+        causal_end = torch.minimum(row_end[:, None], torch.arange(a + 1, a + C + 1, device=device)[None])
+        (lin, *read_deep), w_window = _reads(Qb[:, :, a:a + C], Kp, key_start, causal_end,
+                                             (Rp,) + ((Up,) if deep else ()), scale, normalize,
+                                             slice(lo, a + C) if omega or deep else None, triton)
         if omega:
-            lin = lin + (w_out[..., O] * gate * counts[:, None]) @ r_open
+            lin = lin + (w_window * gate * counts[:, None]) @ r_open
         y = lin
         if deep:
             E = gate * lr  # (B, H, C, n_open)
-            A_t = w_out @ Up + (w_out[..., O] * E) @ grad_u
+            A_t = read_deep[0] + (w_window * E) @ grad_u
             s_t = sigma(A_t)
             y = y + s_t @ W1.transpose(-1, -2) + ((s_t @ sig_open.transpose(-1, -2)) * E) @ r_deep
         outputs[:, :, a:a + C] = y
@@ -469,17 +500,15 @@ def chunk_deep_attention(
     through ``scaled_dot_product_attention`` (flash kernels on GPU). ``memory_depth=2`` with the
     hebbian rule, softmax reads, no state and full rows (training, a prompt's prefill) takes
     the Hebbian section below (attention kernels, Triton chunk updates on CUDA); everything else
-    the chunk loop here.
+    the chunk loop here (its reads flash-style in Triton on the Triton backend).
     """
     _check(memory_depth, learning_rule, omega_window, chunk_size)
     T = q.shape[1]
     whole_rows = (memory_depth == 2 and learning_rule == "hebbian" and normalize and initial_state is None and T > 0
                   and w1_init is not None and (lengths is None or bool((lengths == T).all())))
-    # Attention itself (depth 1) runs through the attention kernels, its fast path on every device.
-    attention = memory_depth == 1 and learning_rule == "hebbian"
-    backend = resolve_backend(q, has_triton_impl=whole_rows or attention,
-                              what="the deep branch with the omega or delta rule, linear reads, a state to "
-                                   "continue or padded rows")
+    # Every case has a Triton path: attention itself (depth 1) runs through the attention kernels, its
+    # fast path on every device; the Hebbian rows through the key pass; the chunk loop through flash reads.
+    backend = resolve_backend(q, has_triton_impl=True)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if memory_depth == 1 and learning_rule == "hebbian":
         if not normalize:
@@ -489,8 +518,8 @@ def chunk_deep_attention(
         raise ValueError("memory_depth=2 needs w1_init, the deep branch's initial W_1 (H, d_v, memory_hidden)")
     if whole_rows:
         return _hebbian_rows(q, k, v, eta, gamma, w1_init, chunk_size, scale, grad_clip, backend == "triton")
-    return _chunk_torch(q, k, v, eta, gamma, w1_init, lengths, initial_state, memory_depth, learning_rule,
-                        omega_window, chunk_size, normalize, scale, grad_clip)
+    return _chunk_loop(q, k, v, eta, gamma, w1_init, lengths, initial_state, memory_depth, learning_rule,
+                       omega_window, chunk_size, normalize, scale, grad_clip, backend == "triton")
 
 
 def step_deep_attention(

@@ -49,7 +49,7 @@ SLOW_CASES = {
     },
     # the interpreter runs every Triton program of a model's step: one variant per family stays (soup: its model
     # test in test_kernels_mixed_products.py)
-    "test_variants_with_kernels_run_them_and_equal_the_torch_path": {
+    "test_every_variant_runs_its_kernels_and_equals_the_torch_path": {
         "atlas-atlas", "atlas-atlas++-window6", "atlas-dla", "atlas-mag-dla", "atlas-mal", "atlas-memory-caching",
         "atlas-swla-momentum", "mc-grm", "mc-grm-conv", "mc-plain-titans", "mc-soup-independent", "mom-default",
         "mom-deltanet-no-shared", "mom-hybrid", "mom-memory-caching", "mom-top1-expand-v",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mnemo.kernels import deep_attention
-from mnemo.kernels.deep_attention import _chunk_torch, chunk_deep_attention
+from mnemo.kernels.deep_attention import _chunk_loop, chunk_deep_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -70,7 +70,7 @@ def test_whole_rows_equal_the_chunk_loop(dtype, clip, key_pass, monkeypatch):
     def fast(x):
         return chunk_deep_attention(x[0], x[1], x[2], x[3], None, x[4], **opts)[0]
 
-    loop = lambda x: _chunk_torch(x[0], x[1], x[2], x[3], None, x[4], None, None, 2, "hebbian", 1,  # noqa: E731
+    loop = lambda x: _chunk_loop(x[0], x[1], x[2], x[3], None, x[4], None, None, 2, "hebbian", 1,  # noqa: E731
                                   C, True, D ** -0.5, clip)[0]
     exact = [x.detach().float().requires_grad_() for x in inputs]
     want, want_grads = _run(loop, exact)
@@ -87,3 +87,69 @@ def test_whole_rows_equal_the_chunk_loop(dtype, clip, key_pass, monkeypatch):
     for name, base in baseline.items():
         bound = max(2 * base, 1e-2)
         assert errors[name] < bound and autocast[name] < bound, (name, errors[name], autocast[name], base)
+
+
+def _relative_errors(got, want):
+    return [_relative(a.detach().double(), b.detach()) for a, b in zip(got, want)]
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["softmax", "exp"])
+@pytest.mark.parametrize("widths", [(64,), (64, 64), (64, 256)], ids=["one", "two", "wide"])
+def test_masked_read_at_the_chunk_loops_shapes(normalize, widths):
+    """The flash-style reads of the chunk loop (float32, 3xTF32 products) against float64 weights formed in
+    PyTorch: a chunk of 64 queries and a window of 15 over 4,096 keys, spans that start inside a block, a
+    query that sees nothing; outputs, log-sum-exp and every gradient to 1e-5 of their norms."""
+    from mnemo.kernels.deep_attention import _read_weights
+    from mnemo.kernels.deep_attention_triton_read import masked_read
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    NQ, NK = 79, 4096
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    # the raw kernel's exp needs scores that stay in range: smaller queries there
+    q = (r(2, 16, NQ, 64) * (1.0 if normalize else 0.3)).requires_grad_()
+    k, values = r(2, 16, NK, 64).requires_grad_(), [r(2, 16, NK, d).requires_grad_() for d in widths]
+    key_start = torch.tensor([0, 700], device="cuda")
+    key_end = torch.randint(0, NK + 1, (2, NQ), generator=gen, device="cuda")
+    key_end[1, 3] = 0
+    outs, lse = masked_read(q, k, tuple(values), key_start, key_end, 0.125, normalize)
+    exact = [x.detach().double().requires_grad_() for x in (q, k, *values)]
+    position = torch.arange(NK, device="cuda")
+    allowed = (position >= key_start[:, None, None]) & (position < key_end[:, :, None])
+    weights = _read_weights(exact[0], exact[1], allowed[:, None], 0.125, normalize)
+    want = [weights @ v for v in exact[2:]]
+    scores = torch.where(allowed[:, None], (exact[0] @ exact[1].transpose(-1, -2)) * 0.125, float("-inf"))
+    want_lse = torch.where(allowed.any(-1)[:, None], scores.logsumexp(-1), 0.0) if normalize else lse.double() * 0
+    cotangents = [torch.randn_like(x) for x in want] + [torch.randn_like(want_lse)]
+    loss = lambda reads: sum((x * c.to(x.dtype)).sum() for x, c in zip(reads, cotangents))  # noqa: E731
+    grads = torch.autograd.grad(loss((*outs, lse)), [q, k, *values])
+    want_grads = torch.autograd.grad(loss((*want, want_lse)), exact)
+    errors = _relative_errors([*outs, *grads], [*want, *want_grads])
+    if normalize:
+        errors.append(float((lse.double() - want_lse).abs().max()))
+    print(normalize, widths, errors)
+    assert max(errors) < 1e-5, errors
+
+
+@pytest.mark.parametrize("rule,window,depth,normalize", [
+    ("omega", 16, 2, True), ("omega", 1, 1, True), ("omega", 4, 2, False), ("hebbian", 1, 2, True),
+], ids=["dot-w16", "delta-linear", "dot-w4-exp", "hebbian-padded"])
+def test_chunk_loop_reads_in_triton_equal_the_torch_reads(rule, window, depth, normalize):
+    """The chunk loop (ragged rows, the omega rule, raw reads, the Hebbian rule where the whole-row path does not
+    apply) with its reads in Triton against the same loop with the reads formed in PyTorch, float32: outputs
+    and every gradient to 1e-5 of their norms."""
+    inputs = _inputs(torch.float32) + [torch.rand(B, T, H, device="cuda").requires_grad_()]
+    lengths = torch.tensor([T, T - 300], device="cuda")
+
+    def run(triton):
+        q, k, v, eta, w1, gamma = inputs
+        out = _chunk_loop(q, k, v, eta, gamma, w1, lengths, None, depth, rule, window, C, normalize, D ** -0.5, 10.0,
+                          triton)[0]
+        grads = torch.autograd.grad(out.pow(2).sum(), inputs, allow_unused=True)  # depth 1 takes no eta or W_1
+        return [out.detach()] + [g for g in grads if g is not None]
+
+    want = run(False)
+    got = run(True)
+    assert len(got) == len(want)
+    errors = _relative_errors(got, [x.double() for x in want])
+    print(rule, window, depth, normalize, errors)
+    assert max(errors) < 1e-5, errors

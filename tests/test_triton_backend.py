@@ -1,6 +1,5 @@
-"""``use_backend("triton")`` across every family and variant: where a variant has Triton kernels the model
-runs through them and equals the PyTorch path (loss and every gradient, forward and backward, on the Triton
-interpreter here); where it has none, the request fails and names what lacks them."""
+"""``use_backend("triton")`` across every family and variant: the model runs through its Triton kernels and
+equals the PyTorch path (loss and every gradient, forward and backward, on the Triton interpreter here)."""
 
 from __future__ import annotations
 
@@ -13,13 +12,9 @@ from conftest import MODEL_VARIANTS
 
 pytest.importorskip("triton")
 
-# What each variant without Triton kernels is told it lacks.
-NO_KERNELS = {
-    "deep-dot-window3-gqa": "omega or delta rule",
-}
 # MoM's kernels take chunks of 16, 32 or 64 (the tiny models' chunks are 8).
 OVERRIDES = {name: {"chunk_size": 16} for name in MODEL_VARIANTS if name.startswith("mom-")}
-WITH_KERNELS = sorted(set(MODEL_VARIANTS) - set(NO_KERNELS))
+VARIANTS = sorted(MODEL_VARIANTS)
 
 
 def _model(name: str):
@@ -35,8 +30,8 @@ def _step(model, ids: torch.Tensor, backend: str):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("name", WITH_KERNELS)  # most in the slow job (conftest.SLOW_CASES)
-def test_variants_with_kernels_run_them_and_equal_the_torch_path(name):
+@pytest.mark.parametrize("name", VARIANTS)  # most in the slow job (conftest.SLOW_CASES)
+def test_every_variant_runs_its_kernels_and_equals_the_torch_path(name):
     model = _model(name)
     ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(0))
     loss, grads = _step(model, ids, "torch")
@@ -45,16 +40,6 @@ def test_variants_with_kernels_run_them_and_equal_the_torch_path(name):
     assert grads_k.keys() == grads.keys()
     for n, g in grads.items():
         torch.testing.assert_close(grads_k[n], g, rtol=1e-4, atol=1e-5, msg=n)
-
-
-@pytest.mark.parametrize("name", sorted(NO_KERNELS))
-def test_variants_without_kernels_name_what_lacks_them(name):
-    model = _model(name)
-    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(0))
-    # a training step: a layer that recomputes its memory in the backward meets its steps' kernels there
-    with use_backend("triton"), pytest.raises(NotImplementedError, match=NO_KERNELS[name]):
-        model(ids, labels=ids).loss.backward()
-    model(ids, labels=ids).loss.backward()  # the automatic choice runs them on the PyTorch path
 
 
 @pytest.mark.parametrize("build,overrides", [
@@ -102,3 +87,37 @@ def _counted(fn, calls: list, label: str):
         return fn(*args, **kwargs)
 
     return wrapped
+
+
+@pytest.mark.parametrize("name", ["deep-hebbian", "deep-dot-window3-gqa"])
+def test_deep_transformer_decodes_and_pads_through_the_triton_reads(name, monkeypatch):
+    """The DeepTransformer's chunk loop (a state to continue, padded rows, the omega rule) on ``use_backend("triton")``
+    reads flash-style in Triton: a left-padded prefill then token-by-token decoding gives the PyTorch path's
+    logits, and the full forward's."""
+    import mnemo.kernels.deep_attention_triton_read as read
+
+    from conftest import left_pad
+
+    calls = []
+    monkeypatch.setattr(read, "masked_read", _counted(read.masked_read, calls, "read"))
+    model = _model(name).eval()
+    ids, mask = left_pad([torch.randint(1, 97, (n,)) for n in (13, 5, 9)])
+
+    def decode(backend: str) -> torch.Tensor:
+        with torch.no_grad(), use_backend(backend):
+            out = model(ids[:, :7], attention_mask=mask[:, :7], use_cache=True)
+            logits, cache = [out.logits], out.past_key_values
+            for t in range(7, ids.shape[1]):
+                out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True)
+                logits.append(out.logits)
+        return torch.cat(logits, 1)
+
+    want = decode("torch")
+    assert not calls
+    got = decode("triton")
+    assert calls
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), use_backend("triton"):
+        full = model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(full[real], want[real], rtol=1e-4, atol=1e-5)

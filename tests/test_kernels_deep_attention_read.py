@@ -1,0 +1,65 @@
+"""The flash-style reads of the DeepTransformer's chunk loop (:mod:`mnemo.kernels.deep_attention_triton_read`)
+against the weights formed in PyTorch: outputs, log-sum-exp and every gradient (the log-sum-exp's included),
+for softmax and raw ``exp`` reads, one or two value tensors, queries that see no key, key spans that start
+inside a block, and more queries and keys than one block holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mnemo.kernels.deep_attention import _read_weights
+
+pytest.importorskip("triton")
+
+from mnemo.kernels.deep_attention_triton_read import masked_read  # noqa: E402
+
+
+def _torch_read(q, k, values, key_start, key_end, scale, normalize):
+    position = torch.arange(k.shape[2])
+    allowed = (position >= key_start[:, None, None]) & (position < key_end[:, :, None])
+    weights = _read_weights(q, k, allowed[:, None], scale, normalize)
+    lse = torch.zeros(q.shape[:3], dtype=q.dtype)
+    if normalize:
+        scores = torch.where(allowed[:, None], (q @ k.transpose(-1, -2)) * scale, float("-inf"))
+        lse = torch.where(allowed.any(-1)[:, None], scores.logsumexp(-1), 0.0)
+    return tuple(weights @ v for v in values), lse
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("normalize", [True, False], ids=["softmax", "exp"])
+@pytest.mark.parametrize("widths", [(10,), (10, 20), (7, 130)], ids=["one", "two", "wide"])
+def test_masked_read_equals_the_weights_formed_in_torch(dtype, atol, normalize, widths):
+    gen = torch.Generator().manual_seed(len(widths) + normalize)
+    B, H, NQ, NK, DK = 2, 3, 37, 90, 12
+    q = torch.randn(B, H, NQ, DK, generator=gen, dtype=dtype).requires_grad_()
+    k = torch.randn(B, H, NK, DK, generator=gen, dtype=dtype).requires_grad_()
+    values = [torch.randn(B, H, NK, d, generator=gen, dtype=dtype).requires_grad_() for d in widths]
+    key_start = torch.tensor([0, 20])
+    key_end = torch.randint(0, NK + 1, (B, NQ), generator=gen)
+    key_end[0, 3] = 0  # no key at all
+    key_end[1, 5] = 10  # ends before the span starts: no key either
+    scale = 0.3
+    outs, lse = masked_read(q, k, tuple(values), key_start, key_end, scale, normalize)
+    want, want_lse = _torch_read(q, k, values, key_start, key_end, scale, normalize)
+    scale_of = lambda x: max(1.0, x.abs().max().item())  # noqa: E731  (the raw kernel's reads run large)
+    for got, ref in zip((*outs, lse), (*want, want_lse)):
+        torch.testing.assert_close(got, ref, rtol=0, atol=atol * scale_of(ref))
+    for o in outs:
+        assert o[0, :, 3].abs().max() == 0 and o[1, :, 5].abs().max() == 0
+    cotangents = [torch.randn(o.shape, generator=gen, dtype=dtype) for o in (*outs, lse)]
+    inputs = [q, k, *values]
+    loss = lambda reads: sum((x * c).sum() for x, c in zip(reads, cotangents))  # noqa: E731
+    got = torch.autograd.grad(loss((*outs, lse)), inputs)
+    ref = torch.autograd.grad(loss((*want, want_lse)), inputs)
+    for label, g, r in zip(["q", "k"] + [f"v{i}" for i in range(len(values))], got, ref):
+        torch.testing.assert_close(g, r, rtol=0, atol=atol * scale_of(r), msg=label)
+
+
+def test_masked_read_names_what_it_takes():
+    x = torch.zeros(1, 1, 4, 4)
+    ends = torch.full((1, 4), 4)
+    with pytest.raises(ValueError, match="one or two value tensors"):
+        masked_read(x, x, (x, x, x), torch.zeros(1), ends, 1.0, True)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        masked_read(x.half(), x.half(), (x.half(),), torch.zeros(1), ends, 1.0, True)
