@@ -27,7 +27,8 @@ loaded transposed, so that no product's result is transposed into another produc
 3.4-3.7.0 miscompiles on Hopper; docs/kernels.md). Every output has one writer: runs repeat bit for bit.
 
 Tensors ``(B, H, rows, width)`` with unit stride in ``width`` (the loop's views of its buffers), float32
-(products 3xTF32, float32's accuracy) or float64 (exact products); any widths, in masked tiles of 16 to 256.
+or float64; products as exact as PyTorch's beside them (:func:`_precision`); any widths, in masked tiles of
+16 to 256.
 """
 
 from __future__ import annotations
@@ -39,17 +40,17 @@ from .backend import tl, triton
 
 __all__ = ["masked_read"]
 
-_BQ = 32  # queries a program: a chunk of 64 in two blocks, so that few rows still spread over the SMs
-_WARPS = 4
-
-
 def _width(x: torch.Tensor | None) -> int:
     return 16 if x is None else max(16, triton.next_power_of_2(x.shape[-1]))
 
 
-def _key_block(*widths: int) -> int:
-    # Value tiles up to 256 wide: fewer keys a block keep a block's tiles in the shared memory.
-    return 64 if max(widths) <= 128 else 32
+def _blocks(*widths: int) -> dict:
+    """Queries and keys a block, warps and pipeline stages for tiles of these widths: a chunk of 64 queries in
+    two blocks, so that few rows still spread over the SMs; tiles wider than 128 in smaller blocks and one
+    stage, so that a block's tiles fit in the shared memory."""
+    if max(widths) <= 128:
+        return dict(BQ=32, BK=64, num_warps=4, num_stages=2)
+    return dict(BQ=16, BK=32, num_warps=4, num_stages=1)
 
 
 @triton.jit
@@ -220,7 +221,12 @@ def _strides(x: torch.Tensor | None) -> tuple[int, int, int]:
 
 
 def _precision(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float64 else "tf32x3"
+    # As exact as the PyTorch reads beside them: float32's own products where PyTorch's float32 products are
+    # (``"highest"``, its default), 3xTF32 where it allows TF32 (never plain TF32: the omega rule feeds
+    # each chunk's reads into the next chunk's targets, and the loop amplifies their error).
+    if x.dtype == torch.float64 or torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32x3"
 
 
 class _MaskedRead(torch.autograd.Function):
@@ -232,12 +238,12 @@ class _MaskedRead(torch.autograd.Function):
         o2 = None if v2 is None else q.new_empty(B, H, NQ, D2)
         lse = q.new_empty(B, H, NQ)
         widths = (_width(q), _width(v1), _width(v2))
-        grid = (triton.cdiv(NQ, _BQ), B * H)
+        blocks = _blocks(*widths)
+        grid = (triton.cdiv(NQ, blocks["BQ"]), B * H)
         _read_forward[grid](q, k, v1, v1 if v2 is None else v2, o1, o1 if o2 is None else o2, lse, key_start, key_end,
                             *q.stride()[:3], *k.stride()[:3], *v1.stride()[:3], *_strides(v2), *o1.stride()[:3],
-                            *_strides(o2), H, NQ, DK, D1, D2, scale, BQ=_BQ, BK=_key_block(*widths),
-                            BDK=widths[0], BD1=widths[1], BD2=widths[2], TWO=v2 is not None, NORMALIZE=normalize,
-                            PRECISION=_precision(q), num_warps=_WARPS)
+                            *_strides(o2), H, NQ, DK, D1, D2, scale, BDK=widths[0], BD1=widths[1], BD2=widths[2],
+                            TWO=v2 is not None, NORMALIZE=normalize, PRECISION=_precision(q), **blocks)
         ctx.save_for_backward(q, k, v1, v2, o1, o2, lse, key_start, key_end)
         ctx.options = scale, normalize
         if not normalize:
@@ -269,9 +275,9 @@ class _MaskedRead(torch.autograd.Function):
         widths = (_width(q), _width(v1), _width(v2))
         common = (q, k, v1, v2 if two else v1, do1, do2 if two else do1, lse, delta, key_start, key_end)
         strides = (*q.stride()[:3], *k.stride()[:3], *v1.stride()[:3], *_strides(v2))
-        blocks = dict(BQ=_BQ, BK=_key_block(*widths), BDK=widths[0], BD1=widths[1], BD2=widths[2], TWO=two,
-                      NORMALIZE=normalize, PRECISION=_precision(q), num_warps=_WARPS)
-        _read_backward_queries[(triton.cdiv(NQ, _BQ), B * H)](*common, dq, *strides, H, NQ, DK, D1, D2, scale,
+        blocks = dict(BDK=widths[0], BD1=widths[1], BD2=widths[2], TWO=two, NORMALIZE=normalize,
+                      PRECISION=_precision(q), **_blocks(*widths))
+        _read_backward_queries[(triton.cdiv(NQ, blocks["BQ"]), B * H)](*common, dq, *strides, H, NQ, DK, D1, D2, scale,
                                                               **blocks)
         _read_backward_keys[(triton.cdiv(NK, blocks["BK"]), B * H)](*common, dk, dv1, dv2 if two else dv1, *strides,
                                                                    H, NQ, NK, DK, D1, D2, scale, **blocks)
