@@ -68,19 +68,25 @@ def _cols(X, b, h, sb, sh, st, rows, cols, n_rows, width):
 
 
 @triton.jit
+def _query_block(Q, KSTART, KEND, sqb, sqh, sqt, H, NQ, DK, BQ: tl.constexpr, BDK: tl.constexpr):
+    """This program's batch x head, batch and head, its block of queries (rows, which are real, the tile), and
+    the span of keys they see (its start for the batch row, its end for each query; 0 for rows past ``NQ``)."""
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    rq = tl.program_id(0) * BQ + tl.arange(0, BQ)
+    live = rq < NQ
+    q = _rows(Q, b, h, sqb, sqh, sqt, rq, tl.arange(0, BDK), NQ, DK)
+    return bh, b, h, rq, live, q, tl.load(KSTART + b), tl.load(KEND + b * NQ + rq, mask=live, other=0)
+
+
+@triton.jit
 def _read_forward(Q, K, V1, V2, O1, O2, LSE, KSTART, KEND,
                   sqb, sqh, sqt, skb, skh, skt, s1b, s1h, s1t, s2b, s2h, s2t, sob, soh, sot, spb, sph, spt,
                   H, NQ, DK, D1, D2, scale,
                   BQ: tl.constexpr, BK: tl.constexpr, BDK: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr,
                   TWO: tl.constexpr, NORMALIZE: tl.constexpr, PRECISION: tl.constexpr):
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    rq = tl.program_id(0) * BQ + tl.arange(0, BQ)
-    live = rq < NQ
+    bh, b, h, rq, live, q, start, end = _query_block(Q, KSTART, KEND, sqb, sqh, sqt, H, NQ, DK, BQ, BDK)
     cdk, c1, c2 = tl.arange(0, BDK), tl.arange(0, BD1), tl.arange(0, BD2)
-    q = _rows(Q, b, h, sqb, sqh, sqt, rq, cdk, NQ, DK)
-    start = tl.load(KSTART + b)
-    end = tl.load(KEND + b * NQ + rq, mask=live, other=0)
     hi = tl.max(end, 0)
     m = tl.full((BQ,), float("-inf"), dtype=q.dtype)
     den = tl.zeros((BQ,), dtype=q.dtype)
@@ -140,18 +146,12 @@ def _read_backward_queries(Q, K, V1, V2, DO1, DO2, LSE, DELTA, KSTART, KEND, DQ,
                            BQ: tl.constexpr, BK: tl.constexpr, BDK: tl.constexpr, BD1: tl.constexpr,
                            BD2: tl.constexpr, TWO: tl.constexpr, NORMALIZE: tl.constexpr, PRECISION: tl.constexpr):
     """``dq`` of a block of queries (``DO1, DO2, DQ`` contiguous ``(B * H, NQ, width)``)."""
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    rq = tl.program_id(0) * BQ + tl.arange(0, BQ)
-    live = rq < NQ
+    bh, b, h, rq, live, q, start, end = _query_block(Q, KSTART, KEND, sqb, sqh, sqt, H, NQ, DK, BQ, BDK)
     cdk, c1, c2 = tl.arange(0, BDK), tl.arange(0, BD1), tl.arange(0, BD2)
-    q = _rows(Q, b, h, sqb, sqh, sqt, rq, cdk, NQ, DK)
     do1 = _rows(DO1, bh, 0, NQ * D1, 0, D1, rq, c1, NQ, D1)
     do2 = _rows(DO2, bh, 0, NQ * D2, 0, D2, rq, c2, NQ, D2) if TWO else do1
     lse = tl.load(LSE + bh * NQ + rq, mask=live, other=0.0)
     delta = tl.load(DELTA + bh * NQ + rq, mask=live, other=0.0)
-    start = tl.load(KSTART + b)
-    end = tl.load(KEND + b * NQ + rq, mask=live, other=0)
     hi = tl.max(end, 0)
     dq = tl.zeros((BQ, BDK), dtype=q.dtype)
     for j0 in range((start // BK) * BK, hi, BK):
