@@ -71,7 +71,7 @@ def _cols(X, b, h, sb, sh, st, rows, cols, n_rows, width):
 def _query_block(Q, KSTART, KEND, sqb, sqh, sqt, H, NQ, DK, BQ: tl.constexpr, BDK: tl.constexpr):
     """This program's batch x head, batch and head, its block of queries (rows, which are real, the tile), and
     the span of keys they see (its start for the batch row, its end for each query; 0 for rows past ``NQ``)."""
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets past 2**31 elements at long contexts and wide values
     b, h = bh // H, bh % H
     rq = tl.program_id(0) * BQ + tl.arange(0, BQ)
     live = rq < NQ
@@ -174,7 +174,7 @@ def _read_backward_keys(Q, K, V1, V2, DO1, DO2, LSE, DELTA, KSTART, KEND, DK_, D
                         BD2: tl.constexpr, TWO: tl.constexpr, NORMALIZE: tl.constexpr, PRECISION: tl.constexpr):
     """``dk, dv`` of a block of keys (``DK_, DV1, DV2`` contiguous ``(B * H, NK, width)``): the products
     run with the keys along the rows (``s^T = k q^T``), so no result is transposed."""
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets past 2**31 elements at long contexts and wide values
     b, h = bh // H, bh % H
     rk = tl.program_id(0) * BK + tl.arange(0, BK)
     cdk, c1, c2 = tl.arange(0, BDK), tl.arange(0, BD1), tl.arange(0, BD2)
