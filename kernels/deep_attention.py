@@ -47,6 +47,7 @@ from torch.nn import functional as F
 
 from .activations import gelu_derivative
 from .backend import requested_backend, resolve_backend, triton_available
+from .deep_attention_triton_read import WIDEST
 from .norms import clip_scale
 
 __all__ = [
@@ -82,8 +83,9 @@ class DeepAttentionState:
 
     ``keys (B, H, L, d_k)``, ``values (B, H, L, d_v)`` raw, ``eta / gamma (B, H, L)``,
     ``targets (B, H, L, d_v)`` omega linear values and ``us (B, H, L, h)`` deep
-    keys' values (committed for pairs before ``start``), ``w1 (B, H, d_v, h)`` at
-    ``start``; ``count (B,)`` pairs, ``start (B,)`` last chunk start.
+    keys' values (committed for pairs before ``start``; under the Hebbian rule also the open chunk's,
+    which are final when written), ``w1 (B, H, d_v, h)`` at ``start`` and, under the Hebbian rule,
+    ``w1_now`` after the last pair; ``count (B,)`` pairs, ``start (B,)`` last chunk start.
     """
 
     keys: torch.Tensor
@@ -95,6 +97,7 @@ class DeepAttentionState:
     targets: torch.Tensor | None = None
     us: torch.Tensor | None = None
     w1: torch.Tensor | None = None
+    w1_now: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
@@ -205,26 +208,30 @@ def reference_deep_attention(
 # --------------------------------------------------------------------------- chunked
 
 
-def _reads(queries, keys, key_start, key_end, values, scale: float, normalize: bool, window: slice | None,
-           triton: bool):
+def _reads(queries: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, key_end: torch.Tensor,
+           values: tuple[torch.Tensor, ...], scale: float, normalize: bool, window: slice | None,
+           triton: bool) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
     """The chunk loop's reads: each of ``values (B, H, L, .)`` read by ``queries (B, H, Q, d_k)`` over the
     keys ``key_start[b] <= j < key_end[b, i]`` of ``keys (B, H, L, d_k)``; with ``window`` (a span of key
     positions), also those keys' weights ``(B, H, Q, n)``. PyTorch forms every weight; Triton
     (:func:`~.deep_attention_triton_read.masked_read`) reads flash-style and the window's weights are
     formed apart from the reads' log-sum-exp."""
     if triton:
-        from .deep_attention_triton_read import masked_read  # noqa: PLC0415
+        from .deep_attention_triton_read import masked_read  # noqa: PLC0415  (looked up here: tests count calls)
 
         outs, lse = masked_read(queries, keys, values, key_start, key_end, scale, normalize)
         if window is None:
             return outs, None
         position = torch.arange(window.start, window.stop, device=keys.device)
         allowed = (position >= key_start[:, None, None]) & (position < key_end[:, :, None])
-        scores = (queries @ keys[:, :, window].transpose(-1, -2)) * scale
+        with torch.autocast(keys.device.type, enabled=False):  # in the reads' own precision, as their lse
+            scores = (queries @ keys[:, :, window].transpose(-1, -2)) * scale
         if normalize:
             scores = scores - lse[..., None]
         # -inf before the exp, not a zero after it: a masked score's exp could overflow, and 0 * inf is NaN.
         return outs, torch.where(allowed[:, None], scores, float("-inf")).exp()
+    if keys.shape[2] == 0:  # a state without pairs yet: no key to read, and no window
+        return tuple(queries.new_zeros(*queries.shape[:3], x.shape[-1]) for x in values), None
     position = torch.arange(keys.shape[2], device=keys.device)
     allowed = (position >= key_start[:, None, None]) & (position < key_end[:, :, None])
     weights = _read_weights(queries, keys, allowed[:, None], scale, normalize)
@@ -410,8 +417,11 @@ def _chunk_loop(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lear
         count=new_count,
         start=new_start - offset[:, 0],
         targets=_gather_time(snap_R, back, committed_new) if omega else None,
-        us=_gather_time(snap_U, back, committed_new) if deep else None,
+        # Under the Hebbian rule the open chunk's pairs hold their final deep values already, and with ``W_1``
+        # after the last token they let the next token take :func:`_hebbian_step` instead of a replay.
+        us=(_gather_time(snap_U, back, committed_new) if omega else _gather_time(U, back, keep)) if deep else None,
         w1=snap_W1 if deep else None,
+        w1_now=W1 if deep and not omega else None,
     )
     return o.to(v.dtype), out_state
 
@@ -432,12 +442,50 @@ def _hebbian_rows(q, k, v, eta, gamma, w1_init, chunk_size, scale, grad_clip, tr
                                         scale=scale, grad_clip=grad_clip, reads=read_dtype(k), triton=triton)
     count = torch.full((B,), T, dtype=torch.long, device=q.device)
     start = (T // chunk_size) * chunk_size
-    if start < T:  # the open chunk's deep values are not committed yet
-        us = us * (torch.arange(T, device=q.device) < start)[None, None, :, None]
     state = DeepAttentionState(keys=keys, values=values, eta=eta, gamma=gamma, count=count,
-                               start=torch.full_like(count, start), us=us, w1=w1s[T // chunk_size])
+                               start=torch.full_like(count, start), us=us, w1=w1s[T // chunk_size], w1_now=w1s[-1])
     # (B, T, H, d_v) in v's dtype in one copy, so that the layer's merge of the heads is a view.
     return o.transpose(1, 2).to(v.dtype, memory_format=torch.contiguous_format), state
+
+
+def _append(x: torch.Tensor, count: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``x (B, H, L, ...)``, ``L`` the most pairs of a row, with ``new (B, H, ...)`` after each row's ``count``
+    pairs: ``(B, H, L + 1, ...)``."""
+    B, H = x.shape[:2]
+    out = torch.cat([x, x.new_zeros(B, H, 1, *x.shape[3:])], 2)
+    index = count.view(B, 1, 1, *([1] * (x.dim() - 3))).expand(B, H, 1, *x.shape[3:])
+    return out.scatter(2, index, new.unsqueeze(2).to(out.dtype))
+
+
+def _hebbian_step(q, k, v, eta, gamma, state: DeepAttentionState, chunk_size: int, scale: float,
+                  grad_clip: float | None):
+    """One new token per row under the Hebbian rule (decoding), from a state that holds the open chunk's
+    deep values and ``W_1`` after its last pair: the token's key reads the committed pairs (``A^(s)(k_t)``),
+    its pair is written (:func:`chunk_update`, one row), and its query reads every pair; two reads of one
+    query and no replay of the open chunk, whose pairs the chunk loop would recompute from the raw inputs."""
+    B, _, H, _ = q.shape
+    dtype = state.w1.dtype
+    first = lambda x: x[:, 0].to(dtype)  # noqa: E731  (B, 1, H, ...) -> (B, H, ...)
+    qt, kt, vt = first(q), first(k), first(v)
+    ones = qt.new_ones(B, H)
+    eta_t = ones if eta is None else first(eta)
+    gamma_t = ones if gamma is None else first(gamma)
+    count, start = state.count, state.start
+    zero = torch.zeros_like(count)
+    (a,), _ = _reads(kt[:, :, None], state.keys, zero, start[:, None], (state.us,), scale, True, None, False)
+    u, sig, er, _ = chunk_update(a, vt[:, :, None], state.w1, (eta_t * gamma_t)[..., None], grad_clip)
+    w1_now = state.w1_now + er.transpose(-1, -2) @ sig
+    keys, values, us = (_append(x, count, new) for x, new in zip((state.keys, state.values, state.us),
+                                                                  (kt, vt, u[:, :, 0])))
+    (lin, deep), _ = _reads(qt[:, :, None], keys, zero, (count + 1)[:, None], (values, us), scale, True, None, False)
+    y = lin + F.gelu(deep) @ w1_now.transpose(-1, -2)  # (B, H, 1, d_v)
+    count = count + 1
+    closes = (count - start) == chunk_size  # the token ends its chunk: the next one starts a new chunk
+    new_state = DeepAttentionState(
+        keys=keys, values=values, eta=_append(state.eta, state.count, eta_t),
+        gamma=_append(state.gamma, state.count, gamma_t), count=count, start=torch.where(closes, count, start),
+        us=us, w1=torch.where(closes[:, None, None, None], w1_now, state.w1), w1_now=w1_now)
+    return y.transpose(1, 2).to(v.dtype), new_state
 
 
 def _attention_torch(q, k, v, lengths, state, scale):
@@ -499,23 +547,33 @@ def chunk_deep_attention(
     ``memory_depth=1`` with the hebbian rule is causal softmax attention and runs
     through ``scaled_dot_product_attention`` (flash kernels on GPU). ``memory_depth=2`` with the
     hebbian rule, softmax reads, no state and full rows (training, a prompt's prefill) takes
-    the Hebbian section below (attention kernels, Triton chunk updates on CUDA); everything else
-    the chunk loop here (its reads flash-style in Triton on the Triton backend).
+    the Hebbian section below (attention kernels, Triton chunk updates on CUDA), and one token a row
+    after a state (decoding) :func:`_hebbian_step`; everything else the chunk loop here (its reads
+    flash-style in Triton on the Triton backend).
     """
     _check(memory_depth, learning_rule, omega_window, chunk_size)
     T = q.shape[1]
-    whole_rows = (memory_depth == 2 and learning_rule == "hebbian" and normalize and initial_state is None and T > 0
-                  and w1_init is not None and (lengths is None or bool((lengths == T).all())))
-    # Every case has a Triton path: attention itself (depth 1) runs through the attention kernels, its
-    # fast path on every device; the Hebbian rows through the key pass; the chunk loop through flash reads.
-    backend = resolve_backend(q, has_triton_impl=True)
+    attention = memory_depth == 1 and learning_rule == "hebbian"
+    hebbian_deep = memory_depth == 2 and learning_rule == "hebbian" and normalize
+    whole_rows = (hebbian_deep and initial_state is None and T > 0 and w1_init is not None
+                  and (lengths is None or bool((lengths == T).all())))
+    one_token = (hebbian_deep and initial_state is not None and initial_state.w1_now is not None and T == 1
+                 and (lengths is None or bool((lengths == 1).all())))
+    # Attention itself (depth 1) runs through the attention kernels, its fast path on every device, the
+    # Hebbian rows through the key pass and a decoding step through two reads of one query; the chunk loop
+    # reads through the Triton kernels where its widths fit their tiles.
+    widths = (q.shape[-1], v.shape[-1], 0 if w1_init is None else w1_init.shape[-1])
+    backend = resolve_backend(q, has_triton_impl=attention or whole_rows or one_token or max(widths) <= WIDEST,
+                              what=lambda: f"the DeepTransformer's chunk loop at widths {widths} (up to {WIDEST})")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if memory_depth == 1 and learning_rule == "hebbian":
+    if attention:
         if not normalize:
             raise ValueError("memory_depth=1 with normalize=False is unnormalised attention: use memory_depth=2")
         return _attention_torch(q, k, v, lengths, initial_state, scale)
     if memory_depth == 2 and w1_init is None:
         raise ValueError("memory_depth=2 needs w1_init, the deep branch's initial W_1 (H, d_v, memory_hidden)")
+    if one_token:
+        return _hebbian_step(q, k, v, eta, gamma, initial_state, chunk_size, scale, grad_clip)
     if whole_rows:
         return _hebbian_rows(q, k, v, eta, gamma, w1_init, chunk_size, scale, grad_clip, backend == "triton")
     return _chunk_loop(q, k, v, eta, gamma, w1_init, lengths, initial_state, memory_depth, learning_rule,
@@ -547,8 +605,8 @@ def step_deep_attention(
 #
 # :func:`chunk_deep_attention` takes this path for the training case of the
 # Hebbian rule (``memory_depth=2``, softmax weights, no initial state, every row full). Where the
-# general chunk loop materialises each chunk's weights over every earlier key (``O(T^2)`` memory),
-# this path splits the layer into
+# general chunk loop reads every earlier key a chunk (on the PyTorch path it materialises those weights,
+# ``O(T^2)`` memory) and keeps each chunk's accumulators for the backward, this path splits the layer into
 #
 # 1. a **key pass**, chunk by chunk: the chunk's keys read the deep values ``U`` of all earlier
 #    chunks through one non-causal ``scaled_dot_product_attention`` call, ``A^(s)(k_i)``; the

@@ -21,7 +21,9 @@ with one or two value tensors read by the same weights (the omega targets and th
 where a query sees no key (``lse`` 0 there too). The caller forms the few weights it needs one by one
 (the chunk's window keys) from ``lse``, so ``lse`` takes a gradient: with ``D_i = sum_x do_i.o_i -
 dlse_i``, ``ds_ij = p_ij (do_i.v_j - D_i)`` (``p_ij do_i.v_j`` for the raw kernel), ``dq = scale ds k``,
-``dk = scale ds^T q`` and ``dv = p^T do``. The backward is two kernels, one over blocks of queries for
+``dk = scale ds^T q`` and ``dv = p^T do``. The queries are scaled in PyTorch before the kernels (a Python
+float reaches a kernel as float32, which would round a float64 read's scale; autograd carries the scale
+into ``dq``). The backward is two kernels, one over blocks of queries for
 ``dq`` and one over blocks of keys for ``dk, dv``, each recomputing ``p``; every transposed operand is
 loaded transposed, so that no product's result is transposed into another product (which Triton
 3.4-3.7.0 miscompiles on Hopper; docs/kernels.md). Every output has one writer: runs repeat bit for bit.
@@ -40,11 +42,14 @@ from .backend import tl, triton
 
 __all__ = ["masked_read"]
 
+WIDEST = 256  # the widest tiles (queries, keys, values): wider ones need more shared memory than an SM has
+
+
 def _width(x: torch.Tensor | None) -> int:
     return 16 if x is None else max(16, triton.next_power_of_2(x.shape[-1]))
 
 
-def _blocks(*widths: int) -> dict:
+def _blocks(*widths: int) -> dict[str, int]:
     """Queries and keys a block, warps and pipeline stages for tiles of these widths: a chunk of 64 queries in
     two blocks, so that few rows still spread over the SMs; tiles wider than 128 in smaller blocks and one
     stage, so that a block's tiles fit in the shared memory."""
@@ -82,7 +87,7 @@ def _query_block(Q, KSTART, KEND, sqb, sqh, sqt, H, NQ, DK, BQ: tl.constexpr, BD
 @triton.jit
 def _read_forward(Q, K, V1, V2, O1, O2, LSE, KSTART, KEND,
                   sqb, sqh, sqt, skb, skh, skt, s1b, s1h, s1t, s2b, s2h, s2t, sob, soh, sot, spb, sph, spt,
-                  H, NQ, DK, D1, D2, scale,
+                  H, NQ, DK, D1, D2,
                   BQ: tl.constexpr, BK: tl.constexpr, BDK: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr,
                   TWO: tl.constexpr, NORMALIZE: tl.constexpr, PRECISION: tl.constexpr):
     bh, b, h, rq, live, q, start, end = _query_block(Q, KSTART, KEND, sqb, sqh, sqt, H, NQ, DK, BQ, BDK)
@@ -95,7 +100,7 @@ def _read_forward(Q, K, V1, V2, O1, O2, LSE, KSTART, KEND,
     for j0 in range((start // BK) * BK, hi, BK):
         rk = j0 + tl.arange(0, BK)
         kt = _cols(K, b, h, skb, skh, skt, rk, cdk, hi, DK)
-        s = tl.dot(q, kt, input_precision=PRECISION) * scale
+        s = tl.dot(q, kt, input_precision=PRECISION)
         allowed = (rk[None, :] >= start) & (rk[None, :] < end[:, None])
         if NORMALIZE:
             s = tl.where(allowed, s, float("-inf"))
@@ -142,7 +147,7 @@ def _weights(s, rk, start, end, lse, NORMALIZE: tl.constexpr):
 @triton.jit
 def _read_backward_queries(Q, K, V1, V2, DO1, DO2, LSE, DELTA, KSTART, KEND, DQ,
                            sqb, sqh, sqt, skb, skh, skt, s1b, s1h, s1t, s2b, s2h, s2t,
-                           H, NQ, DK, D1, D2, scale,
+                           H, NQ, DK, D1, D2,
                            BQ: tl.constexpr, BK: tl.constexpr, BDK: tl.constexpr, BD1: tl.constexpr,
                            BD2: tl.constexpr, TWO: tl.constexpr, NORMALIZE: tl.constexpr, PRECISION: tl.constexpr):
     """``dq`` of a block of queries (``DO1, DO2, DQ`` contiguous ``(B * H, NQ, width)``)."""
@@ -156,20 +161,20 @@ def _read_backward_queries(Q, K, V1, V2, DO1, DO2, LSE, DELTA, KSTART, KEND, DQ,
     dq = tl.zeros((BQ, BDK), dtype=q.dtype)
     for j0 in range((start // BK) * BK, hi, BK):
         rk = j0 + tl.arange(0, BK)
-        s = tl.dot(q, _cols(K, b, h, skb, skh, skt, rk, cdk, hi, DK), input_precision=PRECISION) * scale
+        s = tl.dot(q, _cols(K, b, h, skb, skh, skt, rk, cdk, hi, DK), input_precision=PRECISION)
         p = _weights(s, rk, start, end, lse, NORMALIZE)
         dp = tl.dot(do1, _cols(V1, b, h, s1b, s1h, s1t, rk, c1, hi, D1), input_precision=PRECISION)
         if TWO:
             dp += tl.dot(do2, _cols(V2, b, h, s2b, s2h, s2t, rk, c2, hi, D2), input_precision=PRECISION)
         ds = (p * (dp - delta[:, None])).to(q.dtype)
         dq += tl.dot(ds, _rows(K, b, h, skb, skh, skt, rk, cdk, hi, DK), input_precision=PRECISION)
-    tl.store(DQ + (bh * NQ + rq[:, None]) * DK + cdk[None, :], dq * scale, mask=live[:, None] & (cdk[None, :] < DK))
+    tl.store(DQ + (bh * NQ + rq[:, None]) * DK + cdk[None, :], dq, mask=live[:, None] & (cdk[None, :] < DK))
 
 
 @triton.jit
 def _read_backward_keys(Q, K, V1, V2, DO1, DO2, LSE, DELTA, KSTART, KEND, DK_, DV1, DV2,
                         sqb, sqh, sqt, skb, skh, skt, s1b, s1h, s1t, s2b, s2h, s2t,
-                        H, NQ, NK, DK, D1, D2, scale,
+                        H, NQ, NK, DK, D1, D2,
                         BQ: tl.constexpr, BK: tl.constexpr, BDK: tl.constexpr, BD1: tl.constexpr,
                         BD2: tl.constexpr, TWO: tl.constexpr, NORMALIZE: tl.constexpr, PRECISION: tl.constexpr):
     """``dk, dv`` of a block of keys (``DK_, DV1, DV2`` contiguous ``(B * H, NK, width)``): the products
@@ -191,7 +196,7 @@ def _read_backward_keys(Q, K, V1, V2, DO1, DO2, LSE, DELTA, KSTART, KEND, DK_, D
         end = tl.load(KEND + b * NQ + rq, mask=live, other=0)
         lse = tl.load(LSE + bh * NQ + rq, mask=live, other=0.0)
         delta = tl.load(DELTA + bh * NQ + rq, mask=live, other=0.0)
-        st = tl.dot(k, _cols(Q, b, h, sqb, sqh, sqt, rq, cdk, NQ, DK), input_precision=PRECISION) * scale
+        st = tl.dot(k, _cols(Q, b, h, sqb, sqh, sqt, rq, cdk, NQ, DK), input_precision=PRECISION)
         allowed = (rk[:, None] >= start) & (rk[:, None] < end[None, :])
         if NORMALIZE:
             pt = tl.where(allowed, tl.exp(st - lse[None, :]), 0.0)
@@ -206,7 +211,7 @@ def _read_backward_keys(Q, K, V1, V2, DO1, DO2, LSE, DELTA, KSTART, KEND, DK_, D
         dst = (pt * (dpt - delta[None, :])).to(k.dtype)
         dk += tl.dot(dst, _rows(Q, b, h, sqb, sqh, sqt, rq, cdk, NQ, DK), input_precision=PRECISION)
     live_k = rk[:, None] < NK
-    tl.store(DK_ + (bh * NK + rk[:, None]) * DK + cdk[None, :], dk * scale, mask=live_k & (cdk[None, :] < DK))
+    tl.store(DK_ + (bh * NK + rk[:, None]) * DK + cdk[None, :], dk, mask=live_k & (cdk[None, :] < DK))
     tl.store(DV1 + (bh * NK + rk[:, None]) * D1 + c1[None, :], dv1, mask=live_k & (c1[None, :] < D1))
     if TWO:
         tl.store(DV2 + (bh * NK + rk[:, None]) * D2 + c2[None, :], dv2, mask=live_k & (c2[None, :] < D2))
@@ -231,7 +236,7 @@ def _precision(x: torch.Tensor) -> str:
 
 class _MaskedRead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v1, v2, key_start, key_end, scale: float, normalize: bool):
+    def forward(ctx, q, k, v1, v2, key_start, key_end, normalize: bool):
         B, H, NQ, DK = q.shape
         D1, D2 = v1.shape[-1], 0 if v2 is None else v2.shape[-1]
         o1 = q.new_empty(B, H, NQ, D1)
@@ -242,10 +247,10 @@ class _MaskedRead(torch.autograd.Function):
         grid = (triton.cdiv(NQ, blocks["BQ"]), B * H)
         _read_forward[grid](q, k, v1, v1 if v2 is None else v2, o1, o1 if o2 is None else o2, lse, key_start, key_end,
                             *q.stride()[:3], *k.stride()[:3], *v1.stride()[:3], *_strides(v2), *o1.stride()[:3],
-                            *_strides(o2), H, NQ, DK, D1, D2, scale, BDK=widths[0], BD1=widths[1], BD2=widths[2],
+                            *_strides(o2), H, NQ, DK, D1, D2, BDK=widths[0], BD1=widths[1], BD2=widths[2],
                             TWO=v2 is not None, NORMALIZE=normalize, PRECISION=_precision(q), **blocks)
         ctx.save_for_backward(q, k, v1, v2, o1, o2, lse, key_start, key_end)
-        ctx.options = scale, normalize
+        ctx.normalize = normalize
         if not normalize:
             ctx.mark_non_differentiable(lse)
         return o1, o2, lse
@@ -254,7 +259,7 @@ class _MaskedRead(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, do1, do2, dlse):
         q, k, v1, v2, o1, o2, lse, key_start, key_end = ctx.saved_tensors
-        scale, normalize = ctx.options
+        normalize = ctx.normalize
         B, H, NQ, DK = q.shape
         NK, D1 = k.shape[2], v1.shape[-1]
         D2 = 0 if v2 is None else v2.shape[-1]
@@ -277,27 +282,33 @@ class _MaskedRead(torch.autograd.Function):
         strides = (*q.stride()[:3], *k.stride()[:3], *v1.stride()[:3], *_strides(v2))
         blocks = dict(BDK=widths[0], BD1=widths[1], BD2=widths[2], TWO=two, NORMALIZE=normalize,
                       PRECISION=_precision(q), **_blocks(*widths))
-        _read_backward_queries[(triton.cdiv(NQ, blocks["BQ"]), B * H)](*common, dq, *strides, H, NQ, DK, D1, D2, scale,
+        _read_backward_queries[(triton.cdiv(NQ, blocks["BQ"]), B * H)](*common, dq, *strides, H, NQ, DK, D1, D2,
                                                               **blocks)
         _read_backward_keys[(triton.cdiv(NK, blocks["BK"]), B * H)](*common, dk, dv1, dv2 if two else dv1, *strides,
-                                                                   H, NQ, NK, DK, D1, D2, scale, **blocks)
-        return dq, dk, dv1, dv2, None, None, None, None
+                                                                   H, NQ, NK, DK, D1, D2, **blocks)
+        return dq, dk, dv1, dv2, None, None, None
 
 
 def masked_read(q: torch.Tensor, k: torch.Tensor, values: tuple[torch.Tensor, ...], key_start: torch.Tensor,
-                key_end: torch.Tensor, scale: float, normalize: bool):
+                key_end: torch.Tensor, scale: float, normalize: bool) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """Reads of one or two ``values (B, H, NK, d)`` by the queries ``q (B, H, NQ, d_k)`` over the keys
     ``k (B, H, NK, d_k)`` that each query sees, ``key_start[b] <= j < key_end[b, i]`` (``(B,)`` and
-    ``(B, NQ)`` integers); see the module docstring. Returns ``(outs, lse)``: a tuple with one
-    ``(B, H, NQ, d)`` read per value tensor, and ``(B, H, NQ)`` (0 for the raw kernel), differentiable."""
+    ``(B, NQ)`` integers, clamped to the keys there are); see the module docstring. Returns
+    ``(outs, lse)``: a tuple with one ``(B, H, NQ, d)`` read per value tensor, and ``(B, H, NQ)``
+    (differentiable for softmax reads; 0 for the raw kernel). Widths up to :data:`WIDEST`."""
     if not 1 <= len(values) <= 2:
         raise ValueError(f"masked_read takes one or two value tensors, got {len(values)}")
+    widths = [x.shape[-1] for x in (q, *values)]
+    if max(widths) > WIDEST:
+        raise ValueError(f"masked_read takes widths up to {WIDEST}, got {widths}")
     dtype = q.dtype
     if dtype not in (torch.float32, torch.float64) or any(x.dtype != dtype for x in (k, *values)):
         raise TypeError(f"masked_read takes float32 or float64 tensors of one dtype, got "
                         f"{[str(x.dtype) for x in (q, k, *values)]}")
     q, k, *values = (_unit_stride(x) for x in (q, k, *values))
     v2 = values[1] if len(values) == 2 else None
-    o1, o2, lse = _MaskedRead.apply(q, k, values[0], v2, key_start.to(torch.int32).contiguous(),
-                                    key_end.to(torch.int32).contiguous(), float(scale), bool(normalize))
+    NK = k.shape[2]
+    key_start = key_start.clamp(0, NK).to(torch.int32).contiguous()
+    key_end = key_end.clamp(0, NK).to(torch.int32).contiguous()
+    o1, o2, lse = _MaskedRead.apply(q * scale, k, values[0], v2, key_start, key_end, bool(normalize))
     return ((o1,) if v2 is None else (o1, o2)), lse

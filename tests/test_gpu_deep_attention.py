@@ -93,31 +93,36 @@ def _relative_errors(got, want):
     return [_relative(a.detach().double(), b.detach()) for a, b in zip(got, want)]
 
 
+@pytest.mark.parametrize("precision", ["float32", "tf32x3", "float64"])
 @pytest.mark.parametrize("normalize", [True, False], ids=["softmax", "exp"])
 @pytest.mark.parametrize("widths", [(64,), (64, 64), (64, 256)], ids=["one", "two", "wide"])
-def test_masked_read_at_the_chunk_loops_shapes(normalize, widths):
-    """The flash-style reads of the chunk loop (float32, 3xTF32 products) against float64 weights formed in
-    PyTorch: a chunk of 64 queries and a window of 15 over 4,096 keys, spans that start inside a block, a
-    query that sees nothing; outputs, log-sum-exp and every gradient to 1e-5 of their norms."""
+def test_masked_read_at_the_chunk_loops_shapes(normalize, widths, precision, monkeypatch):
+    """The flash-style reads of the chunk loop against float64 weights formed in PyTorch: a chunk of 64
+    queries and a window of 15 over 4,096 keys, spans that start inside a block, a query that sees nothing,
+    a scale that float32 rounds (0.3); outputs, log-sum-exp and every gradient to 1e-5 of their norms for
+    float32 products (PyTorch's default precision) and 3xTF32 ones (where TF32 is allowed), 1e-12 in float64."""
     from mnemo.kernels.deep_attention import _read_weights
     from mnemo.kernels.deep_attention_triton_read import masked_read
 
+    if precision == "tf32x3":
+        monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    dtype = torch.float64 if precision == "float64" else torch.float32
     gen = torch.Generator(device="cuda").manual_seed(0)
-    NQ, NK = 79, 4096
-    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    NQ, NK, scale = 79, 4096, 0.3
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda", dtype=dtype)  # noqa: E731
     # the raw kernel's exp needs scores that stay in range: smaller queries there
-    q = (r(2, 16, NQ, 64) * (1.0 if normalize else 0.3)).requires_grad_()
+    q = (r(2, 16, NQ, 64) * (0.4 if normalize else 0.1)).requires_grad_()
     k, values = r(2, 16, NK, 64).requires_grad_(), [r(2, 16, NK, d).requires_grad_() for d in widths]
     key_start = torch.tensor([0, 700], device="cuda")
     key_end = torch.randint(0, NK + 1, (2, NQ), generator=gen, device="cuda")
     key_end[1, 3] = 0
-    outs, lse = masked_read(q, k, tuple(values), key_start, key_end, 0.125, normalize)
+    outs, lse = masked_read(q, k, tuple(values), key_start, key_end, scale, normalize)
     exact = [x.detach().double().requires_grad_() for x in (q, k, *values)]
     position = torch.arange(NK, device="cuda")
     allowed = (position >= key_start[:, None, None]) & (position < key_end[:, :, None])
-    weights = _read_weights(exact[0], exact[1], allowed[:, None], 0.125, normalize)
+    weights = _read_weights(exact[0], exact[1], allowed[:, None], scale, normalize)
     want = [weights @ v for v in exact[2:]]
-    scores = torch.where(allowed[:, None], (exact[0] @ exact[1].transpose(-1, -2)) * 0.125, float("-inf"))
+    scores = torch.where(allowed[:, None], (exact[0] @ exact[1].transpose(-1, -2)) * scale, float("-inf"))
     want_lse = torch.where(allowed.any(-1)[:, None], scores.logsumexp(-1), 0.0) if normalize else lse.double() * 0
     cotangents = [torch.randn_like(x) for x in want] + [torch.randn_like(want_lse)]
     loss = lambda reads: sum((x * c.to(x.dtype)).sum() for x, c in zip(reads, cotangents))  # noqa: E731
@@ -125,9 +130,9 @@ def test_masked_read_at_the_chunk_loops_shapes(normalize, widths):
     want_grads = torch.autograd.grad(loss((*want, want_lse)), exact)
     errors = _relative_errors([*outs, *grads], [*want, *want_grads])
     if normalize:
-        errors.append(float((lse.double() - want_lse).abs().max()))
-    print(normalize, widths, errors)
-    assert max(errors) < 1e-5, errors
+        errors.append(float((lse.detach().double() - want_lse).abs().max()))
+    print(precision, normalize, widths, errors)
+    assert max(errors) < (1e-12 if precision == "float64" else 1e-5), errors
 
 
 @pytest.mark.parametrize("rule,window,depth,normalize", [

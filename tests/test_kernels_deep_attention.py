@@ -73,6 +73,30 @@ def _chunk_then_steps_equal(ref, q, k, v, eta, gamma, w1, opts, atol):
     torch.testing.assert_close(torch.cat(outs, 1), ref, rtol=0, atol=atol)
 
 
+@pytest.mark.parametrize("opts", [SETTINGS[0], SETTINGS[1], SETTINGS[8]], ids=name)
+def test_hebbian_decoding_takes_one_step_a_token_without_replaying_its_chunk(opts, monkeypatch):
+    """After a prefill (whole rows) or a left-padded one (the chunk loop), each Hebbian token is one step that
+    reads the state's open chunk as it stands (``_hebbian_step``), never the chunk loop, and equals the
+    token-by-token definition, through chunk ends and every chunk size."""
+    from mnemo.kernels import deep_attention
+
+    q, k, v, eta, gamma, w1 = make_inputs(6)
+    lengths = torch.tensor([6, 3, 5])
+    ref = reference_deep_attention(q, k, v, eta, gamma, w1, **opts)
+    for prompt_lengths in (None, lengths):
+        o, state = chunk_deep_attention(*(x[:, :6] for x in (q, k, v, eta, gamma)), w1, lengths=prompt_lengths,
+                                        **opts)
+        prompt = [6] * B if prompt_lengths is None else prompt_lengths.tolist()  # each row's first tokens
+        monkeypatch.setattr(deep_attention, "_chunk_loop", None)  # any replay would fail
+        for t in range(6, T):
+            o, state = step_deep_attention(q[:, t], k[:, t], v[:, t], eta[:, t], gamma[:, t], w1, state, **opts)
+            for b in range(B):  # row b's sequence: its prompt's tokens, then the steps'
+                seq = [torch.cat([x[b:b + 1, :prompt[b]], x[b:b + 1, 6:t + 1]], 1) for x in (q, k, v, eta, gamma)]
+                alone = ref[b:b + 1, :t + 1] if prompt_lengths is None else reference_deep_attention(*seq, w1, **opts)
+                torch.testing.assert_close(o[b], alone[0, -1], rtol=0, atol=1e-10)
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("opts", SETTINGS[::2], ids=name)
 def test_ragged_rows_and_arbitrary_splits(opts, backend):

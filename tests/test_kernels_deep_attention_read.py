@@ -63,3 +63,15 @@ def test_masked_read_names_what_it_takes():
         masked_read(x, x, (x, x, x), torch.zeros(1), ends, 1.0, True)
     with pytest.raises(TypeError, match="float32 or float64"):
         masked_read(x.half(), x.half(), (x.half(),), torch.zeros(1), ends, 1.0, True)
+    with pytest.raises(ValueError, match="widths up to 256"):
+        masked_read(x, x, (torch.zeros(1, 1, 4, 300),), torch.zeros(1), ends, 1.0, True)
+
+
+def test_chunk_loop_wider_than_the_reads_tiles_is_named_on_the_triton_backend():
+    from mnemo.kernels import use_backend
+    from mnemo.kernels.deep_attention import chunk_deep_attention
+
+    q = torch.zeros(1, 3, 1, 4)
+    with use_backend("triton"), pytest.raises(NotImplementedError, match="chunk loop at widths"):
+        chunk_deep_attention(q, q, torch.zeros(1, 3, 1, 300), None, None, None, memory_depth=1, learning_rule="omega")
+    chunk_deep_attention(q, q, torch.zeros(1, 3, 1, 300), None, None, None, memory_depth=1, learning_rule="omega")
