@@ -208,6 +208,11 @@ def reference_deep_attention(
 # --------------------------------------------------------------------------- chunked
 
 
+def _seen(position: torch.Tensor, key_start: torch.Tensor, key_end: torch.Tensor) -> torch.Tensor:
+    """Whether each query ``(B, Q)`` sees each key ``position``: ``(B, Q, n)``."""
+    return (position >= key_start[:, None, None]) & (position < key_end[:, :, None])
+
+
 def _reads(queries: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, key_end: torch.Tensor,
            values: tuple[torch.Tensor, ...], scale: float, normalize: bool, window: slice | None,
            triton: bool) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
@@ -222,8 +227,7 @@ def _reads(queries: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, k
         outs, lse = masked_read(queries, keys, values, key_start, key_end, scale, normalize)
         if window is None:
             return outs, None
-        position = torch.arange(window.start, window.stop, device=keys.device)
-        allowed = (position >= key_start[:, None, None]) & (position < key_end[:, :, None])
+        allowed = _seen(torch.arange(window.start, window.stop, device=keys.device), key_start, key_end)
         with torch.autocast(keys.device.type, enabled=False):  # in the reads' own precision, as their lse
             scores = (queries @ keys[:, :, window].transpose(-1, -2)) * scale
         if normalize:
@@ -232,8 +236,7 @@ def _reads(queries: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, k
         return outs, torch.where(allowed[:, None], scores, float("-inf")).exp()
     if keys.shape[2] == 0:  # a state without pairs yet: no key to read, and no window
         return tuple(queries.new_zeros(*queries.shape[:3], x.shape[-1]) for x in values), None
-    position = torch.arange(keys.shape[2], device=keys.device)
-    allowed = (position >= key_start[:, None, None]) & (position < key_end[:, :, None])
+    allowed = _seen(torch.arange(keys.shape[2], device=keys.device), key_start, key_end)
     weights = _read_weights(queries, keys, allowed[:, None], scale, normalize)
     return tuple(weights @ x for x in values), (None if window is None else weights[..., window])
 
@@ -475,15 +478,15 @@ def _hebbian_step(q, k, v, eta, gamma, state: DeepAttentionState, chunk_size: in
     (a,), _ = _reads(kt[:, :, None], state.keys, zero, start[:, None], (state.us,), scale, True, None, False)
     u, sig, er, _ = chunk_update(a, vt[:, :, None], state.w1, (eta_t * gamma_t)[..., None], grad_clip)
     w1_now = state.w1_now + er.transpose(-1, -2) @ sig
-    keys, values, us = (_append(x, count, new) for x, new in zip((state.keys, state.values, state.us),
-                                                                  (kt, vt, u[:, :, 0])))
+    keys, values, us, etas, gammas = (
+        _append(x, count, new) for x, new in zip((state.keys, state.values, state.us, state.eta, state.gamma),
+                                                 (kt, vt, u[:, :, 0], eta_t, gamma_t)))
     (lin, deep), _ = _reads(qt[:, :, None], keys, zero, (count + 1)[:, None], (values, us), scale, True, None, False)
     y = lin + F.gelu(deep) @ w1_now.transpose(-1, -2)  # (B, H, 1, d_v)
     count = count + 1
     closes = (count - start) == chunk_size  # the token ends its chunk: the next one starts a new chunk
     new_state = DeepAttentionState(
-        keys=keys, values=values, eta=_append(state.eta, state.count, eta_t),
-        gamma=_append(state.gamma, state.count, gamma_t), count=count, start=torch.where(closes, count, start),
+        keys=keys, values=values, eta=etas, gamma=gammas, count=count, start=torch.where(closes, count, start),
         us=us, w1=torch.where(closes[:, None, None, None], w1_now, state.w1), w1_now=w1_now)
     return y.transpose(1, 2).to(v.dtype), new_state
 

@@ -39,6 +39,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .backend import tl, triton
+from .mixed_products_triton import _tile
 
 __all__ = ["masked_read"]
 
@@ -46,7 +47,7 @@ WIDEST = 256  # the widest tiles (queries, keys, values): wider ones need more s
 
 
 def _width(x: torch.Tensor | None) -> int:
-    return 16 if x is None else max(16, triton.next_power_of_2(x.shape[-1]))
+    return 16 if x is None else _tile(x.shape[-1])
 
 
 def _blocks(*widths: int) -> dict[str, int]:
@@ -243,14 +244,15 @@ class _MaskedRead(torch.autograd.Function):
         o2 = None if v2 is None else q.new_empty(B, H, NQ, D2)
         lse = q.new_empty(B, H, NQ)
         widths = (_width(q), _width(v1), _width(v2))
-        blocks = _blocks(*widths)
+        # the tiles and block shapes of every kernel, the backward's too
+        blocks = dict(BDK=widths[0], BD1=widths[1], BD2=widths[2], TWO=v2 is not None, NORMALIZE=normalize,
+                      PRECISION=_precision(q), **_blocks(*widths))
         grid = (triton.cdiv(NQ, blocks["BQ"]), B * H)
         _read_forward[grid](q, k, v1, v1 if v2 is None else v2, o1, o1 if o2 is None else o2, lse, key_start, key_end,
                             *q.stride()[:3], *k.stride()[:3], *v1.stride()[:3], *_strides(v2), *o1.stride()[:3],
-                            *_strides(o2), H, NQ, DK, D1, D2, BDK=widths[0], BD1=widths[1], BD2=widths[2],
-                            TWO=v2 is not None, NORMALIZE=normalize, PRECISION=_precision(q), **blocks)
+                            *_strides(o2), H, NQ, DK, D1, D2, **blocks)
         ctx.save_for_backward(q, k, v1, v2, o1, o2, lse, key_start, key_end)
-        ctx.normalize = normalize
+        ctx.normalize, ctx.blocks = normalize, blocks
         if not normalize:
             ctx.mark_non_differentiable(lse)
         return o1, o2, lse
@@ -259,7 +261,7 @@ class _MaskedRead(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, do1, do2, dlse):
         q, k, v1, v2, o1, o2, lse, key_start, key_end = ctx.saved_tensors
-        normalize = ctx.normalize
+        normalize, blocks = ctx.normalize, ctx.blocks
         B, H, NQ, DK = q.shape
         NK, D1 = k.shape[2], v1.shape[-1]
         D2 = 0 if v2 is None else v2.shape[-1]
@@ -277,11 +279,8 @@ class _MaskedRead(torch.autograd.Function):
         dk = k.new_empty(B, H, NK, DK)
         dv1 = v1.new_empty(B, H, NK, D1)
         dv2 = v2.new_empty(B, H, NK, D2) if two else None
-        widths = (_width(q), _width(v1), _width(v2))
         common = (q, k, v1, v2 if two else v1, do1, do2 if two else do1, lse, delta, key_start, key_end)
         strides = (*q.stride()[:3], *k.stride()[:3], *v1.stride()[:3], *_strides(v2))
-        blocks = dict(BDK=widths[0], BD1=widths[1], BD2=widths[2], TWO=two, NORMALIZE=normalize,
-                      PRECISION=_precision(q), **_blocks(*widths))
         _read_backward_queries[(triton.cdiv(NQ, blocks["BQ"]), B * H)](*common, dq, *strides, H, NQ, DK, D1, D2,
                                                               **blocks)
         _read_backward_keys[(triton.cdiv(NK, blocks["BK"]), B * H)](*common, dk, dv1, dv2 if two else dv1, *strides,
