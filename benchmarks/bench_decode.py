@@ -10,7 +10,9 @@ grow with the prompt. Models:
   16), MC-Titans grm and ssc and Atlas (OmegaNet and Muon) with Memory Caching, grm (segments of 256: the
   cache grows by one memory per segment, its slots taken ahead of need, so a captured step serves until
   they run out) and MoM (4 heads x 256, 4 memories top-2 + shared), also with Memory Caching (segments of
-  256, grm, whose cache grows as MC-Titans', and mean, a running sum);
+  256, grm, whose cache grows as MC-Titans', and mean, a running sum), and the DeepTransformer (16 x 64,
+  depth 2, memory hidden 64, chunk 64; Hebbian, and Dot with window 16), whose cache grows with the context
+  as a Transformer's and whose step runs eager (it has no graphed step);
 - anchors, where installed: flash-linear-attention 0.6.0's ``MomForCausalLM`` and
   ``GatedDeltaNetForCausalLM`` at the same shape, and transformers' Llama (16 heads x 64, SDPA, dynamic
   cache; with ``--generate`` also ``generate(cache_implementation="static")``, transformers' compiled decode
@@ -64,6 +66,14 @@ def mom(**overrides):
                                     num_memories=4, topk=2, shared_memory=True, vocab_size=VOCAB, **overrides))
 
 
+def deep_transformer(**overrides):
+    from mnemo import DeepTransformerConfig, DeepTransformerForCausalLM
+
+    return DeepTransformerForCausalLM(DeepTransformerConfig(hidden_size=HIDDEN, num_hidden_layers=4,
+                                                            num_attention_heads=16, intermediate_size=4 * HIDDEN,
+                                                            vocab_size=VOCAB, memory_depth=2, **overrides))
+
+
 def fla_model(kind: str):
     lift_fla_hopper_guard()
     from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, MomConfig, MomForCausalLM
@@ -94,6 +104,8 @@ MODELS: dict[str, Callable] = {
     "mom_4x2_shared": mom,
     "mc_mom_4x2_shared_grm_seg256": lambda: mom(segment_size=256, aggregation="grm"),
     "mc_mom_4x2_shared_mean_seg256": lambda: mom(segment_size=256, aggregation="mean"),
+    "deep_transformer_16x64": deep_transformer,
+    "dot_w16_16x64": lambda: deep_transformer(learning_rule="omega", omega_window=16),
     "anchor_fla_mom_4x2_shared": lambda: fla_model("mom"),
     "anchor_fla_gated_deltanet_4x256": lambda: fla_model("gdn"),
     "anchor_llama_sdpa_16x64": llama,

@@ -215,16 +215,17 @@ def _seen(position: torch.Tensor, key_start: torch.Tensor, key_end: torch.Tensor
 
 def _reads(queries: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, key_end: torch.Tensor,
            values: tuple[torch.Tensor, ...], scale: float, normalize: bool, window: slice | None,
-           triton: bool) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+           triton: bool, mutable_from: int | None = None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
     """The chunk loop's reads: each of ``values (B, H, L, .)`` read by ``queries (B, H, Q, d_k)`` over the
     keys ``key_start[b] <= j < key_end[b, i]`` of ``keys (B, H, L, d_k)``; with ``window`` (a span of key
     positions), also those keys' weights ``(B, H, Q, n)``. PyTorch forms every weight; Triton
     (:func:`~.deep_attention_triton_read.masked_read`) reads flash-style and the window's weights are
-    formed apart from the reads' log-sum-exp."""
+    formed apart from the reads' log-sum-exp; its values' rows from ``mutable_from`` on may then be written
+    in place after the read (:func:`_commit`)."""
     if triton:
         from .deep_attention_triton_read import masked_read  # noqa: PLC0415  (looked up here: tests count calls)
 
-        outs, lse = masked_read(queries, keys, values, key_start, key_end, scale, normalize)
+        outs, lse = masked_read(queries, keys, values, key_start, key_end, scale, normalize, mutable_from)
         if window is None:
             return outs, None
         allowed = _seen(torch.arange(window.start, window.stop, device=keys.device), key_start, key_end)
@@ -239,6 +240,18 @@ def _reads(queries: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, k
     allowed = _seen(torch.arange(keys.shape[2], device=keys.device), key_start, key_end)
     weights = _read_weights(queries, keys, allowed[:, None], scale, normalize)
     return tuple(weights @ x for x in values), (None if window is None else weights[..., window])
+
+
+def _commit(buffer: torch.Tensor, lo: int, hi: int, delta: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``buffer`` with ``delta`` added to its rows ``lo:hi`` (a chunk's writes to the omega targets or the deep
+    values). In place where the reads keep a copy of the rows a later write can change (the Triton reads,
+    ``mutable_from``): one buffer for the whole sequence. Otherwise a new buffer, since the PyTorch reads
+    keep theirs for the backward: a chunk loop over ``N`` chunks then holds ``N`` of them, quadratic in
+    the length."""
+    if in_place:
+        buffer[:, :, lo:hi] += delta
+        return buffer
+    return buffer.index_add(2, torch.arange(lo, hi, device=buffer.device), delta)
 
 
 def _timeline(state: DeepAttentionState | None, new: torch.Tensor, lengths: torch.Tensor, chunk: int, S: int):
@@ -348,7 +361,7 @@ def _chunk_loop(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lear
             # The window tokens read the keys before the chunk start.
             open_end = row_end.clamp(max=a)[:, None].expand(B, len(O))
             read_open, _ = _reads(Ko, Kp, key_start, open_end, ((Up,) if deep else ()) + ((Rp,) if omega else ()),
-                                  scale, normalize, None, triton)
+                                  scale, normalize, None, triton, lo)
             a_open = read_open[0] if deep else None
             if omega:
                 pred = read_open[-1]
@@ -374,7 +387,7 @@ def _chunk_loop(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lear
         causal_end = torch.minimum(row_end[:, None], torch.arange(a + 1, a + C + 1, device=device)[None])
         (lin, *read_deep), w_window = _reads(Qb[:, :, a:a + C], Kp, key_start, causal_end,
                                              (Rp,) + ((Up,) if deep else ()), scale, normalize,
-                                             slice(lo, a + C) if omega or deep else None, triton)
+                                             slice(lo, a + C) if omega or deep else None, triton, lo)
         if omega:
             lin = lin + (w_window * gate * counts[:, None]) @ r_open
         y = lin
@@ -385,12 +398,13 @@ def _chunk_loop(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lear
             y = y + s_t @ W1.transpose(-1, -2) + ((s_t @ sig_open.transpose(-1, -2)) * E) @ r_deep
         outputs[:, :, a:a + C] = y
 
-        # End of chunk: commit this chunk's updates.
+        # End of chunk: commit this chunk's updates, to the window's rows lo .. a + C (the only rows a later
+        # chunk's writes reach of those this chunk read: the reads' mutable_from).
         if omega:
-            R = R.index_add(2, O, gate[..., 0, :, None] * counts[:, None, -1, :, None] * r_open)
+            R = _commit(R, lo, a + C, gate[..., 0, :, None] * counts[:, None, -1, :, None] * r_open, triton)
         if deep:
             E_end = E[:, :, -1]  # (B, H, n_open)
-            U = U.index_add(2, O, E_end[..., None] * grad_u)
+            U = _commit(U, lo, a + C, E_end[..., None] * grad_u, triton)
             W1 = W1 + (r_deep * E_end[..., None]).transpose(-1, -2) @ sig_open
 
     at_end = new_start >= Z

@@ -237,7 +237,7 @@ def _precision(x: torch.Tensor) -> str:
 
 class _MaskedRead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v1, v2, key_start, key_end, normalize: bool):
+    def forward(ctx, q, k, v1, v2, key_start, key_end, normalize: bool, mutable_from: int | None):
         B, H, NQ, DK = q.shape
         D1, D2 = v1.shape[-1], 0 if v2 is None else v2.shape[-1]
         o1 = q.new_empty(B, H, NQ, D1)
@@ -251,8 +251,13 @@ class _MaskedRead(torch.autograd.Function):
         _read_forward[grid](q, k, v1, v1 if v2 is None else v2, o1, o1 if o2 is None else o2, lse, key_start, key_end,
                             *q.stride()[:3], *k.stride()[:3], *v1.stride()[:3], *_strides(v2), *o1.stride()[:3],
                             *_strides(o2), H, NQ, DK, D1, D2, **blocks)
-        ctx.save_for_backward(q, k, v1, v2, o1, o2, lse, key_start, key_end)
-        ctx.normalize, ctx.blocks = normalize, blocks
+        if mutable_from is None:
+            ctx.save_for_backward(q, k, v1, v2, o1, o2, lse, key_start, key_end)
+        else:  # a copy of the rows that may change; the rest by reference, outside autograd's version checks
+            tails = [None if x is None else x[:, :, mutable_from:].clone() for x in (v1, v2)]
+            ctx.save_for_backward(q, k, *tails, o1, o2, lse, key_start, key_end)
+            ctx.heads = [None if x is None else x.detach()[:, :, :mutable_from] for x in (v1, v2)]
+        ctx.normalize, ctx.blocks, ctx.mutable_from = normalize, blocks, mutable_from
         if not normalize:
             ctx.mark_non_differentiable(lse)
         return o1, o2, lse
@@ -261,6 +266,8 @@ class _MaskedRead(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, do1, do2, dlse):
         q, k, v1, v2, o1, o2, lse, key_start, key_end = ctx.saved_tensors
+        if ctx.mutable_from is not None:  # the values as they were read
+            v1, v2 = (None if tail is None else torch.cat([head, tail], 2) for head, tail in zip(ctx.heads, (v1, v2)))
         normalize, blocks = ctx.normalize, ctx.blocks
         B, H, NQ, DK = q.shape
         NK, D1 = k.shape[2], v1.shape[-1]
@@ -285,16 +292,22 @@ class _MaskedRead(torch.autograd.Function):
                                                               **blocks)
         _read_backward_keys[(triton.cdiv(NK, blocks["BK"]), B * H)](*common, dk, dv1, dv2 if two else dv1, *strides,
                                                                    H, NQ, NK, DK, D1, D2, **blocks)
-        return dq, dk, dv1, dv2, None, None, None
+        return dq, dk, dv1, dv2, None, None, None, None
 
 
 def masked_read(q: torch.Tensor, k: torch.Tensor, values: tuple[torch.Tensor, ...], key_start: torch.Tensor,
-                key_end: torch.Tensor, scale: float, normalize: bool) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+                key_end: torch.Tensor, scale: float, normalize: bool,
+                mutable_from: int | None = None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """Reads of one or two ``values (B, H, NK, d)`` by the queries ``q (B, H, NQ, d_k)`` over the keys
     ``k (B, H, NK, d_k)`` that each query sees, ``key_start[b] <= j < key_end[b, i]`` (``(B,)`` and
     ``(B, NQ)`` integers, clamped to the keys there are); see the module docstring. Returns
     ``(outs, lse)``: a tuple with one ``(B, H, NQ, d)`` read per value tensor, and ``(B, H, NQ)``
-    (differentiable for softmax reads; 0 for the raw kernel). Widths up to :data:`WIDEST`."""
+    (differentiable for softmax reads; 0 for the raw kernel). Widths up to :data:`WIDEST`.
+
+    ``mutable_from``: the caller may write the values' rows from this one on in place after the call, and
+    no earlier row (the chunk loop's buffers, which take each chunk's writes in place). The backward then
+    uses a copy of those rows, taken here, and the earlier ones as they stand: autograd's version check,
+    which would refuse any in-place write, is left out for the values."""
     if not 1 <= len(values) <= 2:
         raise ValueError(f"masked_read takes one or two value tensors, got {len(values)}")
     widths = [x.shape[-1] for x in (q, *values)]
@@ -309,5 +322,7 @@ def masked_read(q: torch.Tensor, k: torch.Tensor, values: tuple[torch.Tensor, ..
     NK = k.shape[2]
     key_start = key_start.clamp(0, NK).to(torch.int32).contiguous()
     key_end = key_end.clamp(0, NK).to(torch.int32).contiguous()
-    o1, o2, lse = _MaskedRead.apply(q * scale, k, values[0], v2, key_start, key_end, bool(normalize))
+    if mutable_from is not None and not 0 <= mutable_from <= NK:
+        raise ValueError(f"masked_read's mutable_from must lie in [0, {NK}] (the keys), got {mutable_from}")
+    o1, o2, lse = _MaskedRead.apply(q * scale, k, values[0], v2, key_start, key_end, bool(normalize), mutable_from)
     return ((o1,) if v2 is None else (o1, o2)), lse

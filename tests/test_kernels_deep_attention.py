@@ -184,6 +184,35 @@ def test_gradients_match_reference(opts, backend):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-9, msg=label)
 
 
+def _saved_bytes(length: int, backend: str) -> int:
+    """Bytes that Dot's chunk loop (depth 2, window 3, chunks of 8) keeps for its backward at ``length``."""
+    gen = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(1, length, 2, 8, generator=gen).requires_grad_() for _ in range(3))
+    eta, gamma = (torch.rand(1, length, 2, generator=gen) for _ in range(2))
+    w1 = (0.1 * torch.randn(2, 8, 8, generator=gen)).requires_grad_()
+    storages = {}
+
+    def keep(x):
+        storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x), use_backend(backend):
+        out, _ = chunk_deep_attention(q, k, v, eta, gamma, w1, memory_depth=2, learning_rule="omega", omega_window=3,
+                                      chunk_size=8)
+    out.sum().backward()  # the graph it kept is a working one
+    return sum(storages.values())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_dot_chunk_loop_on_the_triton_reads_keeps_for_its_backward_memory_linear_in_the_length():
+    """Each chunk writes its window's rows of the omega targets and deep values in place, and its reads keep
+    a copy of those rows only: 4x the length keeps about 4x the bytes (4.1x). With a new buffer a chunk, each
+    kept by that chunk's reads, the same reads kept 6.1x; the PyTorch path (which does so, and keeps its
+    weights over every earlier key) keeps 8.6x: quadratic in the length."""
+    ratio = _saved_bytes(128, "triton") / _saved_bytes(32, "triton")
+    assert 3.5 < ratio < 4.6, ratio
+
+
 def test_option_errors():
     q, k, v, eta, gamma, w1 = make_inputs()
     with pytest.raises(ValueError, match="memory_depth"):

@@ -56,6 +56,24 @@ def test_masked_read_equals_the_weights_formed_in_torch(dtype, atol, normalize, 
         torch.testing.assert_close(g, r, rtol=0, atol=atol * scale_of(r), msg=label)
 
 
+@pytest.mark.parametrize("mutable_from", [0, 30, 90])
+def test_values_written_in_place_after_a_read_from_mutable_from_leave_its_gradients_as_they_were(mutable_from):
+    gen = torch.Generator().manual_seed(mutable_from)
+    B, H, NQ, NK, DK = 2, 2, 20, 90, 8
+    q, k = (torch.randn(B, H, n, DK, generator=gen, dtype=torch.float64).requires_grad_() for n in (NQ, NK))
+    leaf = torch.randn(B, H, NK, 6, generator=gen, dtype=torch.float64).requires_grad_()
+    later = torch.randn(B, H, NK - mutable_from, 6, generator=gen, dtype=torch.float64)
+    key_start, key_end = torch.tensor([0, 7]), torch.randint(0, NK + 1, (B, NQ), generator=gen)
+    cotangent = torch.randn(B, H, NQ, 6, generator=gen, dtype=torch.float64)
+    (want,), _ = masked_read(q, k, (leaf,), key_start, key_end, 0.3, True)
+    want_grads = torch.autograd.grad((want * cotangent).sum(), (q, k, leaf))
+    buffer = leaf * 1.0  # the loop's buffers: not leaves, written in place
+    (out,), _ = masked_read(q, k, (buffer,), key_start, key_end, 0.3, True, mutable_from)
+    buffer[:, :, mutable_from:] += later  # a later chunk's writes
+    got_grads = torch.autograd.grad((out * cotangent).sum(), (q, k, leaf))  # dq, dk take the values as read
+    assert torch.equal(out, want) and all(torch.equal(g, w) for g, w in zip(got_grads, want_grads))
+
+
 def test_masked_read_names_what_it_takes():
     x = torch.zeros(1, 1, 4, 4)
     ends = torch.full((1, 4), 4)
@@ -65,6 +83,8 @@ def test_masked_read_names_what_it_takes():
         masked_read(x.half(), x.half(), (x.half(),), torch.zeros(1), ends, 1.0, True)
     with pytest.raises(ValueError, match="widths up to 256"):
         masked_read(x, x, (torch.zeros(1, 1, 4, 300),), torch.zeros(1), ends, 1.0, True)
+    with pytest.raises(ValueError, match="mutable_from must lie in"):
+        masked_read(x, x, (x,), torch.zeros(1), ends, 1.0, True, 5)
 
 
 def test_chunk_loop_wider_than_the_reads_tiles_is_named_on_the_triton_backend():
