@@ -40,7 +40,7 @@ most linearly. The linear (attention) branch is never clipped.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch.nn import functional as F
@@ -101,6 +101,22 @@ class DeepAttentionState:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def with_room(self, steps: int) -> tuple["DeepAttentionState", int]:
+        """This state with its pairs' buffers (``keys, values, eta, gamma, us, targets``) zero-padded along
+        time so that every row can take ``steps`` more pairs, and how many more the fullest row can take
+        (at least ``steps``; reads the rows' counts back to the host). Decoding steps that are told their
+        state has room (``in_place``) write their pair where it lies instead of growing the buffers."""
+        L = self.keys.shape[2]
+        fullest = int(self.count.max()) if self.count.numel() else 0
+        size = max(L, fullest + steps)
+        grown = {}
+        for name in ("keys", "values", "eta", "gamma", "us", "targets"):
+            x = getattr(self, name)
+            if x is not None and size > L:
+                x = torch.cat([x, x.new_zeros(*x.shape[:2], size - L, *x.shape[3:])], 2)
+            grown[name] = x
+        return replace(self, **grown), size - fullest
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "DeepAttentionState":
@@ -465,21 +481,24 @@ def _hebbian_rows(q, k, v, eta, gamma, w1_init, chunk_size, scale, grad_clip, tr
     return o.transpose(1, 2).to(v.dtype, memory_format=torch.contiguous_format), state
 
 
-def _append(x: torch.Tensor, count: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """``x (B, H, L, ...)``, ``L`` the most pairs of a row, with ``new (B, H, ...)`` after each row's ``count``
-    pairs: ``(B, H, L + 1, ...)``."""
+def _append(x: torch.Tensor, count: torch.Tensor, new: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``x (B, H, L, ...)`` with ``new (B, H, ...)`` after each row's ``count`` pairs: written where it lies
+    with ``in_place`` (``x`` has room: :meth:`DeepAttentionState.with_room`), else in a copy one pair
+    longer, ``(B, H, L + 1, ...)``."""
     B, H = x.shape[:2]
-    out = torch.cat([x, x.new_zeros(B, H, 1, *x.shape[3:])], 2)
+    out = x if in_place else torch.cat([x, x.new_zeros(B, H, 1, *x.shape[3:])], 2)
     index = count.view(B, 1, 1, *([1] * (x.dim() - 3))).expand(B, H, 1, *x.shape[3:])
-    return out.scatter(2, index, new.unsqueeze(2).to(out.dtype))
+    return out.scatter_(2, index, new.unsqueeze(2).to(out.dtype))
 
 
 def _hebbian_step(q, k, v, eta, gamma, state: DeepAttentionState, chunk_size: int, scale: float,
-                  grad_clip: float | None):
+                  grad_clip: float | None, in_place: bool = False):
     """One new token per row under the Hebbian rule (decoding), from a state that holds the open chunk's
     deep values and ``W_1`` after its last pair: the token's key reads the committed pairs (``A^(s)(k_t)``),
     its pair is written (:func:`chunk_update`, one row), and its query reads every pair; two reads of one
-    query and no replay of the open chunk, whose pairs the chunk loop would recompute from the raw inputs."""
+    query and no replay of the open chunk, whose pairs the chunk loop would recompute from the raw inputs.
+    Nothing is read back to the host, and with ``in_place`` (a state given room) nothing changes size: a
+    CUDA graph can capture the step."""
     B, _, H, _ = q.shape
     dtype = state.w1.dtype
     first = lambda x: x[:, 0].to(dtype)  # noqa: E731  (B, 1, H, ...) -> (B, H, ...)
@@ -493,7 +512,7 @@ def _hebbian_step(q, k, v, eta, gamma, state: DeepAttentionState, chunk_size: in
     u, sig, er, _ = chunk_update(a, vt[:, :, None], state.w1, (eta_t * gamma_t)[..., None], grad_clip)
     w1_now = state.w1_now + er.transpose(-1, -2) @ sig
     keys, values, us, etas, gammas = (
-        _append(x, count, new) for x, new in zip((state.keys, state.values, state.us, state.eta, state.gamma),
+        _append(x, count, new, in_place) for x, new in zip((state.keys, state.values, state.us, state.eta, state.gamma),
                                                  (kt, vt, u[:, :, 0], eta_t, gamma_t)))
     (lin, deep), _ = _reads(qt[:, :, None], keys, zero, (count + 1)[:, None], (values, us), scale, True, None, False)
     y = lin + F.gelu(deep) @ w1_now.transpose(-1, -2)  # (B, H, 1, d_v)
@@ -558,6 +577,7 @@ def chunk_deep_attention(
     normalize: bool = True,
     scale: float | None = None,
     grad_clip: float | None = None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, DeepAttentionState]:
     """Chunked deep attention over ``T`` new tokens per row; returns ``(o, state)``.
 
@@ -567,6 +587,9 @@ def chunk_deep_attention(
     the Hebbian section below (attention kernels, Triton chunk updates on CUDA), and one token a row
     after a state (decoding) :func:`_hebbian_step`; everything else the chunk loop here (its reads
     flash-style in Triton on the Triton backend).
+
+    ``in_place``: a decoding step may write its pair into ``initial_state``'s buffers, which have room for
+    it (:meth:`DeepAttentionState.with_room`; the fixed-size step of a CUDA graph).
     """
     _check(memory_depth, learning_rule, omega_window, chunk_size)
     T = q.shape[1]
@@ -590,7 +613,7 @@ def chunk_deep_attention(
     if memory_depth == 2 and w1_init is None:
         raise ValueError("memory_depth=2 needs w1_init, the deep branch's initial W_1 (H, d_v, memory_hidden)")
     if one_token:
-        return _hebbian_step(q, k, v, eta, gamma, initial_state, chunk_size, scale, grad_clip)
+        return _hebbian_step(q, k, v, eta, gamma, initial_state, chunk_size, scale, grad_clip, in_place)
     if whole_rows:
         return _hebbian_rows(q, k, v, eta, gamma, w1_init, chunk_size, scale, grad_clip, backend == "triton")
     return _chunk_loop(q, k, v, eta, gamma, w1_init, lengths, initial_state, memory_depth, learning_rule,

@@ -19,10 +19,15 @@ and of Atlas and MoM with Memory Caching take their slots ahead of need (``reser
 its eager step sizes them), so a graph serves until they run out and
 generation then captures the next one, with more room.
 
+The DeepTransformer's keys and values grow too: its cache gets room for a few hundred pairs
+a row ahead (``reserve_decode_slots``), and its rotary positions come from the cache's
+per-row pair counts on the device (``decode_positions`` on the model), not from the host.
+
 Only models that declare such a step take this path (``decode_graph_obstacle``
 on the model class returns no reason: MoM and Gated DeltaNet without attention
-layers, Titans, MC-Titans with fixed segments, and Atlas without attention, with or
-without Memory Caching); for the others ``generate(cuda_graph=True)`` raises and names why.
+layers, Titans, MC-Titans with fixed segments, Atlas without attention, with or
+without Memory Caching, and the Hebbian DeepTransformer); for the others
+``generate(cuda_graph=True)`` raises and names why.
 On a device other than CUDA the same static step runs eagerly
 (``DecodeGraph(..., capture=False)``), which is how the CPU tests check it.
 """
@@ -83,8 +88,12 @@ class DecodeGraph:
         requested, self.cache.decode_graphs = self.cache.decode_graphs, False  # the eager step, not a replay
         for layer in self.cache:
             layer.in_place = True  # the buffers are this graph's own: layers may write them where they lie
+        # Models with rotary positions read each row's position from the cache on the device: the host's
+        # count, baked into the graph at capture, would repeat in every replay.
+        positions = getattr(self.model, "decode_positions", None)
+        extra = {"position_ids": positions(self.cache)} if callable(positions) else {}
         try:
-            logits = self.model(self.input_ids, cache=self.cache, use_cache=True).logits
+            logits = self.model(self.input_ids, cache=self.cache, use_cache=True, **extra).logits
         finally:
             self.cache.decode_graphs = requested
             for layer in self.cache:

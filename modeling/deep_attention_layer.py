@@ -29,6 +29,12 @@ def _own_positions(hidden_states: torch.Tensor, valid: torch.Tensor | None, cach
     return past + (valid.long().cumsum(-1) - 1).clamp(min=0)
 
 
+# Pairs a decode graph's cache is given room for at once (:meth:`DeepAttentionLayer.reserve_decode_slots`): a
+# graph serves that many tokens, then generation captures another; every step's reads also pass over the room
+# still empty (masked), so more room means fewer captures but longer reads.
+DECODE_ROOM = 256
+
+
 class DeepAttentionLayer(nn.Module):
     def __init__(self, config: DeepTransformerConfig, layer_idx: int) -> None:
         super().__init__()
@@ -57,6 +63,15 @@ class DeepAttentionLayer(nn.Module):
             self.memory_w1 = nn.Parameter(torch.zeros(self.num_heads, self.head_dim, config.memory_hidden))
         if config.learning_rule == "omega":
             self.gamma_proj = nn.Linear(hidden, self.num_heads, bias=False)  # window gates
+
+    def reserve_decode_slots(self, cache: LayerCache) -> int | None:
+        """Room in ``cache`` for :data:`DECODE_ROOM` more pairs a row: how many one-token steps it then takes
+        in place (``None``: a cache this layer has not filled)."""
+        if "keys" not in cache:
+            return None
+        state, steps = DeepAttentionState.from_tensors(cache.states).with_room(DECODE_ROOM)
+        cache.update(**state.tensors())
+        return steps
 
     def forward(
         self,
@@ -94,7 +109,7 @@ class DeepAttentionLayer(nn.Module):
         state = DeepAttentionState.from_tensors(cache.states) if cache is not None and "keys" in cache else None
         o, new_state = chunk_deep_attention(
             q, k, v, eta, gamma, getattr(self, "memory_w1", None),
-            lengths=lengths, initial_state=state, **self.options,
+            lengths=lengths, initial_state=state, in_place=cache is not None and cache.in_place, **self.options,
         )
         if cache is not None:
             cache.states = new_state.tensors()

@@ -46,6 +46,9 @@ class DeepTransformerBlock(GradientCheckpointingLayer):
         hidden_states = hidden_states + self.mlp(normed)
         return hidden_states, None
 
+    def reserve_decode_slots(self, cache: LayerCache) -> int | None:
+        return self.self_attn.reserve_decode_slots(cache)
+
 
 class DeepTransformerPreTrainedModel(PreTrainedModel):
     config_class = DeepTransformerConfig
@@ -72,6 +75,22 @@ class DeepTransformerForCausalLM(MnemoCausalLMMixin, MnemoGenerationMixin, DeepT
     """DeepTransformer / Dot language model; ``generate()`` runs on its KV-and-memory cache."""
 
     base_model_class = DeepTransformerModel
+
+    @classmethod
+    def decode_graph_obstacle(cls, config: DeepTransformerConfig) -> str:
+        if config.memory_depth == 1:
+            return "memory_depth=1 (attention) decodes through its growing KV cache eagerly"
+        if config.learning_rule == "omega":
+            return ("the omega rule (Dot) replays each token's open chunk, whose length changes from step to step "
+                    "(the Hebbian rule decodes through a graph)")
+        if not config.normalize:
+            return "unnormalised reads (normalize=False) replay each token's open chunk (softmax reads decode through a graph)"
+        return ""
+
+    def decode_positions(self, cache) -> torch.Tensor:
+        """The rotary positions ``(B, 1)`` of a decoding step, from the cache on the device: each row's own
+        tokens so far (what ``generate()`` counts under left padding), so that a captured step advances them."""
+        return cache[0]["count"][:, None]
 
 
 register_peft_defaults(DeepTransformerConfig.model_type)  # here, so that exported code registers them too

@@ -34,7 +34,9 @@ SLOW_CASES = {
     "test_mc_titans_with_fused_reads_equals_the_reference": {"mean", "residual", "ssc"},
     # the PyTorch path's case stays; the Triton one runs the same recompute through the interpreter
     "test_mom_layer_gradients_are_those_of_keeping_the_activations": {"triton"},
-    "test_triton_key_pass_equals_the_torch_one": {"150-0.5-reads7-4-16", "150-None-reads6-3-16"},
+    # 150 tokens in groups of 2 stay at chunks of 32
+    "test_triton_key_pass_equals_the_torch_one": {"150-0.5-reads7-4-16", "150-None-reads6-3-16",
+                                                  "150-0.5-reads5-2-16"},
     # DDP for every family and FSDP for the others than MoM: the slow job (two processes each)
     "test_two_processes_match_one": {"atlas-ddp", "deep-transformer-ddp", "mc-titans-ddp", "mom-ddp",
                                      "atlas-fsdp", "deep-transformer-fsdp", "mc-titans-fsdp"},
@@ -53,11 +55,23 @@ SLOW_CASES = {
         "atlas-atlas", "atlas-atlas++-window6", "atlas-dla", "atlas-mag-dla", "atlas-mal", "atlas-memory-caching",
         "atlas-swla-momentum", "mc-grm", "mc-grm-conv", "mc-plain-titans", "mc-soup-independent", "mom-default",
         "mom-deltanet-no-shared", "mom-hybrid", "mom-memory-caching", "mom-top1-expand-v",
+        # gated memories: their own test in test_triton_backend.py (mc-grm-gated); logarithmic segments: on the
+        # PyTorch path in test_memory_caching*.py
+        "mc-log-mean-gated",
     },
+    # the Hebbian case stays; Dot's chunk loop on the Triton reads: test_kernels_deep_attention.py, both backends
+    "test_deep_transformer_decodes_and_pads_through_the_triton_reads": {"deep-dot-window3-gqa"},
+    # the window of six: the other Atlas presets and the Atlas window tests keep generation's properties
+    "test_left_padded_batch_generates_what_each_sample_generates_alone": {"atlas-atlas++-window6"},
+    "test_sampling_is_reproducible_and_cache_independent": {"atlas-atlas++-window6"},
     # whole tests: the interpreter runs a model's training steps
     "test_lora_reaches_the_output_and_trains_on_the_triton_path": {""},
     "test_atlas_muon_with_triton_newton_schulz": {""},
     "test_chunk_titans_with_gradients_takes_the_persistent_backward_when_asked": {""},  # the backward is off
+    # the persistent forward in training: Titans' and Atlas' calls stay (test_a_training_call_runs_its_forward_...)
+    "test_mc_titans_trains_with_its_segments_forward_through_the_persistent_kernel": {""},
+    # Muon's momenta in the kernels: the kernels' own test stays (test_momenta_formed_inside_the_kernels_...)
+    "test_atlas_muon_under_autocast_forms_its_momenta_in_the_kernels": {""},
 }
 
 
@@ -317,9 +331,12 @@ def _seed():
     torch.manual_seed(1234)
 
 
-def assert_graphed_decoding_equals_eager(model, ids, mask, new_tokens: int = 12, steps: int = 6) -> None:
+def assert_graphed_decoding_equals_eager(model, ids, mask, new_tokens: int = 12, steps: int = 6,
+                                        atol: float = 0.0) -> None:
     """``generate(cuda_graph=True)`` gives eager ``generate()``'s greedy tokens, and a :class:`DecodeGraph`
-    (captured on CUDA) replays steps whose logits equal the eager step's exactly."""
+    (captured on CUDA) replays steps whose logits equal the eager step's (exactly unless ``atol``). Models
+    that read their rotary positions from the cache (``decode_positions``) get the same positions in the eager
+    steps, as ``generate()`` gives them through the attention mask."""
     from mnemo import MnemoCache
     from mnemo.modeling.cuda_graph import DecodeGraph
 
@@ -337,6 +354,8 @@ def assert_graphed_decoding_equals_eager(model, ids, mask, new_tokens: int = 12,
         for _ in range(steps):
             if not step.matches(caches[1]):  # its room for a growing state used up: another, as generation makes it
                 step = DecodeGraph(model, caches[1])
-            expected = model(token, past_key_values=caches[0], use_cache=True).logits
-            torch.testing.assert_close(step(token), expected, rtol=0, atol=0)
+            positions = getattr(model, "decode_positions", None)
+            extra = {"position_ids": positions(caches[0])} if callable(positions) else {}
+            expected = model(token, past_key_values=caches[0], use_cache=True, **extra).logits
+            torch.testing.assert_close(step(token), expected, rtol=0, atol=atol)
             token = expected[:, -1:].argmax(-1)

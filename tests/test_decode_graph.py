@@ -2,7 +2,8 @@
 eagerly here) gives exactly what eager decoding gives, keeps the cache's tensors in place, reads
 nothing back to the host, and models whose state grows unpredictably are refused with the reason.
 MoM and Gated DeltaNet, Titans, MC-Titans with fixed segments and Atlas, with or without Memory Caching (cached
-memories and states given slots ahead of need), without attention layers, decode this way."""
+memories and states given slots ahead of need), without attention layers, and the Hebbian DeepTransformer (its
+keys and values given room ahead, its rotary positions read from the cache) decode this way."""
 
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ GRAPHABLE = {
     **{f"mc-atlas-{name}": (tiny_atlas, {"segment_size": 3, **overrides}) for name, overrides in {
         "mean": {}, "grm": {"aggregation": "grm"}, "ssc": {"aggregation": "ssc"},
         "omeganet-residual": {"preset": "omeganet", "aggregation": "residual"}}.items()},
+    # chunks of 4: the prompts and new tokens close several; the clip acts on most pairs at this init
+    "deep-transformer": (tiny_deep_transformer, {}),
+    "deep-transformer-gqa-clip": (tiny_deep_transformer, {"num_key_value_heads": 2, "memory_grad_clip": 0.3}),
 }
 
 
@@ -186,16 +190,74 @@ def test_decode_graph_steps_in_place_and_match_the_eager_step(build, overrides):
             step(ids[:, :2])
 
 
+def test_deep_transformer_decode_graph_writes_its_pairs_into_the_room_of_its_buffers():
+    """The step writes each pair where the cache's buffers have room (chunks of 4 close on the way) and equals
+    the eager step, whose buffers grow by a pair a step. Its reads also pass over the room's masked pairs:
+    the same weights in a longer sum, so the two agree to float32 rounding (3.7e-8 measured), not bit for bit."""
+    model = tiny_deep_transformer(seed=2)
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        eager_cache, graph_cache = MnemoCache(2), MnemoCache(2)
+        model(ids[:, :5], past_key_values=eager_cache, use_cache=True)
+        model(ids[:, :5], past_key_values=graph_cache, use_cache=True)
+        step = DecodeGraph(model, graph_cache, capture=False)
+        assert step.steps_left == 256  # the layer's DECODE_ROOM
+        addresses = [{n: t.data_ptr() for n, t in layer.states.items()} for layer in graph_cache]
+        for t in range(5, 9):
+            expected = model(ids[:, t:t + 1], past_key_values=eager_cache, use_cache=True).logits
+            torch.testing.assert_close(step(ids[:, t:t + 1]), expected, rtol=0, atol=1e-6)
+        assert [{n: t.data_ptr() for n, t in layer.states.items()} for layer in graph_cache] == addresses
+        for eager_layer, graph_layer in zip(eager_cache, graph_cache):
+            assert graph_layer["keys"].shape[2] == 5 + 256 and eager_layer["keys"].shape[2] == 9
+            for name, tensor in eager_layer.states.items():
+                got = graph_layer[name][:, :, :9] if name in ("keys", "values", "us", "eta", "gamma") else graph_layer[name]
+                torch.testing.assert_close(got, tensor, rtol=0, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("build, overrides, reason", [
     (tiny_mom, {"num_hidden_layers": 3, "attention_layers": [1], "num_attention_heads": 4}, "attention layers"),
     (tiny_mc_titans, {"segmentation": "logarithmic"}, "logarithmic"),
     (tiny_atlas, {"hybrid": "mag"}, "sliding-window attention"),
-    (tiny_deep_transformer, {}, "DeepTransformerForCausalLM"),
-], ids=["mom-hybrid", "mc-titans-log", "atlas-mag", "deep-transformer"])
+    (tiny_deep_transformer, {"learning_rule": "omega", "omega_window": 3}, "omega rule"),
+    (tiny_deep_transformer, {"normalize": False}, "unnormalised reads"),
+    (tiny_deep_transformer, {"memory_depth": 1}, "memory_depth=1"),
+], ids=["mom-hybrid", "mc-titans-log", "atlas-mag", "dot", "deep-transformer-exp", "transformer"])
 def test_graphed_generation_refuses_a_growing_state(build, overrides, reason):
     model = build(**overrides)
     with pytest.raises(ValueError, match=reason):
         model.generate(torch.randint(1, 97, (1, 4)), max_new_tokens=2, cuda_graph=True)
+
+
+def test_deep_transformer_graphs_are_captured_again_when_their_room_is_used_up(monkeypatch):
+    """Room for 3 pairs a row at a time: the 7-token prompts and 12 new tokens need a graph every 3 steps, and
+    generation still gives eager decoding's tokens; a multi-token forward continues the reserved cache too."""
+    import mnemo.modeling.deep_attention_layer as layer
+    import mnemo.modeling.generation as generation
+
+    built = []
+
+    class Counted(DecodeGraph):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self.steps_left)
+
+    monkeypatch.setattr(generation, "DecodeGraph", Counted)
+    monkeypatch.setattr(layer, "DECODE_ROOM", 3)
+    model = tiny_deep_transformer(seed=1)
+    ids, mask = left_padded([7, 3, 5], 7)
+    eager = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    cache = MnemoCache(model.config.num_hidden_layers)
+    graphed = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                             cuda_graph=True, past_key_values=cache)
+    assert torch.equal(graphed, eager)
+    assert built == [3, 3, 3, 3]  # 11 steps after the prefill: the fourth graph's room outlasts them
+    # the reserved buffers (room past every row's pairs) continue through the chunk loop as a grown cache would
+    more = torch.randint(1, 97, (3, 5), generator=torch.Generator().manual_seed(4))
+    full_mask = torch.cat([mask, torch.ones(3, 11 + 5, dtype=torch.long)], 1)
+    with torch.no_grad():
+        got = model(more, attention_mask=full_mask, past_key_values=cache, use_cache=True).logits
+        want = model(torch.cat([graphed[:, :-1], more], 1), attention_mask=full_mask).logits[:, -5:]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_graphed_generation_refuses_beam_search_and_frees_the_graph():
@@ -215,10 +277,12 @@ def test_graphed_generation_refuses_beam_search_and_frees_the_graph():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("variant", sorted(GRAPHABLE))
 def test_captured_graph_on_cuda_equals_eager_decoding(variant):
-    """A real CUDA graph: replayed steps give eager's logits exactly and generate() eager's tokens."""
+    """A real CUDA graph: replayed steps give eager's logits exactly and generate() eager's tokens (the
+    DeepTransformer's to float32 rounding: its graphed reads pass over the room's masked pairs too)."""
     build, overrides = GRAPHABLE[variant]
     ids, mask = (t.cuda() for t in left_padded([7, 3, 5], 7))
-    assert_graphed_decoding_equals_eager(build(seed=1, **overrides).cuda(), ids, mask)
+    atol = 1e-5 if variant.startswith("deep-transformer") else 0.0
+    assert_graphed_decoding_equals_eager(build(seed=1, **overrides).cuda(), ids, mask, atol=atol)
 
 
 def test_a_step_that_cannot_be_captured_leaves_the_cache_as_the_prefill_left_it(monkeypatch):

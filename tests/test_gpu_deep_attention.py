@@ -163,3 +163,23 @@ def test_chunk_loop_reads_in_triton_equal_the_torch_reads(rule, window, depth, n
     errors = _relative_errors(got, [x.double() for x in want])
     print(rule, window, depth, normalize, errors)
     assert max(errors) < 1e-5, errors
+
+
+def test_dot_chunk_loop_peak_grows_linearly_with_the_length_on_the_triton_reads():
+    """Dot's chunk loop (window 16) writes its buffers in place on the Triton reads: a training step's peak at
+    4x the length stays under 4.6x (a buffer a chunk, kept by every chunk's reads, grew quadratically)."""
+    def peak(steps):
+        inputs = [x.detach()[:1, :steps].clone().requires_grad_() if i != 4 else x
+                  for i, x in enumerate(_inputs(torch.float32) + [torch.rand(B, T, H, device="cuda")])]
+        q, k, v, eta, w1, gamma = inputs
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = _chunk_loop(q, k, v, eta, gamma, w1, None, None, 2, "omega", 16, C, True, D ** -0.5, 10.0, True)[0]
+        out.pow(2).sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    short, long = peak(T // 4), peak(T)
+    print("peak bytes", short, long, long / short)
+    assert long < 4.6 * short, (short, long)
