@@ -52,6 +52,22 @@ def replays(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def built(monkeypatch):
+    """The room (``steps_left``) of every DecodeGraph built, in order."""
+    import mnemo.modeling.generation as generation
+
+    rooms = []
+
+    class Counted(DecodeGraph):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            rooms.append(self.steps_left)
+
+    monkeypatch.setattr(generation, "DecodeGraph", Counted)
+    return rooms
+
+
 GRAPHABLE = {
     **{f"mom-{name}": (tiny_mom, overrides) for name, overrides in MOM_GRAPHABLE.items()},
     "titans": (tiny_mc_titans, {"segment_size": None}),
@@ -121,19 +137,9 @@ def test_the_graphed_step_reads_nothing_back_to_the_host(variant):
 
 @pytest.mark.parametrize("build, overrides", [(tiny_mc_titans, {}), (tiny_atlas, {}), (tiny_mom, {"aggregation": "grm"})],
                          ids=["mc-titans", "mc-atlas", "mc-mom"])
-def test_graphs_are_captured_again_when_the_cached_memories_outgrow_their_slots(monkeypatch, build, overrides):
+def test_graphs_are_captured_again_when_the_cached_memories_outgrow_their_slots(built, build, overrides):
     """A few cached memories get exactly their slots, so every closed segment needs a new graph, and
     generation still gives eager decoding's tokens (the eager step sizes its cache alike)."""
-    import mnemo.modeling.generation as generation
-
-    built = []
-
-    class Counted(DecodeGraph):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            built.append(self.steps_left)
-
-    monkeypatch.setattr(generation, "DecodeGraph", Counted)
     model = build(seed=1, segment_size=3, **overrides)
     ids, mask = left_padded([7, 3, 5], 7)
     eager = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -165,10 +171,15 @@ def test_a_decode_graph_refuses_to_step_past_its_room(build):
 @pytest.mark.parametrize("build, overrides", [
     (tiny_mom, {}), (tiny_mc_titans, {}), (tiny_atlas, {"segment_size": 6}),
     (tiny_atlas, {"segment_size": 6, "aggregation": "ssc"}), (tiny_mom, {"segment_size": 6, "aggregation": "grm"}),
-    (tiny_mom, {"segment_size": 6, "aggregation": "mean"}),
-], ids=["mom", "mc-titans", "mc-atlas", "mc-atlas-ssc", "mc-mom-grm", "mc-mom-mean"])
+    (tiny_mom, {"segment_size": 6, "aggregation": "mean"}), (tiny_deep_transformer, {}),
+], ids=["mom", "mc-titans", "mc-atlas", "mc-atlas-ssc", "mc-mom-grm", "mc-mom-mean", "deep-transformer"])
 def test_decode_graph_steps_in_place_and_match_the_eager_step(build, overrides):
-    """The step writes the graph's buffers where they lie (segments of 6 close one on the way)."""
+    """The step writes the graph's buffers where they lie (segments of 6 close one on the way; the
+    DeepTransformer's chunks of 4 too, its pairs into the room its buffers were given, where the eager step's
+    grow by a pair a step). The DeepTransformer's graphed reads pass over the room's masked pairs as well: the
+    same weights in a longer sum, so it agrees to float32 rounding (3.7e-8 measured), not bit for bit."""
+    deep = build is tiny_deep_transformer
+    atol = 1e-6 if deep else 0.0
     model = build(seed=2, **overrides)
     ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -176,42 +187,24 @@ def test_decode_graph_steps_in_place_and_match_the_eager_step(build, overrides):
         model(ids[:, :5], past_key_values=eager_cache, use_cache=True)
         model(ids[:, :5], past_key_values=graph_cache, use_cache=True)
         step = DecodeGraph(model, graph_cache, capture=False)
+        if deep:
+            assert step.steps_left == 256  # its DECODE_ROOM
         addresses = [{n: t.data_ptr() for n, t in layer.states.items()} for layer in graph_cache]
         for t in range(5, 9):
             expected = model(ids[:, t:t + 1], past_key_values=eager_cache, use_cache=True).logits
-            torch.testing.assert_close(step(ids[:, t:t + 1]), expected, rtol=0, atol=0)
+            torch.testing.assert_close(step(ids[:, t:t + 1]), expected, rtol=0, atol=atol)
             assert graph_cache.get_seq_length() == eager_cache.get_seq_length() == t + 1
             assert step.matches(graph_cache)
         assert [{n: t.data_ptr() for n, t in layer.states.items()} for layer in graph_cache] == addresses
         for eager_layer, graph_layer in zip(eager_cache, graph_cache):
             for name, tensor in eager_layer.states.items():
-                torch.testing.assert_close(graph_layer[name], tensor, rtol=0, atol=0, msg=name)
+                got = graph_layer[name]
+                if deep and name in ("keys", "values", "us", "eta", "gamma"):  # the pairs, then the room
+                    assert got.shape[2] == 5 + 256 and tensor.shape[2] == 9
+                    got = got[:, :, :9]
+                torch.testing.assert_close(got, tensor, rtol=0, atol=atol, msg=name)
         with pytest.raises(ValueError, match="shape"):
             step(ids[:, :2])
-
-
-def test_deep_transformer_decode_graph_writes_its_pairs_into_the_room_of_its_buffers():
-    """The step writes each pair where the cache's buffers have room (chunks of 4 close on the way) and equals
-    the eager step, whose buffers grow by a pair a step. Its reads also pass over the room's masked pairs:
-    the same weights in a longer sum, so the two agree to float32 rounding (3.7e-8 measured), not bit for bit."""
-    model = tiny_deep_transformer(seed=2)
-    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        eager_cache, graph_cache = MnemoCache(2), MnemoCache(2)
-        model(ids[:, :5], past_key_values=eager_cache, use_cache=True)
-        model(ids[:, :5], past_key_values=graph_cache, use_cache=True)
-        step = DecodeGraph(model, graph_cache, capture=False)
-        assert step.steps_left == 256  # the layer's DECODE_ROOM
-        addresses = [{n: t.data_ptr() for n, t in layer.states.items()} for layer in graph_cache]
-        for t in range(5, 9):
-            expected = model(ids[:, t:t + 1], past_key_values=eager_cache, use_cache=True).logits
-            torch.testing.assert_close(step(ids[:, t:t + 1]), expected, rtol=0, atol=1e-6)
-        assert [{n: t.data_ptr() for n, t in layer.states.items()} for layer in graph_cache] == addresses
-        for eager_layer, graph_layer in zip(eager_cache, graph_cache):
-            assert graph_layer["keys"].shape[2] == 5 + 256 and eager_layer["keys"].shape[2] == 9
-            for name, tensor in eager_layer.states.items():
-                got = graph_layer[name][:, :, :9] if name in ("keys", "values", "us", "eta", "gamma") else graph_layer[name]
-                torch.testing.assert_close(got, tensor, rtol=0, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("build, overrides, reason", [
@@ -228,20 +221,10 @@ def test_graphed_generation_refuses_a_growing_state(build, overrides, reason):
         model.generate(torch.randint(1, 97, (1, 4)), max_new_tokens=2, cuda_graph=True)
 
 
-def test_deep_transformer_graphs_are_captured_again_when_their_room_is_used_up(monkeypatch):
+def test_deep_transformer_graphs_are_captured_again_when_their_room_is_used_up(built, monkeypatch):
     """Room for 3 pairs a row at a time: the 7-token prompts and 12 new tokens need a graph every 3 steps, and
     generation still gives eager decoding's tokens; a multi-token forward continues the reserved cache too."""
     import mnemo.modeling.deep_attention_layer as layer
-    import mnemo.modeling.generation as generation
-
-    built = []
-
-    class Counted(DecodeGraph):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            built.append(self.steps_left)
-
-    monkeypatch.setattr(generation, "DecodeGraph", Counted)
     monkeypatch.setattr(layer, "DECODE_ROOM", 3)
     model = tiny_deep_transformer(seed=1)
     ids, mask = left_padded([7, 3, 5], 7)
