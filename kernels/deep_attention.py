@@ -355,16 +355,18 @@ def _chunk_loop(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lear
     key_start = offset[:, 0]  # every key a row sees lies in [key_start, row_end) of the buffer
     sigma = F.gelu
 
+    # The loop's bounds read back once: a read a chunk would wait for the GPU to catch up with the host
+    # every chunk, in a loop whose host time exceeds its GPU time.
+    starts, last_end = set(new_start.tolist()), int(row_end.max()) if B else S
     for a in range(S, Z, C):
-        at_start = (new_start == a)
-        if at_start.any():
-            m = at_start[:, None, None, None]
+        if a in starts:
+            m = (new_start == a)[:, None, None, None]
             if omega:
                 snap_R = torch.where(m, R, snap_R)
             if deep:
                 snap_U = torch.where(m, U, snap_U)
                 snap_W1 = torch.where(m, W1, snap_W1)
-        if bool((row_end <= a).all()):
+        if last_end <= a:
             break
         lo = max(a - c + 1, 0)
         O = torch.arange(lo, a + C, device=device)  # window tokens of this chunk
@@ -423,9 +425,8 @@ def _chunk_loop(q, k, v, eta, gamma, w1_init, lengths, state, memory_depth, lear
             U = _commit(U, lo, a + C, E_end[..., None] * grad_u, triton)
             W1 = W1 + (r_deep * E_end[..., None]).transpose(-1, -2) @ sig_open
 
-    at_end = new_start >= Z
-    if at_end.any():
-        m = at_end[:, None, None, None]
+    if any(start >= Z for start in starts):
+        m = (new_start >= Z)[:, None, None, None]
         if omega:
             snap_R = torch.where(m, R, snap_R)
         if deep:
