@@ -12,7 +12,7 @@ grow with the prompt. Models:
   they run out) and MoM (4 heads x 256, 4 memories top-2 + shared), also with Memory Caching (segments of
   256, grm, whose cache grows as MC-Titans', and mean, a running sum), and the DeepTransformer (16 x 64,
   depth 2, memory hidden 64, chunk 64; Hebbian, and Dot with window 16), whose cache grows with the context
-  as a Transformer's and whose step runs eager (it has no graphed step);
+  as a Transformer's (the Hebbian step is graphed with room taken ahead; Dot's runs eager);
 - anchors, where installed: flash-linear-attention 0.6.0's ``MomForCausalLM`` and
   ``GatedDeltaNetForCausalLM`` at the same shape, and transformers' Llama (16 heads x 64, SDPA, dynamic
   cache; with ``--generate`` also ``generate(cache_implementation="static")``, transformers' compiled decode

@@ -235,6 +235,14 @@ def _precision(x: torch.Tensor) -> str:
     return "tf32x3"
 
 
+def _unversioned(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s elements in a tensor with a version counter of its own: saved for the backward through
+    ``save_for_backward`` (so that saved-tensor hooks, checkpointing among them, see it), without the check that
+    would refuse the in-place writes its caller makes to other rows of the same storage."""
+    return torch.empty(0, dtype=x.dtype, device=x.device).set_(x.untyped_storage(), x.storage_offset(), x.shape,
+                                                               x.stride())
+
+
 class _MaskedRead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v1, v2, key_start, key_end, normalize: bool, mutable_from: int | None):
@@ -255,8 +263,8 @@ class _MaskedRead(torch.autograd.Function):
             ctx.save_for_backward(q, k, v1, v2, o1, o2, lse, key_start, key_end)
         else:  # a copy of the rows that may change; the rest by reference, outside autograd's version checks
             tails = [None if x is None else x[:, :, mutable_from:].clone() for x in (v1, v2)]
-            ctx.save_for_backward(q, k, *tails, o1, o2, lse, key_start, key_end)
-            ctx.heads = [None if x is None else x.detach()[:, :, :mutable_from] for x in (v1, v2)]
+            heads = [None if x is None else _unversioned(x[:, :, :mutable_from]) for x in (v1, v2)]
+            ctx.save_for_backward(q, k, *tails, o1, o2, lse, key_start, key_end, *heads)
         ctx.normalize, ctx.blocks, ctx.mutable_from = normalize, blocks, mutable_from
         if not normalize:
             ctx.mark_non_differentiable(lse)
@@ -265,9 +273,9 @@ class _MaskedRead(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, do1, do2, dlse):
-        q, k, v1, v2, o1, o2, lse, key_start, key_end = ctx.saved_tensors
+        q, k, v1, v2, o1, o2, lse, key_start, key_end, *heads = ctx.saved_tensors
         if ctx.mutable_from is not None:  # the values as they were read
-            v1, v2 = (None if tail is None else torch.cat([head, tail], 2) for head, tail in zip(ctx.heads, (v1, v2)))
+            v1, v2 = (None if tail is None else torch.cat([head, tail], 2) for head, tail in zip(heads, (v1, v2)))
         normalize, blocks = ctx.normalize, ctx.blocks
         B, H, NQ, DK = q.shape
         NK, D1 = k.shape[2], v1.shape[-1]

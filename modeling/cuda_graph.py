@@ -116,7 +116,10 @@ class DecodeGraph:
         # Warm up on a side stream (library handles, Triton autotuning, lazy allocations), then capture. Neither
         # may advance the cache: its tensors and token counts are put back whatever happens, so a step that
         # cannot be captured leaves the cache as the prefill left it.
-        saved = [{n: t.clone() for n, t in bufs.items()} for bufs in self.buffers]
+        # Entries a model names as scratch (``decode_scratch``) are written only where the restored ones make
+        # them unread: their warm-up writes stay.
+        scratch = set(getattr(self.model, "decode_scratch", ()))
+        saved = [{n: t.clone() for n, t in bufs.items() if n not in scratch} for bufs in self.buffers]
         seen = [layer.seen_tokens for layer in self.cache]
         try:
             stream = torch.cuda.Stream()
@@ -136,8 +139,8 @@ class DecodeGraph:
                 ) from err
         finally:
             for layer, bufs, values, count in zip(self.cache, self.buffers, saved, seen):
-                for name, buffer in bufs.items():
-                    buffer.copy_(values[name])
+                for name, value in values.items():
+                    bufs[name].copy_(value)
                 layer.states, layer.seen_tokens = dict(bufs), count
         return graph
 

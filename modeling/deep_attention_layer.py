@@ -69,7 +69,8 @@ class DeepAttentionLayer(nn.Module):
         in place (``None``: a cache this layer has not filled)."""
         if "keys" not in cache:
             return None
-        state, steps = DeepAttentionState.from_tensors(cache.states).with_room(DECODE_ROOM)
+        # at least two: a graph's capture runs two warm-up steps before it puts the cache back
+        state, steps = DeepAttentionState.from_tensors(cache.states).with_room(max(DECODE_ROOM, 2))
         cache.update(**state.tensors())
         return steps
 

@@ -75,6 +75,9 @@ class DeepTransformerForCausalLM(MnemoCausalLMMixin, MnemoGenerationMixin, DeepT
     """DeepTransformer / Dot language model; ``generate()`` runs on its KV-and-memory cache."""
 
     base_model_class = DeepTransformerModel
+    # The cache's pairs: a graph's warm-up steps write them past each row's count, which the capture puts back,
+    # so they need no copy to undo them (a copy of every pair at each capture).
+    decode_scratch = ("keys", "values", "us", "eta", "gamma")
 
     @classmethod
     def decode_graph_obstacle(cls, config: DeepTransformerConfig) -> str:

@@ -335,8 +335,8 @@ def assert_graphed_decoding_equals_eager(model, ids, mask, new_tokens: int = 12,
                                         atol: float = 0.0) -> None:
     """``generate(cuda_graph=True)`` gives eager ``generate()``'s greedy tokens, and a :class:`DecodeGraph`
     (captured on CUDA) replays steps whose logits equal the eager step's (exactly unless ``atol``). Models
-    that read their rotary positions from the cache (``decode_positions``) get the same positions in the eager
-    steps, as ``generate()`` gives them through the attention mask."""
+    with rotary positions (``decode_positions``: the graph reads them from the cache) take each eager step
+    with the attention mask, as ``generate()`` does, which counts each left-padded row's own tokens."""
     from mnemo import MnemoCache
     from mnemo.modeling.cuda_graph import DecodeGraph
 
@@ -354,8 +354,10 @@ def assert_graphed_decoding_equals_eager(model, ids, mask, new_tokens: int = 12,
         for _ in range(steps):
             if not step.matches(caches[1]):  # its room for a growing state used up: another, as generation makes it
                 step = DecodeGraph(model, caches[1])
-            positions = getattr(model, "decode_positions", None)
-            extra = {"position_ids": positions(caches[0])} if callable(positions) else {}
+            extra = {}
+            if hasattr(model, "decode_positions"):
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+                extra = {"attention_mask": mask}
             expected = model(token, past_key_values=caches[0], use_cache=True, **extra).logits
             torch.testing.assert_close(step(token), expected, rtol=0, atol=atol)
             token = expected[:, -1:].argmax(-1)

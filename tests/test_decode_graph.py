@@ -256,6 +256,16 @@ def test_graphed_generation_refuses_beam_search_and_frees_the_graph():
     assert torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("variant", ["deep-transformer", "deep-transformer-gqa-clip"])
+def test_deep_transformer_graphed_steps_take_each_left_padded_rows_own_positions(variant):
+    """The graphed step reads its rotary positions from the cache's per-row counts: on a left-padded batch its
+    logits equal the eager step's given the attention mask (each row's own tokens counted), to float32
+    rounding (its reads also pass over the room's masked pairs); the host's count, which includes the
+    padding, moves the padded rows' logits by about 1e-3."""
+    build, overrides = GRAPHABLE[variant]
+    assert_graphed_decoding_equals_eager(build(seed=1, **overrides), *left_padded([7, 3, 5], 7), atol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("variant", sorted(GRAPHABLE))
@@ -268,23 +278,29 @@ def test_captured_graph_on_cuda_equals_eager_decoding(variant):
     assert_graphed_decoding_equals_eager(build(seed=1, **overrides).cuda(), ids, mask, atol=atol)
 
 
-def test_a_step_that_cannot_be_captured_leaves_the_cache_as_the_prefill_left_it(monkeypatch):
-    """The capture's warm-up steps run for real; when the capture then fails, the cache's tensors, their
-    values and its token count are those of the prefill, and the error says what went wrong."""
+@pytest.fixture
+def failing_capture(monkeypatch):
+    """CUDA graphs whose warm-up steps run (eagerly, here) and whose capture then fails."""
     import contextlib
 
     class FakeStream:
         def wait_stream(self, other):
             pass
 
-    def failing_capture(_graph):
+    def fail(_graph):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "stream", lambda _s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
-    monkeypatch.setattr(torch.cuda, "graph", failing_capture)
+    monkeypatch.setattr(torch.cuda, "graph", fail)
+
+
+@pytest.mark.usefixtures("failing_capture")
+def test_a_step_that_cannot_be_captured_leaves_the_cache_as_the_prefill_left_it():
+    """The capture's warm-up steps run for real; when the capture then fails, the cache's tensors, their
+    values and its token count are those of the prefill, and the error says what went wrong."""
     model = tiny_mom(seed=2)
     cache = MnemoCache(2)
     with torch.no_grad():
@@ -298,3 +314,28 @@ def test_a_step_that_cannot_be_captured_leaves_the_cache_as_the_prefill_left_it(
         assert layer.states.keys() == before.keys() and all(layer.states[n] is t for n, t in before.items())
         for name, tensor in copies.items():
             assert torch.equal(layer.states[name], tensor), name
+
+
+@pytest.mark.usefixtures("failing_capture")
+def test_a_failed_deep_transformer_capture_leaves_a_cache_that_decodes_as_the_prefill_left_it():
+    """The DeepTransformer's pairs are scratch to the capture (``decode_scratch``: no copy of every pair to undo
+    the warm-up): its two warm-up pairs stay past each row's count, which is put back with ``W_1`` and the
+    chunk bookkeeping, so the next eager step equals one after a plain prefill."""
+    model = tiny_deep_transformer(seed=2)
+    ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(1))
+    caches = MnemoCache(2), MnemoCache(2)
+    with torch.no_grad():
+        for cache in caches:
+            model(ids[:, :5], past_key_values=cache, use_cache=True)
+        before = [{n: t.clone() for n, t in layer.states.items()} for layer in caches[1]]
+        with pytest.raises(RuntimeError, match="capturing the decode step as a CUDA graph failed"):
+            DecodeGraph(model, caches[1], capture=True)
+        for layer, copies in zip(caches[1], before):
+            for name, tensor in copies.items():
+                got = layer.states[name]
+                if name in model.decode_scratch:
+                    assert got.shape[2] == 5 + 256 and got[:, :, 5:7].abs().sum() > 0  # the warm-up's pairs
+                    got = got[:, :, :5]
+                assert torch.equal(got, tensor), name
+        want, got = (model(ids[:, 5:], past_key_values=cache, use_cache=True).logits for cache in caches)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -213,6 +213,24 @@ def test_dot_chunk_loop_on_the_triton_reads_keeps_for_its_backward_memory_linear
     assert 3.5 < ratio < 4.6, ratio
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_dot_chunk_loop_on_the_triton_reads_gives_its_gradients_under_activation_checkpointing():
+    """The reads save the buffers they share with later chunks' in-place writes through ``save_for_backward``
+    (a view with its own version counter), so that checkpointing drops and recomputes them like any other
+    saved tensor: the gradients are those of the plain backward."""
+    inputs = [x.clone().requires_grad_() for x in make_inputs(7)]
+
+    def run(*xs):
+        with use_backend("triton"):
+            return chunk_deep_attention(*xs, memory_depth=2, learning_rule="omega", omega_window=3, chunk_size=4)[0]
+
+    plain = torch.autograd.grad(run(*inputs).sin().sum(), inputs)
+    checkpointed = torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False)
+    again = torch.autograd.grad(checkpointed.sin().sum(), inputs)
+    for label, a, b in zip("q k v eta gamma w1".split(), again, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=label)
+
+
 def test_option_errors():
     q, k, v, eta, gamma, w1 = make_inputs()
     with pytest.raises(ValueError, match="memory_depth"):

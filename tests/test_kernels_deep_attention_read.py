@@ -56,7 +56,7 @@ def test_masked_read_equals_the_weights_formed_in_torch(dtype, atol, normalize, 
         torch.testing.assert_close(g, r, rtol=0, atol=atol * scale_of(r), msg=label)
 
 
-@pytest.mark.parametrize("mutable_from", [0, 30, 90])
+@pytest.mark.parametrize("mutable_from", [0, 30, 89])
 def test_values_written_in_place_after_a_read_from_mutable_from_leave_its_gradients_as_they_were(mutable_from):
     gen = torch.Generator().manual_seed(mutable_from)
     B, H, NQ, NK, DK = 2, 2, 20, 90, 8
